@@ -1,0 +1,164 @@
+"""The admin: an operations console for tenant slots, leases, parked jobs and workers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django.contrib import admin, messages
+from django.db.models import Count, QuerySet
+from django.http import HttpRequest
+
+from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+
+if TYPE_CHECKING:
+    # The admin classes are generic only for the type checker.
+    _LeaseInline = admin.TabularInline[SlotLease, TenantQueueSlot]
+    _SlotAdmin = admin.ModelAdmin[TenantQueueSlot]
+    _ParkedAdmin = admin.ModelAdmin[ParkedJob]
+    _ProcessAdmin = admin.ModelAdmin[WorkerProcess]
+else:
+    _LeaseInline = admin.TabularInline
+    _SlotAdmin = _ParkedAdmin = _ProcessAdmin = admin.ModelAdmin
+
+
+class SlotLeaseInline(_LeaseInline):
+    """Live leases of a slot, read-only: they change only through the slot protocol."""
+
+    model = SlotLease
+    extra = 0
+    can_delete = False
+    fields = readonly_fields = ("task_id", "process", "acquired_at")
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(TenantQueueSlot)
+class TenantQueueSlotAdmin(_SlotAdmin):
+    """Tenant limits: edit ``max_jobs`` (empty: the task's default; 0: paused)."""
+
+    list_display = (
+        "tenant",
+        "queue",
+        "max_jobs",
+        "limit_in_force",
+        "current_jobs",
+        "live_leases",
+        "parked_jobs",
+        "deferred_total",
+        "updated_at",
+    )
+    list_editable = ("max_jobs",)
+    list_filter = ("queue",)
+    search_fields = ("tenant",)
+    ordering = ("tenant", "queue")
+    fields = ("tenant", "queue", "max_jobs", "default_max_jobs", "current_jobs", "parked_jobs",
+              "deferred_total")
+    readonly_fields = ("default_max_jobs", "current_jobs", "parked_jobs", "deferred_total")
+    inlines = (SlotLeaseInline,)
+    actions = ("pause_tenants", "clear_overrides", "reap_dead_workers")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[TenantQueueSlot]:
+        return super().get_queryset(request).annotate(lease_count=Count("leases"))
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        # Tenant and queue form the key that workers look up; editing them would orphan
+        # leases, so they are fixed once the row exists.
+        base = tuple(self.readonly_fields)
+        return (*base, "tenant", "queue") if obj is not None else base
+
+    @admin.display(description="limit in force")
+    def limit_in_force(self, obj: TenantQueueSlot) -> int:
+        return obj.effective_max_jobs
+
+    @admin.display(description="live leases", ordering="lease_count")
+    def live_leases(self, obj: TenantQueueSlot) -> int:
+        return int(getattr(obj, "lease_count", 0))
+
+    def save_model(self, request: HttpRequest, obj: TenantQueueSlot, form: Any, change: bool) -> None:
+        # Only the override is written: the counters belong to the running workers.
+        if change:
+            TenantQueueSlot.objects.filter(pk=obj.pk).update(max_jobs=obj.max_jobs)
+        else:
+            super().save_model(request, obj, form, change)
+        if obj.pk is not None:
+            from django_fair_jobs.slots import wake
+
+            woken = wake(obj.pk, limit=None)
+            if woken:
+                self.message_user(request, f"{obj}: woke {woken} parked job(s).")
+
+    @admin.action(description="Pause selected tenants on their queue (limit 0)",
+                  permissions=["change"])
+    def pause_tenants(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
+        count = queryset.update(max_jobs=0)
+        self.message_user(request, f"Paused {count} slot(s); running jobs finish, new ones park.")
+
+    @admin.action(description="Resume: clear the limit override (use the task's default)",
+                  permissions=["change"])
+    def clear_overrides(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
+        from django_fair_jobs.slots import wake
+
+        ids = list(queryset.values_list("pk", flat=True))
+        TenantQueueSlot.objects.filter(pk__in=ids).update(max_jobs=None)
+        woken = sum(wake(pk, limit=None) for pk in ids)
+        self.message_user(request, f"Cleared {len(ids)} override(s); woke {woken} parked job(s).")
+
+    @admin.action(description="Release the leases of dead workers now", permissions=["change"])
+    def reap_dead_workers(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
+        from django_fair_jobs.workers import run_maintenance
+
+        report = run_maintenance()
+        self.message_user(
+            request,
+            f"Reaped {report.leases_reaped} lease(s) of dead workers; woke {report.jobs_woken} "
+            "parked job(s). Live workers are never reaped.",
+            messages.SUCCESS,
+        )
+
+
+@admin.register(ParkedJob)
+class ParkedJobAdmin(_ParkedAdmin):
+    """Jobs waiting for a slot, oldest first (read-only)."""
+
+    list_display = ("task_id", "task_name", "tenant", "queue", "parked_at", "woken_at")
+    list_filter = ("slot__queue", "task_name")
+    search_fields = ("task_id", "slot__tenant")
+    list_select_related = ("slot",)
+    ordering = ("id",)
+
+    @admin.display(ordering="slot__tenant")
+    def tenant(self, obj: ParkedJob) -> str:
+        return obj.slot.tenant
+
+    @admin.display(ordering="slot__queue")
+    def queue(self, obj: ParkedJob) -> str:
+        return obj.slot.queue
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(WorkerProcess)
+class WorkerProcessAdmin(_ProcessAdmin):
+    """Processes that run fair tasks and their heartbeats (read-only)."""
+
+    list_display = ("node", "hostname", "pid", "started_at", "last_heartbeat_at", "lease_count")
+    search_fields = ("node", "hostname")
+    ordering = ("node", "pid")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[WorkerProcess]:
+        return super().get_queryset(request).annotate(n_leases=Count("leases"))
+
+    @admin.display(description="leases", ordering="n_leases")
+    def lease_count(self, obj: WorkerProcess) -> int:
+        return int(getattr(obj, "n_leases", 0))
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

@@ -1,0 +1,18 @@
+"""Django application configuration."""
+
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class FairJobsConfig(AppConfig):
+    """The ``fair_jobs`` app: registers system checks and Celery signal handlers."""
+
+    name = "django_fair_jobs"
+    label = "fair_jobs"
+    verbose_name = "Fair jobs"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # Imported for their side effects only: check registration and signal wiring.
+        from django_fair_jobs import checks, signals  # noqa: F401

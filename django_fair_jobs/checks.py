@@ -1,0 +1,88 @@
+"""System checks: a bad ``FAIR_JOBS_*`` setting fails ``manage.py check`` and start-up.
+
+Ids are stable:
+
+* ``fair_jobs.E001`` ``FAIR_JOBS_DEFAULT_MAX_JOBS`` is not a whole number >= 1.
+* ``fair_jobs.E002`` ``FAIR_JOBS_ON_LIMIT`` is not ``"park"`` or ``"retry"``.
+* ``fair_jobs.E003`` ``FAIR_JOBS_RETRY_COUNTDOWN`` is not a number >= 0.
+* ``fair_jobs.E004`` ``FAIR_JOBS_WORKER_TIMEOUT`` is not a number > 0.
+* ``fair_jobs.E005`` ``FAIR_JOBS_HEARTBEAT_INTERVAL`` is not a number > 0.
+* ``fair_jobs.E006`` ``FAIR_JOBS_HEARTBEAT_INTERVAL`` is not below ``FAIR_JOBS_WORKER_TIMEOUT``.
+* ``fair_jobs.E007`` ``FAIR_JOBS_TENANT_WARNING_INTERVAL`` is not a number >= 0.
+* ``fair_jobs.E008`` a ``FAIR_JOBS_*`` environment variable cannot be parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from numbers import Real
+from typing import Any
+
+from django.apps import AppConfig
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+
+from django_fair_jobs.conf import ON_LIMIT_CHOICES, PREFIX, fair_settings
+
+
+def _number(value: Any, minimum: float, strict: bool) -> bool:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return False
+    return bool(value > minimum if strict else value >= minimum)
+
+
+_RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
+    (
+        "DEFAULT_MAX_JOBS",
+        "fair_jobs.E001",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "a whole number of at least 1 (to pause a tenant, set its slot's max_jobs to 0)",
+    ),
+    ("ON_LIMIT", "fair_jobs.E002", lambda v: v in ON_LIMIT_CHOICES, '"park" or "retry"'),
+    ("RETRY_COUNTDOWN", "fair_jobs.E003", lambda v: _number(v, 0, False), "a number >= 0"),
+    ("WORKER_TIMEOUT", "fair_jobs.E004", lambda v: _number(v, 0, True), "a number > 0"),
+    ("HEARTBEAT_INTERVAL", "fair_jobs.E005", lambda v: _number(v, 0, True), "a number > 0"),
+    ("TENANT_WARNING_INTERVAL", "fair_jobs.E007", lambda v: _number(v, 0, False), "a number >= 0"),
+]
+
+
+@checks.register("fair_jobs")
+def check_settings(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """Validate every ``FAIR_JOBS_*`` setting; see the module docstring for the ids."""
+    errors: list[checks.CheckMessage] = []
+    values: dict[str, Any] = {}
+    for name, error_id, valid, expected in _RULES:
+        try:
+            value = getattr(fair_settings, name)
+        except (ImproperlyConfigured, ValueError) as exc:
+            errors.append(
+                checks.Error(
+                    f"The environment variable {PREFIX}{name} cannot be parsed: {exc}",
+                    hint=f"Set {PREFIX}{name} to {expected}, or unset it.",
+                    id="fair_jobs.E008",
+                )
+            )
+            continue
+        if not valid(value):
+            errors.append(
+                checks.Error(
+                    f"{PREFIX}{name} is {value!r}.",
+                    hint=f"Set {PREFIX}{name} to {expected}.",
+                    id=error_id,
+                )
+            )
+        else:
+            values[name] = value
+    interval, timeout = values.get("HEARTBEAT_INTERVAL"), values.get("WORKER_TIMEOUT")
+    if interval is not None and timeout is not None and interval >= timeout:
+        errors.append(
+            checks.Error(
+                f"{PREFIX}HEARTBEAT_INTERVAL ({interval}) is not below "
+                f"{PREFIX}WORKER_TIMEOUT ({timeout}): live workers would be reaped.",
+                hint="Keep the interval at most a third of the timeout (defaults: 10 and 60).",
+                id="fair_jobs.E006",
+            )
+        )
+    return errors

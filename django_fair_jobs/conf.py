@@ -1,0 +1,94 @@
+"""Typed, lazily read settings for django-fair-jobs.
+
+Every setting is read at access time, in this order: the Django setting
+``FAIR_JOBS_<NAME>``, then the environment variable of the same name (parsed with
+django-environ), then the default below. Reading at access time, never at import time,
+keeps ``override_settings`` working in tests. Nothing here writes to
+``django.conf.settings``. Validation lives in :mod:`django_fair_jobs.checks`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+import environ
+from django.conf import settings as django_settings
+
+T = TypeVar("T")
+
+PREFIX = "FAIR_JOBS_"
+OnLimit = Literal["park", "retry"]
+ON_LIMIT_CHOICES: tuple[str, ...] = ("park", "retry")
+
+_env = environ.Env()
+
+
+class Settings:
+    """The library's settings, each a property with its type and default.
+
+    Use the module-level :data:`fair_settings` instance.
+    """
+
+    def _get(self, name: str, default: T, parse: Callable[[str], Any]) -> Any:
+        key = PREFIX + name
+        if hasattr(django_settings, key):
+            return getattr(django_settings, key)
+        if key in os.environ:
+            return parse(key)
+        return default
+
+    @property
+    def DEFAULT_MAX_JOBS(self) -> int:
+        """Jobs one tenant may run at once on one queue, when neither the tenant's slot row
+        nor the task (``fair_max_jobs``) says otherwise. Default 1."""
+        value: int = self._get("DEFAULT_MAX_JOBS", 1, _env.int)
+        return value
+
+    @property
+    def ON_LIMIT(self) -> str:
+        """What a job does when its tenant is at its limit: ``"park"`` (stored in the
+        database and re-published as soon as a slot frees) or ``"retry"`` (re-published with
+        a jittered countdown). Tasks override it with ``fair_on_limit``. Default ``"park"``."""
+        value: str = self._get("ON_LIMIT", "park", _env.str)
+        return value
+
+    @property
+    def RETRY_COUNTDOWN(self) -> float:
+        """Base countdown in seconds for ``fair_on_limit = "retry"``; the actual countdown is
+        drawn uniformly from 0.5x to 1.5x of it. Tasks override it with
+        ``fair_retry_countdown``. Default 60."""
+        value: float = self._get("RETRY_COUNTDOWN", 60.0, _env.float)
+        return value
+
+    @property
+    def WORKER_TIMEOUT(self) -> float:
+        """Seconds without a heartbeat after which a worker process is presumed dead and its
+        slots are reaped. Default 60."""
+        value: float = self._get("WORKER_TIMEOUT", 60.0, _env.float)
+        return value
+
+    @property
+    def HEARTBEAT_INTERVAL(self) -> float:
+        """Seconds between a worker process's heartbeats; maintenance (reaping dead workers,
+        sweeping missed wake-ups) runs at the same pace. Must be below ``WORKER_TIMEOUT``.
+        Default 10."""
+        value: float = self._get("HEARTBEAT_INTERVAL", 10.0, _env.float)
+        return value
+
+    @property
+    def TENANT_WARNING_INTERVAL(self) -> float:
+        """Minimum seconds between two "job has no tenant" warnings for the same task, so a
+        flood of tenant-less jobs does not flood the log. Default 60."""
+        value: float = self._get("TENANT_WARNING_INTERVAL", 60.0, _env.float)
+        return value
+
+
+fair_settings = Settings()
+"""The settings object used everywhere in the library."""
+
+SETTING_NAMES: tuple[str, ...] = tuple(
+    name for name, value in vars(Settings).items() if isinstance(value, property)
+)
+"""Names (without prefix) of every setting, for checks and docs."""

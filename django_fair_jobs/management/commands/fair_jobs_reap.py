@@ -1,0 +1,43 @@
+"""``manage.py fair_jobs_reap``: run one maintenance pass by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_fair_jobs.conf import fair_settings
+
+
+class Command(BaseCommand):
+    """Reap the leases of dead workers and wake parked jobs that can run."""
+
+    help = (
+        "Give back the slots held by worker processes silent for FAIR_JOBS_WORKER_TIMEOUT "
+        "seconds, put lost wake-ups back in line, and wake parked jobs that have room. "
+        "Workers do this on their own every FAIR_JOBS_HEARTBEAT_INTERVAL; this is for "
+        "operators and for deployments with no worker running."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=None,
+            help="Seconds without heartbeat after which a process is dead "
+            "(default: FAIR_JOBS_WORKER_TIMEOUT).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        from django_fair_jobs.workers import run_maintenance
+
+        timeout = options["timeout"]
+        if timeout is not None and timeout <= 0:
+            raise CommandError("--timeout must be a number of seconds > 0.")
+        report = run_maintenance(timeout)
+        self.stdout.write(
+            f"Reaped {report.leases_reaped} lease(s) on {report.slots_reaped} slot(s) "
+            f"(timeout {timeout or fair_settings.WORKER_TIMEOUT} s); woke "
+            f"{report.jobs_woken} parked job(s); re-queued {report.lost_rewoken} lost "
+            f"wake-up(s); fixed {report.counters_fixed} counter(s)."
+        )

@@ -1,0 +1,434 @@
+"""The SQL that changes slots, leases, parked jobs and worker processes.
+
+Every method that changes a counter has two paths with the same contract:
+
+* PostgreSQL: one statement from :mod:`django_fair_jobs.sql` (one round trip).
+* Any other database (SQLite for development): the same steps through the ORM inside
+  ``transaction.atomic()``. SQLite serializes writers, so the conditional UPDATEs stay
+  atomic; use ``"transaction_mode": "IMMEDIATE"`` in its OPTIONS to avoid lock upgrades.
+
+Success is always judged by the row count of a conditional UPDATE, never by a read
+followed by a write.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from django.db import IntegrityError, connections, models, router, transaction
+from django.db.models import F, Q
+from django.db.models.functions import Coalesce, Greatest, Now
+
+from django_fair_jobs.sql import queries
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+
+ParkOutcome = Literal["parked", "already_parked", "room"]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Proof that a job holds a slot: what :meth:`TenantQueueSlotManager.release` needs."""
+
+    slot_id: int
+    task_id: str
+    token: uuid.UUID
+
+
+@dataclass(frozen=True)
+class Woken:
+    """A parked job that was given a slot and must now be re-published."""
+
+    slot_id: int
+    task_id: str
+    signature: str
+
+
+def _is_postgres(alias: str) -> bool:
+    return connections[alias].vendor == "postgresql"
+
+
+def _ago(seconds: float) -> Any:
+    """A database-clock expression for ``now() - seconds`` (never the worker's clock)."""
+    from datetime import timedelta
+
+    delta: timedelta = timedelta(seconds=seconds)
+    return Now() - models.Value(delta, output_field=models.DurationField())
+
+
+class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
+    """Acquire, park, release and wake: the slot protocol, as domain-named methods."""
+
+    def _alias(self) -> str:
+        return router.db_for_write(self.model)
+
+    def try_acquire(
+        self, *, tenant: str, queue: str, task_id: str, limit: int, process_id: uuid.UUID
+    ) -> Grant | None:
+        """Take one of ``tenant``'s slots on ``queue`` for ``task_id``, or return None.
+
+        ``limit`` applies when the row has no ``max_jobs`` override. A job that already
+        holds (or was reserved) a lease on this slot claims it with a new token and takes
+        no second slot.
+        """
+        token = uuid.uuid4()
+        alias = self._alias()
+        if _is_postgres(alias):
+            params = {
+                "tenant": tenant,
+                "queue": queue,
+                "task_id": task_id,
+                "limit": limit,
+                "process_id": process_id,
+                "token": token,
+            }
+            with connections[alias].cursor() as cursor:
+                cursor.execute(queries()["acquire"], params)
+                row = cursor.fetchone()
+            if row is None:
+                return None
+            slot_id, still_waiting = row
+        else:
+            found = self._acquire_portable(tenant, queue, task_id, limit, process_id, token)
+            if found is None:
+                return None
+            slot_id, still_waiting = found
+        if still_waiting:
+            # A duplicate delivery started while its parked row was still waiting.
+            self.filter(pk=slot_id, parked_jobs__gt=0).update(parked_jobs=F("parked_jobs") - 1)
+        return Grant(slot_id=slot_id, task_id=task_id, token=token)
+
+    def _acquire_portable(
+        self,
+        tenant: str,
+        queue: str,
+        task_id: str,
+        limit: int,
+        process_id: uuid.UUID,
+        token: uuid.UUID,
+    ) -> tuple[int, int] | None:
+        from django_fair_jobs.models import ParkedJob, SlotLease
+
+        with transaction.atomic(using=self._alias()):
+            slot_id = self.filter(tenant=tenant, queue=queue).values_list("pk", flat=True).first()
+            claimed = 0
+            if slot_id is not None:
+                claimed = SlotLease.objects.filter(slot_id=slot_id, task_id=task_id).update(
+                    process_id=process_id, token=token, acquired_at=Now()
+                )
+            if not claimed:
+                if slot_id is None:
+                    self.bulk_create(
+                        [self.model(tenant=tenant, queue=queue, default_max_jobs=limit)],
+                        ignore_conflicts=True,
+                    )
+                    slot_id = self.get(tenant=tenant, queue=queue).pk
+                taken = self.filter(
+                    pk=slot_id, current_jobs__lt=Coalesce(F("max_jobs"), limit)
+                ).update(
+                    current_jobs=F("current_jobs") + 1, default_max_jobs=limit, updated_at=Now()
+                )
+                if not taken:
+                    return None
+                SlotLease.objects.create(
+                    slot_id=slot_id, task_id=task_id, token=token, process_id=process_id
+                )
+            waiting = ParkedJob.objects.filter(
+                task_id=task_id, slot_id=slot_id, woken_at__isnull=True
+            ).count()
+            ParkedJob.objects.filter(task_id=task_id, slot_id=slot_id).delete()
+        return slot_id, waiting
+
+    def try_park(
+        self, *, tenant: str, queue: str, task_id: str, task_name: str, limit: int, signature: str
+    ) -> ParkOutcome:
+        """Park a job whose acquire failed, if the slot is still full.
+
+        Returns ``"room"`` when a slot freed in between (the caller acquires again),
+        ``"already_parked"`` for a duplicate delivery of a waiting job, else ``"parked"``.
+        """
+        alias = self._alias()
+        if _is_postgres(alias):
+            params = {
+                "tenant": tenant,
+                "queue": queue,
+                "task_id": task_id,
+                "task_name": task_name,
+                "limit": limit,
+                "signature": signature,
+            }
+            with connections[alias].cursor() as cursor:
+                cursor.execute(queries()["park"], params)
+                row = cursor.fetchone()
+            outcome: ParkOutcome = row[0]
+            return outcome
+        return self._park_portable(tenant, queue, task_id, task_name, limit, signature)
+
+    def _park_portable(
+        self, tenant: str, queue: str, task_id: str, task_name: str, limit: int, signature: str
+    ) -> ParkOutcome:
+        from django_fair_jobs.models import ParkedJob
+
+        with transaction.atomic(using=self._alias()):
+            if ParkedJob.objects.filter(task_id=task_id, woken_at__isnull=True).exists():
+                return "already_parked"
+            updated = self.filter(
+                tenant=tenant, queue=queue, current_jobs__gte=Coalesce(F("max_jobs"), limit)
+            ).update(
+                parked_jobs=F("parked_jobs") + 1,
+                deferred_total=F("deferred_total") + 1,
+                updated_at=Now(),
+            )
+            if not updated:
+                return "room"
+            slot = self.get(tenant=tenant, queue=queue)
+            ParkedJob.objects.update_or_create(
+                task_id=task_id,
+                defaults={
+                    "slot": slot,
+                    "task_name": task_name,
+                    "signature": signature,
+                    "default_max_jobs": limit,
+                    "woken_at": None,
+                },
+            )
+        return "parked"
+
+    def count_deferral(self, *, tenant: str, queue: str) -> None:
+        """Count a deferral that did not park (``fair_on_limit = "retry"``)."""
+        self.filter(tenant=tenant, queue=queue).update(deferred_total=F("deferred_total") + 1)
+
+    def release(self, grant: Grant) -> int | None:
+        """Give back the slot of ``grant``, only if its lease is still the holder's.
+
+        Returns the slot's ``parked_jobs`` after the release (the caller wakes that many
+        at most), or None when the lease was already gone (reaped, or taken over by a
+        redelivery): a stale holder releases nothing.
+        """
+        alias = self._alias()
+        params = {"slot_id": grant.slot_id, "task_id": grant.task_id, "token": grant.token}
+        if _is_postgres(alias):
+            with connections[alias].cursor() as cursor:
+                cursor.execute(queries()["release"], params)
+                row = cursor.fetchone()
+            return None if row is None else int(row[0])
+        from django_fair_jobs.models import SlotLease
+
+        with transaction.atomic(using=alias):
+            deleted, _ = SlotLease.objects.filter(
+                slot_id=grant.slot_id, task_id=grant.task_id, token=grant.token
+            ).delete()
+            if not deleted:
+                return None
+            self.filter(pk=grant.slot_id, current_jobs__gt=0).update(
+                current_jobs=F("current_jobs") - 1, updated_at=Now()
+            )
+            parked: int = self.filter(pk=grant.slot_id).values_list("parked_jobs", flat=True)[0]
+        return parked
+
+    def wake_one(self, slot_id: int) -> Woken | None:
+        """Give a free slot of ``slot_id`` to its oldest waiting parked job.
+
+        Reserves a lease for the job and marks it woken; the caller must re-publish
+        :attr:`Woken.signature`. Returns None when no job waits or no slot is free.
+        """
+        alias = self._alias()
+        token = uuid.uuid4()
+        if _is_postgres(alias):
+            with connections[alias].cursor() as cursor:
+                try:
+                    cursor.execute(queries()["wake"], {"slot_id": slot_id, "token": token})
+                except IntegrityError:
+                    # The job already has a lease on this slot: it is running, nothing to wake.
+                    return None
+                row = cursor.fetchone()
+            return None if row is None else Woken(slot_id, row[0], row[1])
+        return self._wake_portable(slot_id, token)
+
+    def _wake_portable(self, slot_id: int, token: uuid.UUID) -> Woken | None:
+        from django_fair_jobs.models import ParkedJob, SlotLease
+
+        with transaction.atomic(using=self._alias()):
+            job = (
+                ParkedJob.objects.filter(slot_id=slot_id, woken_at__isnull=True)
+                .order_by("id")
+                .first()
+            )
+            if job is None:
+                return None
+            taken = self.filter(
+                pk=slot_id, current_jobs__lt=Coalesce(F("max_jobs"), job.default_max_jobs)
+            ).update(
+                current_jobs=F("current_jobs") + 1,
+                parked_jobs=Greatest(F("parked_jobs") - 1, 0),
+                updated_at=Now(),
+            )
+            if not taken:
+                return None
+            ParkedJob.objects.filter(pk=job.pk).update(woken_at=Now())
+            SlotLease.objects.create(slot_id=slot_id, task_id=job.task_id, token=token)
+        return Woken(slot_id, job.task_id, job.signature)
+
+    def with_waiting_room(self) -> list[int]:
+        """Slots that have a waiting parked job and a free slot for it (missed wake-ups)."""
+        from django_fair_jobs.models import ParkedJob
+
+        rows = (
+            ParkedJob.objects.filter(woken_at__isnull=True)
+            .filter(slot__current_jobs__lt=Coalesce(F("slot__max_jobs"), F("default_max_jobs")))
+            .values_list("slot_id", flat=True)
+            .distinct()
+        )
+        return list(rows)
+
+    def reconcile_parked(self) -> int:
+        """Repair ``parked_jobs`` where it disagrees with the waiting rows; return how many.
+
+        Each slot is fixed under its row lock, so parks and wakes (which update the row)
+        cannot interleave with the count.
+        """
+        from django_fair_jobs.models import ParkedJob
+
+        waiting = models.Subquery(
+            ParkedJob.objects.filter(slot_id=models.OuterRef("pk"), woken_at__isnull=True)
+            .order_by()
+            .values("slot_id")
+            .annotate(n=models.Count("pk"))
+            .values("n")
+        )
+        suspects = list(
+            self.annotate(waiting=Coalesce(waiting, 0))
+            .exclude(parked_jobs=F("waiting"))
+            .values_list("pk", flat=True)
+        )
+        for slot_id in suspects:
+            with transaction.atomic(using=self._alias()):
+                list(self.select_for_update().filter(pk=slot_id).values_list("pk"))
+                self.filter(pk=slot_id).update(parked_jobs=Coalesce(waiting, 0))
+        return len(suspects)
+
+
+class SlotLeaseManager(models.Manager["SlotLease"]):
+    """Leases: reaping the leases of dead holders and dropping those of revoked jobs."""
+
+    def reap(self, *, timeout: float) -> list[tuple[int, int]]:
+        """Delete leases whose holder is dead (or whose reservation expired) and give their
+        slots back; delete dead process rows. Returns ``[(slot_id, leases_reaped)]``."""
+        alias = router.db_for_write(self.model)
+        if _is_postgres(alias):
+            with connections[alias].cursor() as cursor:
+                cursor.execute(queries()["reap"], {"timeout": timeout})
+                return [(row[0], row[1]) for row in cursor.fetchall()]
+        return self._reap_portable(alias, timeout)
+
+    def _reap_portable(self, alias: str, timeout: float) -> list[tuple[int, int]]:
+        from django_fair_jobs.models import TenantQueueSlot, WorkerProcess
+
+        with transaction.atomic(using=alias):
+            live = WorkerProcess.objects.filter(last_heartbeat_at__gte=_ago(timeout)).values("pk")
+            stale = self.filter(
+                Q(process__isnull=True, acquired_at__lt=_ago(timeout))
+                | (Q(process__isnull=False) & ~Q(process_id__in=live))
+            )
+            counts: dict[int, int] = {}
+            for slot_id in stale.values_list("slot_id", flat=True):
+                counts[slot_id] = counts.get(slot_id, 0) + 1
+            stale.delete()
+            WorkerProcess.objects.filter(last_heartbeat_at__lt=_ago(timeout)).delete()
+            for slot_id, n in counts.items():
+                TenantQueueSlot.objects.filter(pk=slot_id).update(
+                    current_jobs=Greatest(F("current_jobs") - n, 0), updated_at=Now()
+                )
+        return sorted(counts.items())
+
+    def drop_for_task(self, task_id: str) -> list[int]:
+        """Drop every lease of ``task_id`` (a revoked job) and give the slots back.
+
+        Returns the ids of the slots freed.
+        """
+        from django_fair_jobs.models import TenantQueueSlot
+
+        freed: list[int] = []
+        with transaction.atomic(using=router.db_for_write(self.model)):
+            for lease in self.select_for_update().filter(task_id=task_id):
+                lease.delete()
+                TenantQueueSlot.objects.filter(pk=lease.slot_id, current_jobs__gt=0).update(
+                    current_jobs=F("current_jobs") - 1, updated_at=Now()
+                )
+                freed.append(lease.slot_id)
+        return freed
+
+
+class ParkedJobManager(models.Manager["ParkedJob"]):
+    """Parked jobs: putting lost wake-ups back in line."""
+
+    def rewake_lost(self, *, timeout: float) -> int:
+        """Return woken jobs that never started (and lost their reservation) to waiting.
+
+        Returns the number of slots touched.
+        """
+        alias = router.db_for_write(self.model)
+        if _is_postgres(alias):
+            with connections[alias].cursor() as cursor:
+                cursor.execute(queries()["rewake_lost"], {"timeout": timeout})
+                return len(cursor.fetchall())
+        from django_fair_jobs.models import SlotLease, TenantQueueSlot
+
+        with transaction.atomic(using=alias):
+            leased = SlotLease.objects.filter(
+                slot_id=models.OuterRef("slot_id"), task_id=models.OuterRef("task_id")
+            )
+            lost = self.filter(woken_at__lt=_ago(timeout)).exclude(models.Exists(leased))
+            counts: dict[int, int] = {}
+            for slot_id in lost.values_list("slot_id", flat=True):
+                counts[slot_id] = counts.get(slot_id, 0) + 1
+            lost.update(woken_at=None)
+            for slot_id, n in counts.items():
+                TenantQueueSlot.objects.filter(pk=slot_id).update(
+                    parked_jobs=F("parked_jobs") + n
+                )
+        return len(counts)
+
+    def forget(self, task_id: str) -> None:
+        """Delete the parked row of ``task_id`` (a revoked job), fixing the counter."""
+        from django_fair_jobs.models import TenantQueueSlot
+
+        with transaction.atomic(using=router.db_for_write(self.model)):
+            job = self.select_for_update().filter(task_id=task_id).first()
+            if job is None:
+                return
+            job.delete()
+            if job.woken_at is None:
+                TenantQueueSlot.objects.filter(pk=job.slot_id, parked_jobs__gt=0).update(
+                    parked_jobs=F("parked_jobs") - 1
+                )
+
+
+class WorkerProcessManager(models.Manager["WorkerProcess"]):
+    """Worker process rows and their heartbeats (database clock only)."""
+
+    def register(self, *, process_id: uuid.UUID, node: str, hostname: str, pid: int) -> None:
+        """Insert this process's row, or refresh it if it exists (re-registration after a
+        stall during which it was reaped)."""
+        self.update_or_create(
+            pk=process_id,
+            defaults={
+                "node": node,
+                "hostname": hostname,
+                "pid": pid,
+                "last_heartbeat_at": Now(),
+            },
+        )
+
+    def beat(self, process_id: uuid.UUID) -> bool:
+        """Refresh the heartbeat; False if the row is gone (this process was reaped)."""
+        return bool(self.filter(pk=process_id).update(last_heartbeat_at=Now()))
+
+    def retire(self, process_id: uuid.UUID) -> None:
+        """Delete this process's row at a clean shutdown, so its leases are reaped at once."""
+        self.filter(pk=process_id).delete()

@@ -1,0 +1,192 @@
+"""The rows that are django-fair-jobs' only coordination state.
+
+* :class:`TenantQueueSlot`: one row per (tenant, queue): the limit and the counters.
+* :class:`SlotLease`: one row per job holding (or reserved) a slot; the fence for release.
+* :class:`ParkedJob`: a job deferred because its tenant was at its limit.
+* :class:`WorkerProcess`: one row per process that runs fair tasks, kept alive by heartbeats.
+
+The SQL that changes these rows lives in :mod:`django_fair_jobs.managers`.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.db.models.functions import Now
+
+from django_fair_jobs.tenants import TENANT_MAX_LENGTH
+from django_fair_jobs.managers import (
+    ParkedJobManager,
+    SlotLeaseManager,
+    TenantQueueSlotManager,
+    WorkerProcessManager,
+)
+
+class TenantQueueSlot(models.Model):
+    """How many of one tenant's jobs may run at once on one queue, and how many do.
+
+    ``current_jobs`` always equals the number of :class:`SlotLease` rows of the slot; it is
+    only changed by the conditional UPDATEs in :class:`TenantQueueSlotManager`.
+    """
+
+    tenant = models.CharField(max_length=TENANT_MAX_LENGTH)
+    queue = models.CharField(max_length=255)
+    max_jobs = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
+        help_text="Override of the task's limit for this tenant. Empty: use the task's "
+        "fair_max_jobs or FAIR_JOBS_DEFAULT_MAX_JOBS. 0 pauses the tenant on this queue.",
+    )
+    default_max_jobs = models.PositiveIntegerField(
+        default=1,
+        editable=False,
+        help_text="The limit the last acquiring task brought (its fair_max_jobs or the "
+        "default setting); used when max_jobs is empty.",
+    )
+    current_jobs = models.PositiveIntegerField(default=0, editable=False)
+    parked_jobs = models.PositiveIntegerField(
+        default=0,
+        editable=False,
+        help_text="Jobs parked and not yet woken. Kept on this row so that a release sees "
+        "a concurrent park under the row lock (no lost wake-up).",
+    )
+    deferred_total = models.PositiveBigIntegerField(
+        default=0, editable=False, help_text="Jobs ever deferred because this slot was full."
+    )
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+    updated_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    objects = TenantQueueSlotManager()
+
+    class Meta:
+        db_table = "fair_jobs_tenantqueueslot"
+        verbose_name = "tenant queue slot"
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "queue"], name="fair_jobs_slot_tenant_queue"),
+        ]
+        indexes = [
+            # The sweep looks for slots with parked jobs; most slots have none.
+            models.Index(
+                fields=["id"],
+                name="fair_jobs_slot_parked",
+                condition=models.Q(parked_jobs__gt=0),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} on {self.queue}"
+
+    @property
+    def effective_max_jobs(self) -> int:
+        """The limit in force: the row's override, else the last task default seen."""
+        return self.default_max_jobs if self.max_jobs is None else self.max_jobs
+
+
+class WorkerProcess(models.Model):
+    """A process that runs fair tasks (a prefork child, or a solo/threads worker).
+
+    Its heartbeat thread refreshes ``last_heartbeat_at`` with the database clock; a row
+    older than ``FAIR_JOBS_WORKER_TIMEOUT`` is presumed dead and its leases are reaped.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    node = models.CharField(max_length=255, help_text="Celery node name, e.g. celery@host.")
+    hostname = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    started_at = models.DateTimeField(db_default=Now())
+    last_heartbeat_at = models.DateTimeField(db_default=Now())
+
+    objects = WorkerProcessManager()
+
+    class Meta:
+        db_table = "fair_jobs_workerprocess"
+        verbose_name = "worker process"
+        indexes = [models.Index(fields=["last_heartbeat_at"], name="fair_jobs_process_beat")]
+
+    def __str__(self) -> str:
+        return f"{self.node} pid {self.pid}"
+
+
+class SlotLease(models.Model):
+    """One job's hold on one slot: the holder's fence for release.
+
+    ``token`` changes every time the lease is (re)claimed, and release deletes the lease
+    only with the holder's token, so a stale holder whose lease was reaped or taken over
+    by a redelivery cannot release a second time. A lease with no ``process`` is a
+    reservation made for a woken parked job that is on its way through the broker.
+    """
+
+    # PROTECT: deleting a slot that has holders or waiters would lose slots or jobs.
+    slot = models.ForeignKey(TenantQueueSlot, on_delete=models.PROTECT, related_name="leases")
+    task_id = models.CharField(max_length=255)
+    token = models.UUIDField(default=uuid.uuid4)
+    process = models.ForeignKey(
+        WorkerProcess,
+        null=True,
+        blank=True,
+        # Leases outlive their process row on purpose: only the reaper removes them, and
+        # it gives their slots back in the same statement.
+        on_delete=models.DO_NOTHING,
+        related_name="leases",
+        db_constraint=False,
+    )
+    acquired_at = models.DateTimeField(db_default=Now())
+
+    objects = SlotLeaseManager()
+
+    class Meta:
+        db_table = "fair_jobs_slotlease"
+        verbose_name = "slot lease"
+        constraints = [
+            models.UniqueConstraint(fields=["slot", "task_id"], name="fair_jobs_lease_slot_task"),
+        ]
+        indexes = [
+            models.Index(fields=["process"], name="fair_jobs_lease_process"),
+            models.Index(fields=["task_id"], name="fair_jobs_lease_task"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_id} on {self.slot_id}"
+
+
+class ParkedJob(models.Model):
+    """A job deferred because its tenant was at its limit, waiting for a free slot.
+
+    ``signature`` is the Celery signature that re-publishes the job unchanged (same task
+    id, arguments, headers, links and retry count), serialized with kombu's JSON.
+    ``woken_at`` is set when a release reserved a slot for the job and re-published it;
+    the row is deleted when the job starts.
+    """
+
+    slot = models.ForeignKey(TenantQueueSlot, on_delete=models.PROTECT, related_name="parked")
+    task_id = models.CharField(max_length=255, unique=True)
+    task_name = models.CharField(max_length=255)
+    signature = models.TextField()
+    default_max_jobs = models.PositiveIntegerField()
+    parked_at = models.DateTimeField(db_default=Now())
+    woken_at = models.DateTimeField(null=True, blank=True)
+
+    objects = ParkedJobManager()
+
+    class Meta:
+        db_table = "fair_jobs_parkedjob"
+        verbose_name = "parked job"
+        indexes = [
+            # Matches the wake query: WHERE slot_id = %s AND woken_at IS NULL ORDER BY id.
+            models.Index(
+                fields=["slot", "id"],
+                name="fair_jobs_parked_waiting",
+                condition=models.Q(woken_at__isnull=True),
+            ),
+            models.Index(
+                fields=["woken_at"],
+                name="fair_jobs_parked_woken",
+                condition=models.Q(woken_at__isnull=False),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}]"

@@ -1,0 +1,198 @@
+"""Mechanism A, tenant concurrency slots: acquire, defer, release, wake.
+
+The protocol, each step one statement on PostgreSQL (see ``sql/postgresql.sql``):
+
+1. **acquire**: a conditional increment of the (tenant, queue) row plus a lease row.
+2. If that fails, **defer**: ``park`` stores the job's signature in ``fair_jobs_parkedjob``
+   (only if the slot is still full under the row lock, else acquire again), or ``retry``
+   re-publishes it with a jittered countdown. The message is then acknowledged.
+3. **release**: delete the holder's lease (fenced by its token) and decrement; if jobs are
+   parked on the slot, **wake** the oldest: take the slot on its behalf, reserve a lease
+   for it, and re-publish its signature at once.
+
+Parked jobs keep their task id, arguments, headers, links and retry count. Deferral never
+consumes ``max_retries``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery import current_app
+from kombu.utils.json import dumps, loads
+
+from django_fair_jobs.managers import Grant, Woken
+
+if TYPE_CHECKING:
+    from celery import Celery, Task
+
+logger = logging.getLogger("django_fair_jobs.slots")
+
+DEFERRALS_HEADER = "fair_deferrals"
+"""Message header counting how many times a job was deferred (for logs and explain)."""
+
+_PARK_ATTEMPTS = 20
+"""How often park may answer "room" (a slot freed meanwhile) before we park anyway and
+leave the job to the sweep. Each "room" means the slot changed hands, so this is only
+reached under extreme churn."""
+
+_pending_releases: list[Grant] = []
+_pending_lock = threading.Lock()
+
+
+def acquire(*, tenant: str, queue: str, task_id: str, limit: int, node: str | None) -> Grant | None:
+    """Take a slot of ``tenant`` on ``queue`` for ``task_id``; None if it is at its limit."""
+    from django_fair_jobs.models import TenantQueueSlot
+    from django_fair_jobs.workers import current_process_id
+
+    return TenantQueueSlot.objects.try_acquire(
+        tenant=tenant,
+        queue=queue,
+        task_id=task_id,
+        limit=limit,
+        process_id=current_process_id(node),
+    )
+
+
+def defer(
+    task: Task[Any, Any],
+    *,
+    tenant: str,
+    queue: str,
+    limit: int,
+    on_limit: str,
+    retry_countdown: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Grant | None:
+    """Defer the current job of ``task`` because its tenant is at its limit.
+
+    Returns a :class:`Grant` if a slot freed while parking (run the job now), else None
+    (the job is parked or rescheduled; acknowledge the message without running it).
+    """
+    from django_fair_jobs.models import TenantQueueSlot
+
+    request = task.request
+    deferrals = int((request.headers or {}).get(DEFERRALS_HEADER) or 0) + 1
+    headers = {**(request.headers or {}), DEFERRALS_HEADER: deferrals}
+    if on_limit == "retry":
+        countdown = retry_countdown * random.uniform(0.5, 1.5)
+        # Like Task.retry(), but keeping request.retries: deferral is not a failure.
+        sig = task.signature_from_request(
+            request, args, kwargs, countdown=countdown, headers=headers
+        )
+        TenantQueueSlot.objects.count_deferral(tenant=tenant, queue=queue)
+        sig.apply_async()
+        logger.debug(
+            "Deferred %s[%s]: tenant %r at its limit on %s; retrying in %.1f s",
+            task.name, request.id, tenant, queue, countdown,
+        )
+        return None
+    signature = dumps(dict(task.signature_from_request(request, args, kwargs, headers=headers)))
+    for _ in range(_PARK_ATTEMPTS):
+        outcome = TenantQueueSlot.objects.try_park(
+            tenant=tenant,
+            queue=queue,
+            task_id=str(request.id),
+            task_name=task.name,
+            limit=limit,
+            signature=signature,
+        )
+        if outcome != "room":
+            logger.debug(
+                "Deferred %s[%s]: tenant %r at its limit on %s; %s",
+                task.name, request.id, tenant, queue, outcome.replace("_", " "),
+            )
+            return None
+        grant = acquire(
+            tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
+            node=request.hostname,
+        )
+        if grant is not None:
+            return grant
+    logger.warning(
+        "Could not park or start %s[%s] after %s tries; re-publishing it in %s s",
+        task.name, request.id, _PARK_ATTEMPTS, retry_countdown,
+    )
+    task.signature_from_request(request, args, kwargs, countdown=retry_countdown).apply_async()
+    return None
+
+
+def release(grant: Grant, app: Celery | None = None) -> None:
+    """Give back ``grant``'s slot and wake the parked jobs that can now run.
+
+    A failure to reach the database does not lose the slot: the release is kept and
+    retried by this process's heartbeat.
+    """
+    from django_fair_jobs.models import TenantQueueSlot
+
+    try:
+        parked = TenantQueueSlot.objects.release(grant)
+    except Exception:
+        logger.exception("Could not release slot %s of %s; will retry", grant.slot_id,
+                         grant.task_id)
+        with _pending_lock:
+            _pending_releases.append(grant)
+        return
+    if parked is None:
+        logger.info(
+            "Lease of %s on slot %s was gone at release (reaped or taken over); "
+            "nothing released", grant.task_id, grant.slot_id,
+        )
+    elif parked > 0:
+        wake(grant.slot_id, limit=1, app=app)
+
+
+def retry_pending_releases() -> int:
+    """Retry releases that failed earlier in this process; returns how many succeeded."""
+    with _pending_lock:
+        pending = list(_pending_releases)
+        _pending_releases.clear()
+    done = 0
+    for grant in pending:
+        before = len(_pending_releases)
+        release(grant)
+        done += len(_pending_releases) == before
+    return done
+
+
+def wake(slot_id: int, limit: int | None = 1, app: Celery | None = None) -> int:
+    """Wake up to ``limit`` parked jobs of ``slot_id`` (None: as many as have room).
+
+    Returns how many were re-published.
+    """
+    from django_fair_jobs.models import TenantQueueSlot
+
+    woken = 0
+    while limit is None or woken < limit:
+        job = TenantQueueSlot.objects.wake_one(slot_id)
+        if job is None:
+            break
+        publish(job, app=app)
+        woken += 1
+    return woken
+
+
+def publish(job: Woken, app: Celery | None = None) -> None:
+    """Re-publish a woken parked job. If the broker refuses it, the job stays marked
+    woken and the sweep puts it back in line once its reservation expires."""
+    celery_app = app or current_app
+    try:
+        celery_app.signature(loads(job.signature)).apply_async()
+    except Exception:
+        logger.exception("Could not re-publish woken job %s; the sweep will retry it",
+                         job.task_id)
+        return
+    logger.debug("Woke parked job %s on slot %s", job.task_id, job.slot_id)
+
+
+def forget_task(task_id: str, app: Celery | None = None) -> None:
+    """Drop a revoked job's leases and parked row, and wake jobs on the slots it freed."""
+    from django_fair_jobs.models import ParkedJob, SlotLease
+
+    ParkedJob.objects.forget(task_id)
+    for slot_id in SlotLease.objects.drop_for_task(task_id):
+        wake(slot_id, limit=1, app=app)

@@ -1,0 +1,172 @@
+-- The statements django-fair-jobs runs on PostgreSQL, one named block each.
+-- Each is a single statement (one round trip in autocommit) whose data-modifying CTEs
+-- commit together. Success is judged by what the statement returns, never by a read
+-- followed by a write. Other databases use the ORM path in managers.py instead.
+
+-- name: acquire
+-- Take a slot for a starting job, in one round trip. Either the job already holds (or
+-- was reserved) a lease on this slot, and claims it with a new token (a redelivery or a
+-- woken parked job: never a second slot), or the slot row is created on first use (race
+-- free: ON CONFLICT) and its counter is incremented only while below the limit, with the
+-- lease written in the same statement. A parked row left for the job is removed; the
+-- second column counts such rows that were still waiting, so the caller can fix
+-- parked_jobs (a rare duplicate delivery).
+WITH own AS (
+    UPDATE fair_jobs_slotlease AS l
+       SET process_id = %(process_id)s, token = %(token)s, acquired_at = now()
+      FROM fair_jobs_tenantqueueslot AS s
+     WHERE s.tenant = %(tenant)s AND s.queue = %(queue)s
+       AND l.slot_id = s.id AND l.task_id = %(task_id)s
+    RETURNING l.slot_id
+), taken AS (
+    INSERT INTO fair_jobs_tenantqueueslot AS s
+           (tenant, queue, max_jobs, default_max_jobs, current_jobs, parked_jobs,
+            deferred_total, created_at, updated_at)
+    SELECT %(tenant)s, %(queue)s, NULL, %(limit)s, 1, 0, 0, now(), now()
+     WHERE NOT EXISTS (SELECT 1 FROM own)
+    ON CONFLICT (tenant, queue) DO UPDATE
+       SET current_jobs = s.current_jobs + 1,
+           default_max_jobs = EXCLUDED.default_max_jobs,
+           updated_at = now()
+     WHERE s.current_jobs < COALESCE(s.max_jobs, EXCLUDED.default_max_jobs)
+    RETURNING s.id
+), lease AS (
+    INSERT INTO fair_jobs_slotlease (slot_id, task_id, token, process_id, acquired_at)
+    SELECT id, %(task_id)s, %(token)s, %(process_id)s, now() FROM taken
+    RETURNING slot_id
+), held AS (
+    SELECT slot_id FROM own UNION ALL SELECT slot_id FROM lease
+), unparked AS (
+    DELETE FROM fair_jobs_parkedjob AS p
+     USING held
+     WHERE p.task_id = %(task_id)s AND p.slot_id = held.slot_id
+    RETURNING p.woken_at
+)
+SELECT held.slot_id, (SELECT count(*) FROM unparked WHERE woken_at IS NULL) FROM held;
+
+-- name: park
+-- Park a job whose acquire failed, but only if the slot is still full when the row lock
+-- is held: the decision is made on the latest row version, and parked_jobs is raised on
+-- that same row, so a release that commits after this sees parked_jobs > 0 and wakes
+-- someone, and a release that committed before leaves room and the answer is 'room'.
+-- A job already waiting (a duplicate delivery) is not parked twice: 'already_parked'.
+-- A re-parked woken job keeps its row, and so its place in line.
+WITH waiting AS (
+    SELECT 1 FROM fair_jobs_parkedjob
+     WHERE task_id = %(task_id)s AND woken_at IS NULL
+), slot AS (
+    UPDATE fair_jobs_tenantqueueslot AS s
+       SET parked_jobs = s.parked_jobs + 1,
+           deferred_total = s.deferred_total + 1,
+           updated_at = now()
+     WHERE s.tenant = %(tenant)s AND s.queue = %(queue)s
+       AND s.current_jobs >= COALESCE(s.max_jobs, %(limit)s)
+       AND NOT EXISTS (SELECT 1 FROM waiting)
+    RETURNING s.id
+), parked AS (
+    INSERT INTO fair_jobs_parkedjob AS p
+           (slot_id, task_id, task_name, signature, default_max_jobs, parked_at, woken_at)
+    SELECT id, %(task_id)s, %(task_name)s, %(signature)s, %(limit)s, now(), NULL FROM slot
+    ON CONFLICT (task_id) DO UPDATE
+       SET woken_at = NULL, slot_id = EXCLUDED.slot_id, signature = EXCLUDED.signature,
+           task_name = EXCLUDED.task_name, default_max_jobs = EXCLUDED.default_max_jobs
+    RETURNING p.id
+)
+SELECT CASE WHEN EXISTS (SELECT 1 FROM parked) THEN 'parked'
+            WHEN EXISTS (SELECT 1 FROM waiting) THEN 'already_parked'
+            ELSE 'room' END;
+
+-- name: release
+-- Give a slot back, fenced by the holder: the lease is deleted only with the holder's
+-- token, and the counter is decremented only if that delete found the lease. RETURNING
+-- shows the latest row version (after any wait for the row lock), so a park that
+-- committed first is seen in parked_jobs.
+WITH gone AS (
+    DELETE FROM fair_jobs_slotlease
+     WHERE slot_id = %(slot_id)s AND task_id = %(task_id)s AND token = %(token)s
+    RETURNING slot_id
+)
+UPDATE fair_jobs_tenantqueueslot AS s
+   SET current_jobs = s.current_jobs - 1, updated_at = now()
+  FROM gone
+ WHERE s.id = gone.slot_id AND s.current_jobs > 0
+RETURNING s.parked_jobs;
+
+-- name: wake
+-- Hand a free slot to the oldest waiting parked job of the slot: the slot is acquired on
+-- the job's behalf (same conditional increment as acquire), a lease with no process is
+-- reserved for its task id, and the row is marked woken. The caller re-publishes the
+-- returned signature; the job claims its reserved lease when it starts. SKIP LOCKED lets
+-- two wakers pick two different jobs without waiting on each other.
+WITH pick AS (
+    SELECT p.id, p.default_max_jobs
+      FROM fair_jobs_parkedjob AS p
+     WHERE p.slot_id = %(slot_id)s AND p.woken_at IS NULL
+     ORDER BY p.id
+     LIMIT 1
+       FOR UPDATE SKIP LOCKED
+), slot AS (
+    UPDATE fair_jobs_tenantqueueslot AS s
+       SET current_jobs = s.current_jobs + 1,
+           parked_jobs = GREATEST(s.parked_jobs - 1, 0),
+           updated_at = now()
+      FROM pick
+     WHERE s.id = %(slot_id)s AND s.current_jobs < COALESCE(s.max_jobs, pick.default_max_jobs)
+    RETURNING s.id
+), woken AS (
+    UPDATE fair_jobs_parkedjob AS p
+       SET woken_at = now()
+      FROM pick, slot
+     WHERE p.id = pick.id
+    RETURNING p.task_id, p.signature
+), lease AS (
+    INSERT INTO fair_jobs_slotlease (slot_id, task_id, token, process_id, acquired_at)
+    SELECT %(slot_id)s, task_id, %(token)s, NULL, now() FROM woken
+)
+SELECT task_id, signature FROM woken;
+
+-- name: reap
+-- Give back the slots of leases whose holder is gone: the process has not beaten within
+-- the timeout (or its row is missing), or a reservation for a woken job was never
+-- claimed. Dead process rows are deleted in the same statement. Two reapers at once are
+-- safe: the second one's DELETE finds the rows gone and decrements nothing.
+WITH dead AS (
+    DELETE FROM fair_jobs_workerprocess
+     WHERE last_heartbeat_at < now() - make_interval(secs => %(timeout)s)
+    RETURNING id
+), gone AS (
+    DELETE FROM fair_jobs_slotlease AS l
+     WHERE (l.process_id IS NULL
+            AND l.acquired_at < now() - make_interval(secs => %(timeout)s))
+        OR (l.process_id IS NOT NULL AND NOT EXISTS (
+                SELECT 1 FROM fair_jobs_workerprocess AS w
+                 WHERE w.id = l.process_id
+                   AND w.last_heartbeat_at >= now() - make_interval(secs => %(timeout)s)))
+    RETURNING l.slot_id
+), counted AS (
+    SELECT slot_id, count(*) AS n FROM gone GROUP BY slot_id
+)
+UPDATE fair_jobs_tenantqueueslot AS s
+   SET current_jobs = GREATEST(s.current_jobs - counted.n, 0), updated_at = now()
+  FROM counted
+ WHERE s.id = counted.slot_id
+RETURNING s.id, counted.n::int, (SELECT count(*) FROM dead)::int;
+
+-- name: rewake_lost
+-- A woken job whose reservation was reaped and that never started (its message was lost
+-- between the wake and the publish) goes back to waiting, keeping its place.
+WITH lost AS (
+    UPDATE fair_jobs_parkedjob AS p
+       SET woken_at = NULL
+     WHERE p.woken_at < now() - make_interval(secs => %(timeout)s)
+       AND NOT EXISTS (SELECT 1 FROM fair_jobs_slotlease AS l
+                        WHERE l.slot_id = p.slot_id AND l.task_id = p.task_id)
+    RETURNING p.slot_id
+), counted AS (
+    SELECT slot_id, count(*) AS n FROM lost GROUP BY slot_id
+)
+UPDATE fair_jobs_tenantqueueslot AS s
+   SET parked_jobs = s.parked_jobs + counted.n
+  FROM counted
+ WHERE s.id = counted.slot_id
+RETURNING s.id;

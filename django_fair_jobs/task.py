@@ -1,0 +1,171 @@
+"""``FairTask``: the Celery task base class that makes a task fair between tenants.
+
+Thin glue: it resolves the tenant at publish time (into the ``fair_tenant`` header) and,
+in the worker, wraps ``run()`` with a slot acquire and release from
+:mod:`django_fair_jobs.slots`.
+"""
+
+from __future__ import annotations
+
+from numbers import Real
+from typing import Any
+
+from celery import Task
+from celery.exceptions import Ignore
+
+from django_fair_jobs.conf import ON_LIMIT_CHOICES, fair_settings
+from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant
+
+
+class FairTaskConfigError(ValueError):
+    """A ``fair_*`` task option with a value that cannot work; raised when the task class
+    is created (at import, so at worker start-up), never at the first job."""
+
+
+def _validate_options(cls: type[FairTask]) -> None:
+    name = getattr(cls, "name", None) or cls.__qualname__
+    max_jobs = cls.fair_max_jobs
+    if max_jobs is not None and (
+        isinstance(max_jobs, bool) or not isinstance(max_jobs, int) or max_jobs < 1
+    ):
+        raise FairTaskConfigError(
+            f"{name}: fair_max_jobs must be a whole number of at least 1 (got {max_jobs!r}). "
+            "To pause one tenant, set its slot's max_jobs to 0 in the admin."
+        )
+    on_limit = cls.fair_on_limit
+    if on_limit is not None and on_limit not in ON_LIMIT_CHOICES:
+        raise FairTaskConfigError(
+            f"{name}: fair_on_limit must be one of {', '.join(ON_LIMIT_CHOICES)} "
+            f"(got {on_limit!r})."
+        )
+    countdown = cls.fair_retry_countdown
+    if countdown is not None and (
+        isinstance(countdown, bool) or not isinstance(countdown, Real) or countdown < 0
+    ):
+        raise FairTaskConfigError(
+            f"{name}: fair_retry_countdown must be a number of seconds >= 0 (got {countdown!r})."
+        )
+
+
+class FairTask(Task):  # type: ignore[type-arg]
+    """Base class for tasks whose jobs are limited per tenant and per queue.
+
+    Subclass it, or pass ``base=FairTask`` to ``@shared_task``; every ``fair_*`` attribute
+    may also be given as a ``@shared_task(...)`` keyword.
+    """
+
+    fair_max_jobs: int | None = None
+    """Jobs of one tenant that may run at once on this task's queue. A tenant's slot row
+    may override it in the admin. None: ``FAIR_JOBS_DEFAULT_MAX_JOBS``."""
+
+    fair_on_limit: str | None = None
+    """``"park"`` or ``"retry"``: what a job does when its tenant is at its limit.
+    None: ``FAIR_JOBS_ON_LIMIT``."""
+
+    fair_retry_countdown: float | None = None
+    """Base countdown (seconds) of ``fair_on_limit = "retry"``, jittered by +-50%.
+    None: ``FAIR_JOBS_RETRY_COUNTDOWN``."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Celery builds a class per decorated function with the decorator's keywords as
+        # attributes, so this validates both subclasses and @shared_task(fair_...=...).
+        super().__init_subclass__(**kwargs)
+        _validate_options(cls)
+
+    @classmethod
+    def fair_tenant(cls, *args: Any, **kwargs: Any) -> Any:
+        """Return the tenant of a job from the task's arguments (same signature as
+        ``run``), or None. Override it; the default says "no tenant"."""
+        return None
+
+    def fair_limit(self) -> int:
+        """The limit brought to a tenant's slot row that has no override."""
+        return self.fair_max_jobs or fair_settings.DEFAULT_MAX_JOBS
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Publish the job with its tenant in the ``fair_tenant`` header.
+
+        An explicit ``fair_tenant=`` option wins over ``fair_tenant(*args, **kwargs)``; a
+        re-publish (retry, wake-up) keeps the header it already carries. Invalid tenants
+        raise :class:`~django_fair_jobs.tenants.TenantError` here, at enqueue.
+        """
+        headers = dict(options.get("headers") or {})
+        explicit = options.pop("fair_tenant", None)
+        if explicit is not None:
+            headers[HEADER] = normalize_tenant(explicit)
+        elif HEADER not in headers:
+            headers[HEADER] = normalize_tenant(self.fair_tenant(*(args or ()), **(kwargs or {})))
+        options["headers"] = headers
+        return super().apply_async(
+            args, kwargs, task_id, producer, link, link_error, shadow, **options
+        )
+
+    def _fair_request_tenant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        headers = self.request.headers or {}
+        if HEADER in headers:
+            return normalize_tenant(headers[HEADER])
+        value = getattr(self.request, HEADER, None)
+        if value is not None:
+            return normalize_tenant(value)
+        # Published without our apply_async (send_task by name): resolve it here.
+        return normalize_tenant(self.fair_tenant(*args, **kwargs))
+
+    def _fair_queue(self) -> str:
+        info = self.request.delivery_info or {}
+        queue = info.get("routing_key") or self.queue or self.app.conf.task_default_queue
+        return str(queue)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the job inside one of its tenant's slots, or defer it.
+
+        Eager calls (``apply()``, ``task_always_eager``) run unthrottled: there is no
+        message to park and the caller waits for the result.
+        """
+        from django_fair_jobs import slots
+
+        request = self.request
+        if request.is_eager or request.id is None:
+            return super().__call__(*args, **kwargs)
+        tenant = self._fair_request_tenant(args, kwargs)
+        if tenant is None:
+            warn_missing_tenant(self.name)
+            return super().__call__(*args, **kwargs)
+        queue = self._fair_queue()
+        limit = self.fair_limit()
+        grant = slots.acquire(
+            tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
+            node=request.hostname,
+        )
+        if grant is None:
+            grant = slots.defer(
+                self,
+                tenant=tenant,
+                queue=queue,
+                limit=limit,
+                on_limit=self.fair_on_limit or fair_settings.ON_LIMIT,
+                retry_countdown=(
+                    fair_settings.RETRY_COUNTDOWN
+                    if self.fair_retry_countdown is None
+                    else self.fair_retry_countdown
+                ),
+                args=args,
+                kwargs=kwargs,
+            )
+            if grant is None:
+                # Acknowledge without a state change: the job is parked or rescheduled
+                # under the same task id, and AsyncResult keeps waiting for its real end.
+                raise Ignore()
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            slots.release(grant, app=self.app)

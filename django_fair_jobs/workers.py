@@ -1,0 +1,160 @@
+"""Worker processes: identity, heartbeat thread, and maintenance (reap and sweep).
+
+Every process that runs fair tasks registers one :class:`~django_fair_jobs.models.WorkerProcess`
+row the first time it needs a slot, and starts a daemon thread that refreshes the row's
+heartbeat every ``FAIR_JOBS_HEARTBEAT_INTERVAL`` seconds. The thread keeps beating while
+tasks run (CPU-bound Python code releases the GIL between bytecodes), so a slow job never
+loses its lease. On each beat the thread also runs maintenance: leases of processes silent
+for ``FAIR_JOBS_WORKER_TIMEOUT`` are reaped and missed wake-ups are swept. No beat schedule
+is needed; ``manage.py fair_jobs_reap`` runs the same maintenance by hand.
+
+Registration is lazy and keyed by pid, so a prefork child registers itself after the fork
+and never shares its parent's identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from django.db import close_old_connections, connections
+
+from django_fair_jobs.conf import fair_settings
+
+logger = logging.getLogger("django_fair_jobs.workers")
+
+
+@dataclass
+class _Identity:
+    process_id: uuid.UUID
+    pid: int
+    node: str
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+
+_identity: _Identity | None = None
+_lock = threading.Lock()
+
+
+def current_process_id(node: str | None = None) -> uuid.UUID:
+    """Return this process's id, registering it and starting its heartbeat on first use."""
+    global _identity
+    ident = _identity
+    if ident is not None and ident.pid == os.getpid():
+        return ident.process_id
+    with _lock:
+        if _identity is None or _identity.pid != os.getpid():
+            _identity = _register(node or f"celery@{socket.gethostname()}")
+        return _identity.process_id
+
+
+def _register(node: str) -> _Identity:
+    from django_fair_jobs.models import WorkerProcess
+
+    ident = _Identity(process_id=uuid.uuid4(), pid=os.getpid(), node=node)
+    WorkerProcess.objects.register(
+        process_id=ident.process_id, node=node, hostname=socket.gethostname(), pid=ident.pid
+    )
+    ident.thread = threading.Thread(
+        target=_heartbeat_loop, args=(ident,), name="fair-jobs-heartbeat", daemon=True
+    )
+    ident.thread.start()
+    logger.debug("Registered worker process %s (%s pid %s)", ident.process_id, node, ident.pid)
+    return ident
+
+
+def _heartbeat_loop(ident: _Identity) -> None:
+    from django_fair_jobs.models import WorkerProcess
+    from django_fair_jobs.slots import retry_pending_releases
+
+    try:
+        while not ident.stop.wait(fair_settings.HEARTBEAT_INTERVAL):
+            if ident.pid != os.getpid():
+                return  # a forked copy of this thread's owner; the child registers itself
+            try:
+                close_old_connections()
+                if not WorkerProcess.objects.beat(ident.process_id):
+                    # We were presumed dead (a stall longer than the timeout) and reaped:
+                    # our old leases are gone and our late releases are fenced; come back.
+                    logger.warning("Worker process %s was reaped while alive; re-registering",
+                                   ident.process_id)
+                    WorkerProcess.objects.register(
+                        process_id=ident.process_id, node=ident.node,
+                        hostname=socket.gethostname(), pid=ident.pid,
+                    )
+                retry_pending_releases()
+                run_maintenance()
+            except Exception:
+                # A database outage must not kill the heartbeat: drop the connection and
+                # try again next interval.
+                logger.exception("Heartbeat failed; retrying in %s s",
+                                 fair_settings.HEARTBEAT_INTERVAL)
+                connections.close_all()
+    finally:
+        connections.close_all()
+
+
+def shutdown() -> None:
+    """Stop this process's heartbeat and retire its row, so that any slot it still holds
+    is given back by the next reap instead of after the timeout."""
+    global _identity
+    from django_fair_jobs.models import WorkerProcess
+
+    ident = _identity
+    if ident is None or ident.pid != os.getpid():
+        return
+    ident.stop.set()
+    try:
+        WorkerProcess.objects.retire(ident.process_id)
+        run_maintenance()
+    except Exception:
+        logger.exception("Could not retire worker process %s", ident.process_id)
+    _identity = None
+
+
+@dataclass(frozen=True)
+class MaintenanceReport:
+    """What one maintenance pass did."""
+
+    leases_reaped: int
+    slots_reaped: int
+    lost_rewoken: int
+    jobs_woken: int
+    counters_fixed: int
+
+
+def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
+    """Reap dead holders, return lost wake-ups to line, and wake jobs that have room.
+
+    ``timeout`` defaults to ``FAIR_JOBS_WORKER_TIMEOUT``. Safe to run from several
+    processes at once.
+    """
+    from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
+    from django_fair_jobs.slots import wake
+
+    if timeout is None:
+        timeout = fair_settings.WORKER_TIMEOUT
+    reaped = SlotLease.objects.reap(timeout=timeout)
+    lost = ParkedJob.objects.rewake_lost(timeout=timeout)
+    fixed = TenantQueueSlot.objects.reconcile_parked()
+    woken = 0
+    for slot_id in TenantQueueSlot.objects.with_waiting_room():
+        woken += wake(slot_id, limit=None)
+    if reaped or woken or lost or fixed:
+        logger.info(
+            "Maintenance: reaped %s leases on %s slots, re-queued %s lost wake-ups, "
+            "woke %s parked jobs, fixed %s counters",
+            sum(n for _, n in reaped), len(reaped), lost, woken, fixed,
+        )
+    return MaintenanceReport(
+        leases_reaped=sum(n for _, n in reaped),
+        slots_reaped=len(reaped),
+        lost_rewoken=lost,
+        jobs_woken=woken,
+        counters_fixed=fixed,
+    )

@@ -1,0 +1,155 @@
+"""Fixtures: real Celery worker processes sharing the test database and a real broker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def is_postgres() -> bool:
+    """True when the suite runs against PostgreSQL."""
+    return connection.vendor == "postgresql"
+
+
+def database_url() -> str:
+    """A DATABASE_URL that points worker processes at the test database."""
+    db = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{db['NAME']}"
+    user = db.get("USER") or "postgres"
+    host = db.get("HOST") or "127.0.0.1"
+    port = db.get("PORT") or 5432
+    return f"postgres://{user}@{host}:{port}/{db['NAME']}"
+
+
+@dataclass
+class Worker:
+    """A running ``celery worker`` process started by a test."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    children: list[int] = field(default_factory=list)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def child_pids(self) -> list[int]:
+        out = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)],
+            capture_output=True, text=True, check=False,
+        ).stdout
+        return [int(p) for p in out.split()]
+
+    def stop(self, timeout: float = 30) -> None:
+        """Warm shutdown (SIGTERM), waiting for running jobs to finish."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its pool processes: nothing runs its ``finally``."""
+        pids = self.child_pids()
+        for pid in [self.proc.pid, *pids]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, message: str) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail with ``message``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s: {message}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def broker_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Environment for worker processes; purges the test queues before each test."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": database_url(),
+        "PYTHONPATH": str(ROOT),
+        "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
+        "CELERY_RESULT_BACKEND": settings.CELERY_RESULT_BACKEND,
+    }
+    from tests.celery_app import app
+
+    with app.connection_for_write() as conn:
+        for queue in ("fair", "default", "other"):
+            try:
+                conn.default_channel.queue_purge(queue)
+            except Exception:  # the queue does not exist yet  # noqa: S110
+                pass
+    yield env
+
+
+@pytest.fixture
+def start_worker(
+    broker_env: dict[str, str], tmp_path: Path
+) -> Iterator[Callable[..., Worker]]:
+    """Start real ``celery worker`` processes; all are stopped at the end of the test."""
+    workers: list[Worker] = []
+
+    def start(
+        name: str = "w1",
+        pool: str = "prefork",
+        concurrency: int = 2,
+        queues: str = "fair",
+        extra_env: dict[str, str] | None = None,
+    ) -> Worker:
+        log = tmp_path / f"{name}.log"
+        cmd = [
+            sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
+            "-P", pool, "-c", str(concurrency), "-Q", queues, "-n", f"{name}@%h",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+        ]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env={**broker_env, **(extra_env or {})},
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        worker = Worker(name, proc, log)
+        workers.append(worker)
+        wait_for(
+            lambda: " ready." in worker.output() or proc.poll() is not None,
+            60, f"worker {name} to start",
+        )
+        assert proc.poll() is None, worker.output()
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.fixture
+def celery_app() -> Any:
+    """The test suite's Celery app (publishing side)."""
+    from tests.celery_app import app
+
+    return app

@@ -1,0 +1,75 @@
+"""Settings for the test suite: PostgreSQL by default, SQLite with DATABASE_URL=sqlite:///...
+
+Worker processes started by the tests import these same settings, with DATABASE_URL
+pointing at the test database, so every process shares the same rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+
+env = environ.Env()
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+SECRET_KEY = "tests-only-not-secret"  # noqa: S105
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ROOT_URLCONF = "tests.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+DATABASES = {
+    "default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/fair_jobs")
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # A file, not memory, so that worker processes see the test database; IMMEDIATE
+    # transactions so that concurrent writers queue instead of failing lock upgrades.
+    DATABASES["default"]["TEST"] = {"NAME": DATABASES["default"]["NAME"]}
+    DATABASES["default"]["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 30}
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django_fair_jobs",
+    "tests.testapp",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="redis://127.0.0.1:6379/15")
+CELERY_RESULT_BACKEND = env.str("CELERY_RESULT_BACKEND", default="redis://127.0.0.1:6379/14")
+CELERY_BROKER_TRANSPORT_OPTIONS = env.json("CELERY_BROKER_TRANSPORT_OPTIONS", default={})
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "default"
+
+FAIR_JOBS_HEARTBEAT_INTERVAL = env.float("FAIR_JOBS_HEARTBEAT_INTERVAL", default=0.5)
+FAIR_JOBS_WORKER_TIMEOUT = env.float("FAIR_JOBS_WORKER_TIMEOUT", default=3.0)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"django_fair_jobs": {"handlers": ["console"], "level": "INFO"}},
+}

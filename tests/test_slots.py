@@ -1,0 +1,192 @@
+"""The slot protocol against the real database: acquire, park, release, wake, fence."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from django_fair_jobs.managers import Grant
+from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def process() -> uuid.UUID:
+    pid = uuid.uuid4()
+    WorkerProcess.objects.register(process_id=pid, node="test@host", hostname="host", pid=1)
+    return pid
+
+
+def acquire(process: uuid.UUID, task_id: str, tenant: str = "acme", queue: str = "q",
+            limit: int = 2) -> Grant | None:
+    return TenantQueueSlot.objects.try_acquire(
+        tenant=tenant, queue=queue, task_id=task_id, limit=limit, process_id=process
+    )
+
+
+def slot(tenant: str = "acme", queue: str = "q") -> TenantQueueSlot:
+    return TenantQueueSlot.objects.get(tenant=tenant, queue=queue)
+
+
+def park(task_id: str, tenant: str = "acme", limit: int = 2) -> str:
+    return TenantQueueSlot.objects.try_park(
+        tenant=tenant, queue="q", task_id=task_id, task_name="t", limit=limit,
+        signature=f'{{"task": "t", "options": {{"task_id": "{task_id}"}}}}',
+    )
+
+
+def test_acquire__new_tenant__creates_row_and_lease(process: uuid.UUID) -> None:
+    grant = acquire(process, "j1")
+    assert grant is not None
+    row = slot()
+    assert (row.current_jobs, row.max_jobs, row.default_max_jobs) == (1, None, 2)
+    assert list(SlotLease.objects.values_list("task_id", "process_id")) == [("j1", process)]
+
+
+def test_acquire__at_limit__returns_none_and_counts_nothing(process: uuid.UUID) -> None:
+    assert acquire(process, "j1") is not None
+    assert acquire(process, "j2") is not None
+    assert acquire(process, "j3") is None
+    assert slot().current_jobs == 2
+    assert SlotLease.objects.count() == 2
+
+
+def test_acquire__queue_aware__other_queue_has_its_own_slot(process: uuid.UUID) -> None:
+    assert acquire(process, "j1", queue="imports", limit=1) is not None
+    assert acquire(process, "j2", queue="syncs", limit=1) is not None
+    assert acquire(process, "j3", queue="imports", limit=1) is None
+
+
+def test_acquire__row_override_beats_task_default(process: uuid.UUID) -> None:
+    assert acquire(process, "j1", limit=1) is not None
+    TenantQueueSlot.objects.filter(tenant="acme").update(max_jobs=3)
+    assert acquire(process, "j2", limit=1) is not None
+    assert acquire(process, "j3", limit=1) is not None
+    assert acquire(process, "j4", limit=1) is None
+
+
+def test_acquire__override_zero__pauses_tenant(process: uuid.UUID) -> None:
+    assert acquire(process, "j1") is not None
+    TenantQueueSlot.objects.filter(tenant="acme").update(max_jobs=0)
+    assert acquire(process, "j2") is None
+
+
+def test_acquire__task_default_change__reaches_rows_without_override(process: uuid.UUID) -> None:
+    assert acquire(process, "j1", limit=1) is not None
+    assert acquire(process, "j2", limit=1) is None
+    assert acquire(process, "j2", limit=2) is not None
+
+
+def test_acquire__redelivery_same_task_id__reuses_lease_no_second_slot(process: uuid.UUID) -> None:
+    first = acquire(process, "j1")
+    again = acquire(process, "j1")
+    assert first is not None and again is not None
+    assert first.token != again.token
+    assert slot().current_jobs == 1
+    assert SlotLease.objects.count() == 1
+
+
+def test_release__frees_slot_once(process: uuid.UUID) -> None:
+    grant = acquire(process, "j1")
+    assert grant is not None
+    assert TenantQueueSlot.objects.release(grant) == 0
+    assert TenantQueueSlot.objects.release(grant) is None
+    assert slot().current_jobs == 0
+    assert SlotLease.objects.count() == 0
+
+
+def test_release__stale_holder_after_takeover__releases_nothing(process: uuid.UUID) -> None:
+    stale = acquire(process, "j1")
+    fresh = acquire(process, "j1")  # a redelivery took the lease over
+    assert stale is not None and fresh is not None
+    assert TenantQueueSlot.objects.release(stale) is None
+    assert slot().current_jobs == 1
+    assert TenantQueueSlot.objects.release(fresh) == 0
+    assert slot().current_jobs == 0
+
+
+def test_release__stale_holder_after_reap__does_not_free_second_slot(process: uuid.UUID) -> None:
+    stale = acquire(process, "j1", limit=1)
+    assert stale is not None
+    WorkerProcess.objects.filter(pk=process).delete()  # presumed dead
+    assert SlotLease.objects.reap(timeout=60) == [(stale.slot_id, 1)]
+    other = uuid.uuid4()
+    WorkerProcess.objects.register(process_id=other, node="b@host", hostname="host", pid=2)
+    successor = acquire(other, "j2", limit=1)
+    assert successor is not None
+    # The reaped job is still running and now finishes: its release must not free j2's slot.
+    assert TenantQueueSlot.objects.release(stale) is None
+    assert slot().current_jobs == 1
+    assert acquire(other, "j3", limit=1) is None
+
+
+def test_reap__live_process__keeps_its_leases(process: uuid.UUID) -> None:
+    assert acquire(process, "j1") is not None
+    assert SlotLease.objects.reap(timeout=60) == []
+    assert slot().current_jobs == 1
+
+
+def test_park__slot_full__parks_and_counts(process: uuid.UUID) -> None:
+    assert acquire(process, "j1", limit=1) is not None
+    assert park("j2", limit=1) == "parked"
+    assert park("j2", limit=1) == "already_parked"
+    row = slot()
+    assert (row.parked_jobs, row.deferred_total) == (1, 1)
+
+
+def test_park__slot_freed_meanwhile__answers_room(process: uuid.UUID) -> None:
+    grant = acquire(process, "j1", limit=1)
+    assert grant is not None
+    TenantQueueSlot.objects.release(grant)
+    assert park("j2", limit=1) == "room"
+    assert ParkedJob.objects.count() == 0
+
+
+def test_release__with_parked__wake_hands_slot_to_oldest(process: uuid.UUID) -> None:
+    holder = acquire(process, "j1", limit=1)
+    assert holder is not None
+    assert park("j2", limit=1) == "parked"
+    assert park("j3", limit=1) == "parked"
+    assert TenantQueueSlot.objects.release(holder) == 2
+    woken = TenantQueueSlot.objects.wake_one(holder.slot_id)
+    assert woken is not None and woken.task_id == "j2"
+    row = slot()
+    assert (row.current_jobs, row.parked_jobs) == (1, 1)
+    # The slot is reserved for j2: nobody else gets it, j2 claims it when it arrives.
+    assert acquire(process, "j9", limit=1) is None
+    assert acquire(process, "j2", limit=1) is not None
+    assert slot().current_jobs == 1
+    assert not ParkedJob.objects.filter(task_id="j2").exists()
+
+
+def test_wake__no_room__wakes_nobody(process: uuid.UUID) -> None:
+    assert acquire(process, "j1", limit=1) is not None
+    assert park("j2", limit=1) == "parked"
+    assert TenantQueueSlot.objects.wake_one(slot().pk) is None
+    assert ParkedJob.objects.get().woken_at is None
+
+
+def test_reap__unclaimed_reservation__frees_slot_and_rewake_requeues(process: uuid.UUID) -> None:
+    holder = acquire(process, "j1", limit=1)
+    assert holder is not None
+    assert park("j2", limit=1) == "parked"
+    TenantQueueSlot.objects.release(holder)
+    assert TenantQueueSlot.objects.wake_one(holder.slot_id) is not None
+    # The re-published message is lost; time passes beyond the timeout.
+    SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
+    ParkedJob.objects.update(woken_at="2000-01-01T00:00:00Z")
+    assert SlotLease.objects.reap(timeout=60) == [(holder.slot_id, 1)]
+    assert ParkedJob.objects.rewake_lost(timeout=60) == 1
+    row = slot()
+    assert (row.current_jobs, row.parked_jobs) == (0, 1)
+    assert TenantQueueSlot.objects.with_waiting_room() == [row.pk]
+
+
+def test_reconcile__drifted_counter__is_repaired(process: uuid.UUID) -> None:
+    assert acquire(process, "j1", limit=1) is not None
+    assert park("j2", limit=1) == "parked"
+    TenantQueueSlot.objects.update(parked_jobs=5)
+    assert TenantQueueSlot.objects.reconcile_parked() == 1
+    assert slot().parked_jobs == 1

@@ -1,0 +1,75 @@
+"""Test tasks: each records its own start and end (database clock) in JobRun."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from celery import shared_task
+from django.db.models.functions import Now
+
+from django_fair_jobs import FairTask
+from tests.testapp.models import JobRun
+
+
+class TenantFromFirstArg(FairTask):
+    """The tenant is the first positional argument."""
+
+    @classmethod
+    def fair_tenant(cls, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else kwargs.get("tenant")
+
+
+def _run(task: Any, tenant: str, duration: float) -> str:
+    run = JobRun.objects.create(
+        task_id=task.request.id,
+        tenant=tenant,
+        queue=(task.request.delivery_info or {}).get("routing_key") or "",
+        pid=__import__("os").getpid(),
+        retries=task.request.retries,
+        started_at=Now(),
+    )
+    time.sleep(duration)
+    JobRun.objects.filter(pk=run.pk).update(finished_at=Now())
+    return f"{tenant}:done"
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_max_jobs=3)
+def limited3(self: Any, tenant: str, duration: float = 0.05) -> str:
+    """A job limited to 3 at once per tenant."""
+    return _run(self, tenant, duration)
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", max_retries=1)
+def limited1(self: Any, tenant: str, duration: float = 0.05) -> str:
+    """A job at the default limit (1) with max_retries=1."""
+    return _run(self, tenant, duration)
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_on_limit="retry",
+             fair_retry_countdown=0.2, max_retries=0)
+def limited1_retry(self: Any, tenant: str, duration: float = 0.05) -> str:
+    """A job at the default limit that defers by re-publishing with a countdown."""
+    return _run(self, tenant, duration)
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", max_retries=3)
+def retries_once(self: Any, tenant: str, duration: float = 0.05) -> str:
+    """Fails on its first run and calls self.retry(): the retry competes for the slot."""
+    if self.request.retries == 0:
+        JobRun.objects.create(task_id=self.request.id, tenant=tenant, pid=0, retries=0,
+                              started_at=Now(), finished_at=Now(), queue="retry-marker")
+        raise self.retry(countdown=0.1)
+    return _run(self, tenant, duration)
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair")
+def fails(self: Any, tenant: str) -> str:
+    """Always raises: its slot must still come back."""
+    raise RuntimeError("boom")
+
+
+@shared_task(base=FairTask, bind=True, queue="fair")
+def no_tenant(self: Any, value: int) -> int:
+    """A fair task whose class resolves no tenant."""
+    return value * 2
