@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
 
 ParkOutcome = Literal["parked", "already_parked", "room"]
+AcquireStatus = Literal["held", "full", "duplicate"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,15 @@ class Grant:
     slot_id: int
     task_id: str
     token: uuid.UUID
+
+
+@dataclass(frozen=True)
+class Acquisition:
+    """The answer of an acquire: ``"held"`` (with a grant), ``"full"`` (the tenant is at
+    its limit) or ``"duplicate"`` (this task id is running in a live process)."""
+
+    status: AcquireStatus
+    grant: Grant | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,16 @@ class Woken:
 
 def _is_postgres(alias: str) -> bool:
     return connections[alias].vendor == "postgresql"
+
+
+def _savepoint_if_needed(alias: str) -> Any:
+    """A savepoint only inside a caller's transaction, so that a failed statement does not
+    break it; in autocommit (the worker's case) no extra round trip is spent."""
+    from contextlib import nullcontext
+
+    if connections[alias].in_atomic_block:
+        return transaction.atomic(using=alias)
+    return nullcontext()
 
 
 def _ago(seconds: float) -> Any:
@@ -68,13 +88,21 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         return router.db_for_write(self.model)
 
     def try_acquire(
-        self, *, tenant: str, queue: str, task_id: str, limit: int, process_id: uuid.UUID
-    ) -> Grant | None:
-        """Take one of ``tenant``'s slots on ``queue`` for ``task_id``, or return None.
+        self,
+        *,
+        tenant: str,
+        queue: str,
+        task_id: str,
+        limit: int,
+        process_id: uuid.UUID,
+        timeout: float,
+    ) -> Acquisition:
+        """Take one of ``tenant``'s slots on ``queue`` for ``task_id``.
 
-        ``limit`` applies when the row has no ``max_jobs`` override. A job that already
-        holds (or was reserved) a lease on this slot claims it with a new token and takes
-        no second slot.
+        ``limit`` applies when the row has no ``max_jobs`` override. A job whose lease on
+        this slot is held by a gone holder (a reservation, or a process silent for
+        ``timeout`` seconds) claims it with a new token and takes no second slot; one
+        whose lease is held by a live process is a ``"duplicate"`` delivery.
         """
         token = uuid.uuid4()
         alias = self._alias()
@@ -86,22 +114,25 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                 "limit": limit,
                 "process_id": process_id,
                 "token": token,
+                "timeout": timeout,
             }
-            with connections[alias].cursor() as cursor:
-                cursor.execute(queries()["acquire"], params)
-                row = cursor.fetchone()
-            if row is None:
-                return None
-            slot_id, still_waiting = row
+            try:
+                with _savepoint_if_needed(alias), connections[alias].cursor() as cursor:
+                    cursor.execute(queries()["acquire"], params)
+                    status, slot_id, still_waiting = cursor.fetchone()
+            except IntegrityError:
+                # Two deliveries of one task id raced for the lease's unique key.
+                return Acquisition("duplicate")
         else:
-            found = self._acquire_portable(tenant, queue, task_id, limit, process_id, token)
-            if found is None:
-                return None
-            slot_id, still_waiting = found
+            status, slot_id, still_waiting = self._acquire_portable(
+                tenant, queue, task_id, limit, process_id, token, timeout
+            )
+        if status != "held":
+            return Acquisition(status)
         if still_waiting:
             # A duplicate delivery started while its parked row was still waiting.
             self.filter(pk=slot_id, parked_jobs__gt=0).update(parked_jobs=F("parked_jobs") - 1)
-        return Grant(slot_id=slot_id, task_id=task_id, token=token)
+        return Acquisition("held", Grant(slot_id=slot_id, task_id=task_id, token=token))
 
     def _acquire_portable(
         self,
@@ -111,17 +142,30 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         limit: int,
         process_id: uuid.UUID,
         token: uuid.UUID,
-    ) -> tuple[int, int] | None:
-        from django_fair_jobs.models import ParkedJob, SlotLease
+        timeout: float,
+    ) -> tuple[AcquireStatus, int | None, int]:
+        from django_fair_jobs.models import ParkedJob, SlotLease, WorkerProcess
 
         with transaction.atomic(using=self._alias()):
             slot_id = self.filter(tenant=tenant, queue=queue).values_list("pk", flat=True).first()
-            claimed = 0
-            if slot_id is not None:
-                claimed = SlotLease.objects.filter(slot_id=slot_id, task_id=task_id).update(
+            lease = (
+                None
+                if slot_id is None
+                else SlotLease.objects.filter(slot_id=slot_id, task_id=task_id).first()
+            )
+            if lease is not None:
+                live = (
+                    lease.process_id is not None
+                    and WorkerProcess.objects.filter(
+                        pk=lease.process_id, last_heartbeat_at__gte=_ago(timeout)
+                    ).exists()
+                )
+                if live:
+                    return "duplicate", None, 0
+                SlotLease.objects.filter(pk=lease.pk).update(
                     process_id=process_id, token=token, acquired_at=Now()
                 )
-            if not claimed:
+            else:
                 if slot_id is None:
                     self.bulk_create(
                         [self.model(tenant=tenant, queue=queue, default_max_jobs=limit)],
@@ -134,7 +178,7 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                     current_jobs=F("current_jobs") + 1, default_max_jobs=limit, updated_at=Now()
                 )
                 if not taken:
-                    return None
+                    return "full", None, 0
                 SlotLease.objects.create(
                     slot_id=slot_id, task_id=task_id, token=token, process_id=process_id
                 )
@@ -142,7 +186,7 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                 task_id=task_id, slot_id=slot_id, woken_at__isnull=True
             ).count()
             ParkedJob.objects.filter(task_id=task_id, slot_id=slot_id).delete()
-        return slot_id, waiting
+        return "held", slot_id, waiting
 
     def try_park(
         self, *, tenant: str, queue: str, task_id: str, task_name: str, limit: int, signature: str

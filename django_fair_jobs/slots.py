@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from celery import current_app
 from kombu.utils.json import dumps, loads
 
-from django_fair_jobs.managers import Grant, Woken
+from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.managers import Acquisition, Grant, Woken
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -43,8 +44,10 @@ _pending_releases: list[Grant] = []
 _pending_lock = threading.Lock()
 
 
-def acquire(*, tenant: str, queue: str, task_id: str, limit: int, node: str | None) -> Grant | None:
-    """Take a slot of ``tenant`` on ``queue`` for ``task_id``; None if it is at its limit."""
+def acquire(
+    *, tenant: str, queue: str, task_id: str, limit: int, node: str | None
+) -> Acquisition:
+    """Take a slot of ``tenant`` on ``queue`` for ``task_id``."""
     from django_fair_jobs.models import TenantQueueSlot
     from django_fair_jobs.workers import current_process_id
 
@@ -54,7 +57,23 @@ def acquire(*, tenant: str, queue: str, task_id: str, limit: int, node: str | No
         task_id=task_id,
         limit=limit,
         process_id=current_process_id(node),
+        timeout=fair_settings.WORKER_TIMEOUT,
     )
+
+
+def postpone_duplicate(task: Task[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Re-publish a delivery of a job that a live process is running, to come back after
+    ``FAIR_JOBS_WORKER_TIMEOUT``: if that process dies meanwhile (an AMQP redelivery after
+    a crash), its lease is reaped by then and this copy runs; if it lives, this copy runs
+    after it (at-least-once, never two at once)."""
+    request = task.request
+    logger.info(
+        "%s[%s] is already running in a live worker; this delivery is postponed %s s",
+        task.name, request.id, fair_settings.WORKER_TIMEOUT,
+    )
+    task.signature_from_request(
+        request, args, kwargs, countdown=fair_settings.WORKER_TIMEOUT
+    ).apply_async()
 
 
 def defer(
@@ -107,12 +126,15 @@ def defer(
                 task.name, request.id, tenant, queue, outcome.replace("_", " "),
             )
             return None
-        grant = acquire(
+        again = acquire(
             tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
             node=request.hostname,
         )
-        if grant is not None:
-            return grant
+        if again.grant is not None:
+            return again.grant
+        if again.status == "duplicate":
+            postpone_duplicate(task, args, kwargs)
+            return None
     logger.warning(
         "Could not park or start %s[%s] after %s tries; re-publishing it in %s s",
         task.name, request.id, _PARK_ATTEMPTS, retry_countdown,

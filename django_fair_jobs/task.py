@@ -142,10 +142,14 @@ class FairTask(Task):  # type: ignore[type-arg]
             return super().__call__(*args, **kwargs)
         queue = self._fair_queue()
         limit = self.fair_limit()
-        grant = slots.acquire(
+        acquired = slots.acquire(
             tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
             node=request.hostname,
         )
+        grant = acquired.grant
+        if acquired.status == "duplicate":
+            slots.postpone_duplicate(self, args, kwargs)
+            raise Ignore()
         if grant is None:
             grant = slots.defer(
                 self,

@@ -65,7 +65,7 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL the worker and its pool processes: nothing runs its ``finally``."""
-        pids = self.child_pids()
+        pids = self.children = self.child_pids()
         for pid in [self.proc.pid, *pids]:
             try:
                 os.kill(pid, signal.SIGKILL)

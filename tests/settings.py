@@ -27,7 +27,12 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A file, not memory, so that worker processes see the test database; IMMEDIATE
     # transactions so that concurrent writers queue instead of failing lock upgrades.
     DATABASES["default"]["TEST"] = {"NAME": DATABASES["default"]["NAME"]}
-    DATABASES["default"]["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 30}
+    # WAL so that readers never block the writer (heartbeats must land on time).
+    DATABASES["default"]["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 30,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -67,9 +72,9 @@ CELERY_TASK_DEFAULT_QUEUE = "default"
 FAIR_JOBS_HEARTBEAT_INTERVAL = env.float("FAIR_JOBS_HEARTBEAT_INTERVAL", default=0.5)
 FAIR_JOBS_WORKER_TIMEOUT = env.float("FAIR_JOBS_WORKER_TIMEOUT", default=3.0)
 
+# The worker's root handler prints these; no handler of our own, or lines would double.
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"django_fair_jobs": {"handlers": ["console"], "level": "INFO"}},
+    "loggers": {"django_fair_jobs": {"level": "INFO"}},
 }

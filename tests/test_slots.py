@@ -22,8 +22,15 @@ def process() -> uuid.UUID:
 def acquire(process: uuid.UUID, task_id: str, tenant: str = "acme", queue: str = "q",
             limit: int = 2) -> Grant | None:
     return TenantQueueSlot.objects.try_acquire(
-        tenant=tenant, queue=queue, task_id=task_id, limit=limit, process_id=process
-    )
+        tenant=tenant, queue=queue, task_id=task_id, limit=limit, process_id=process,
+        timeout=60,
+    ).grant
+
+
+def status(process: uuid.UUID, task_id: str, limit: int = 2) -> str:
+    return TenantQueueSlot.objects.try_acquire(
+        tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
+    ).status
 
 
 def slot(tenant: str = "acme", queue: str = "q") -> TenantQueueSlot:
@@ -79,13 +86,25 @@ def test_acquire__task_default_change__reaches_rows_without_override(process: uu
     assert acquire(process, "j2", limit=2) is not None
 
 
-def test_acquire__redelivery_same_task_id__reuses_lease_no_second_slot(process: uuid.UUID) -> None:
+def test_acquire__duplicate_while_holder_alive__refused(process: uuid.UUID) -> None:
+    assert acquire(process, "j1") is not None
+    assert status(process, "j1") == "duplicate"
+    assert slot().current_jobs == 1
+    assert SlotLease.objects.count() == 1
+
+
+def test_acquire__redelivery_after_holder_died__claims_lease_no_second_slot(
+    process: uuid.UUID,
+) -> None:
     first = acquire(process, "j1")
-    again = acquire(process, "j1")
+    WorkerProcess.objects.filter(pk=process).update(last_heartbeat_at="2000-01-01T00:00:00Z")
+    other = uuid.uuid4()
+    WorkerProcess.objects.register(process_id=other, node="b@host", hostname="host", pid=2)
+    again = acquire(other, "j1")
     assert first is not None and again is not None
     assert first.token != again.token
     assert slot().current_jobs == 1
-    assert SlotLease.objects.count() == 1
+    assert list(SlotLease.objects.values_list("process_id", flat=True)) == [other]
 
 
 def test_release__frees_slot_once(process: uuid.UUID) -> None:
@@ -99,7 +118,8 @@ def test_release__frees_slot_once(process: uuid.UUID) -> None:
 
 def test_release__stale_holder_after_takeover__releases_nothing(process: uuid.UUID) -> None:
     stale = acquire(process, "j1")
-    fresh = acquire(process, "j1")  # a redelivery took the lease over
+    WorkerProcess.objects.filter(pk=process).update(last_heartbeat_at="2000-01-01T00:00:00Z")
+    fresh = acquire(uuid.uuid4(), "j1")  # a redelivery took the lease over
     assert stale is not None and fresh is not None
     assert TenantQueueSlot.objects.release(stale) is None
     assert slot().current_jobs == 1

@@ -4,26 +4,41 @@
 -- followed by a write. Other databases use the ORM path in managers.py instead.
 
 -- name: acquire
--- Take a slot for a starting job, in one round trip. Either the job already holds (or
--- was reserved) a lease on this slot, and claims it with a new token (a redelivery or a
--- woken parked job: never a second slot), or the slot row is created on first use (race
--- free: ON CONFLICT) and its counter is incremented only while below the limit, with the
--- lease written in the same statement. A parked row left for the job is removed; the
--- second column counts such rows that were still waiting, so the caller can fix
--- parked_jobs (a rare duplicate delivery).
-WITH own AS (
+-- Take a slot for a starting job, in one round trip. Returns one row: the status
+-- ('held', 'full' or 'duplicate'), the slot id when held, and the number of still-waiting
+-- parked rows of the job that were removed (a duplicate delivery; the caller fixes
+-- parked_jobs).
+-- * own: the job already has a lease on this slot whose holder is gone (a reservation
+--   made for it when it was woken, or a process that stopped beating): it claims it with
+--   a new token, so the old holder's release is fenced off. Never a second slot.
+-- * live: the lease is held by a live process: this delivery is a duplicate of a running
+--   job and must not run beside it.
+-- * taken: otherwise the slot row is created on first use (race free: ON CONFLICT) and
+--   its counter incremented only while below the limit, the lease written alongside.
+--   Two concurrent deliveries of one task id collide on the lease's unique key and the
+--   loser's whole statement rolls back.
+WITH existing AS (
+    SELECT l.id, l.slot_id,
+           (l.process_id IS NOT NULL AND EXISTS (
+                SELECT 1 FROM fair_jobs_workerprocess AS w
+                 WHERE w.id = l.process_id
+                   AND w.last_heartbeat_at >= now() - make_interval(secs => %(timeout)s)
+           )) AS live
+      FROM fair_jobs_slotlease AS l
+      JOIN fair_jobs_tenantqueueslot AS s ON s.id = l.slot_id
+     WHERE s.tenant = %(tenant)s AND s.queue = %(queue)s AND l.task_id = %(task_id)s
+), own AS (
     UPDATE fair_jobs_slotlease AS l
        SET process_id = %(process_id)s, token = %(token)s, acquired_at = now()
-      FROM fair_jobs_tenantqueueslot AS s
-     WHERE s.tenant = %(tenant)s AND s.queue = %(queue)s
-       AND l.slot_id = s.id AND l.task_id = %(task_id)s
+      FROM existing AS e
+     WHERE l.id = e.id AND NOT e.live
     RETURNING l.slot_id
 ), taken AS (
     INSERT INTO fair_jobs_tenantqueueslot AS s
            (tenant, queue, max_jobs, default_max_jobs, current_jobs, parked_jobs,
             deferred_total, created_at, updated_at)
     SELECT %(tenant)s, %(queue)s, NULL, %(limit)s, 1, 0, 0, now(), now()
-     WHERE NOT EXISTS (SELECT 1 FROM own)
+     WHERE NOT EXISTS (SELECT 1 FROM existing)
     ON CONFLICT (tenant, queue) DO UPDATE
        SET current_jobs = s.current_jobs + 1,
            default_max_jobs = EXCLUDED.default_max_jobs,
@@ -42,7 +57,11 @@ WITH own AS (
      WHERE p.task_id = %(task_id)s AND p.slot_id = held.slot_id
     RETURNING p.woken_at
 )
-SELECT held.slot_id, (SELECT count(*) FROM unparked WHERE woken_at IS NULL) FROM held;
+SELECT CASE WHEN EXISTS (SELECT 1 FROM held) THEN 'held'
+            WHEN EXISTS (SELECT 1 FROM existing WHERE live) THEN 'duplicate'
+            ELSE 'full' END,
+       (SELECT slot_id FROM held),
+       (SELECT count(*) FROM unparked WHERE woken_at IS NULL);
 
 -- name: park
 -- Park a job whose acquire failed, but only if the slot is still full when the row lock

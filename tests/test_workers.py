@@ -1,0 +1,211 @@
+"""Tenant slots under real Celery worker processes, a real broker and the real database."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+
+from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+from tests.conftest import Worker, wait_for
+from tests.testapp import tasks
+from tests.testapp.models import JobRun
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.workers]
+
+
+def max_overlap(runs: Iterable[tuple[datetime, datetime]]) -> int:
+    """The largest number of intervals open at once (ends sort before starts at a tie)."""
+    events: list[tuple[datetime, int]] = []
+    for start, end in runs:
+        events += [(start, 1), (end, -1)]
+    events.sort(key=lambda e: (e[0], e[1]))
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+def finished_runs(tenant: str) -> list[tuple[datetime, datetime]]:
+    return [
+        (s, e)
+        for s, e in JobRun.objects.filter(tenant=tenant, finished_at__isnull=False)
+        .exclude(queue="retry-marker")
+        .values_list("started_at", "finished_at")
+    ]
+
+
+def assert_all_released(tenant: str) -> None:
+    """No lease, parked row or slot count is left over."""
+    wait_for(
+        lambda: not SlotLease.objects.filter(slot__tenant=tenant).exists()
+        and not ParkedJob.objects.filter(slot__tenant=tenant).exists(),
+        20, f"leases and parked jobs of {tenant} to be gone",
+    )
+    counters = list(
+        TenantQueueSlot.objects.filter(tenant=tenant).values_list("current_jobs", "parked_jobs")
+    )
+    assert counters and all(c == (0, 0) for c in counters), counters
+
+
+def wait_finished(ids: list[str], timeout: float = 90) -> None:
+    wait_for(
+        lambda: JobRun.objects.filter(task_id__in=ids, finished_at__isnull=False)
+        .exclude(queue="retry-marker").count() >= len(ids),
+        timeout, f"{len(ids)} jobs to finish",
+    )
+
+
+def test_race__two_nodes_eight_threads__limit_three_never_exceeded(
+    start_worker: Callable[..., Worker],
+) -> None:
+    start_worker("a", pool="threads", concurrency=8)
+    start_worker("b", pool="threads", concurrency=8)
+    ids = [tasks.limited3.delay("hot", 0.03).id for _ in range(80)]
+    wait_finished(ids)
+    runs = finished_runs("hot")
+    per_task = Counter(JobRun.objects.filter(tenant="hot").values_list("task_id", flat=True))
+    assert set(per_task) == set(ids)
+    assert max(per_task.values()) == 1, "a job ran twice"
+    assert max_overlap(runs) <= 3
+    assert_all_released("hot")
+    assert TenantQueueSlot.objects.get(tenant="hot").deferred_total > 0
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
+def test_pools__limit_held_and_every_job_runs(
+    start_worker: Callable[..., Worker], pool: str
+) -> None:
+    start_worker("p", pool=pool, concurrency=1 if pool == "solo" else 4)
+    ids = [tasks.limited1.delay("t", 0.02).id for _ in range(12)]
+    wait_finished(ids)
+    assert max_overlap(finished_runs("t")) == 1
+    assert all(AsyncResult(i).get(timeout=30) == "t:done" for i in ids)
+    assert_all_released("t")
+
+
+def test_small_tenant__not_stuck_behind_greedy_one(start_worker: Callable[..., Worker]) -> None:
+    start_worker("w", pool="threads", concurrency=4)
+    greedy = [tasks.limited1.delay("greedy", 0.05).id for _ in range(40)]
+    small = tasks.limited1.delay("small", 0.01).id
+    wait_finished([small])
+    greedy_done = JobRun.objects.filter(task_id__in=greedy, finished_at__isnull=False).count()
+    # FIFO would run all 40 greedy jobs first (one at a time: 2 s); fairness lets the small
+    # tenant's job through while the greedy tenant is held at one slot.
+    assert greedy_done < 40
+    wait_finished(greedy)
+    assert max_overlap(finished_runs("greedy")) == 1
+
+
+def test_deferral__does_not_consume_max_retries(start_worker: Callable[..., Worker]) -> None:
+    start_worker("w", pool="threads", concurrency=4)
+    ids = [tasks.limited1.delay("d", 0.05).id for _ in range(6)]  # max_retries=1
+    results = [AsyncResult(i).get(timeout=60) for i in ids]
+    assert results == ["d:done"] * 6
+    assert all(AsyncResult(i).state == "SUCCESS" for i in ids)
+    assert set(JobRun.objects.filter(tenant="d").values_list("retries", flat=True)) == {0}
+    assert TenantQueueSlot.objects.get(tenant="d").deferred_total >= 5
+    assert_all_released("d")
+
+
+def test_deferral_retry_mode__many_deferrals_still_success(
+    start_worker: Callable[..., Worker],
+) -> None:
+    start_worker("w", pool="threads", concurrency=4)
+    ids = [tasks.limited1_retry.delay("r", 0.1).id for _ in range(5)]  # max_retries=0
+    assert [AsyncResult(i).get(timeout=60) for i in ids] == ["r:done"] * 5
+    assert max_overlap(finished_runs("r")) == 1
+    assert TenantQueueSlot.objects.get(tenant="r").deferred_total >= 5
+    assert ParkedJob.objects.count() == 0
+    assert_all_released("r")
+
+
+def test_self_retry__releases_slot_and_retry_competes(start_worker: Callable[..., Worker]) -> None:
+    start_worker("w", pool="prefork", concurrency=2)
+    ids = [tasks.retries_once.delay("x", 0.05).id for _ in range(3)]
+    assert [AsyncResult(i).get(timeout=60) for i in ids] == ["x:done"] * 3
+    assert set(JobRun.objects.filter(tenant="x").exclude(queue="retry-marker")
+               .values_list("retries", flat=True)) == {1}
+    assert max_overlap(finished_runs("x")) == 1
+    assert_all_released("x")
+
+
+def test_failing_job__gives_its_slot_back(start_worker: Callable[..., Worker]) -> None:
+    start_worker("w", pool="prefork", concurrency=2)
+    failing = [tasks.fails.delay("f") for _ in range(3)]
+    for result in failing:
+        with pytest.raises(RuntimeError):
+            result.get(timeout=60)
+    ok = tasks.limited1.delay("f", 0.01)
+    assert ok.get(timeout=60) == "f:done"
+    assert_all_released("f")
+
+
+def test_sigkill__slots_reclaimed_within_timeout_and_parked_jobs_run(
+    start_worker: Callable[..., Worker], settings: Any
+) -> None:
+    victim = start_worker("victim", pool="prefork", concurrency=2)
+    long_jobs = [tasks.limited3.delay("k", 30).id for _ in range(3)]
+    wait_for(lambda: TenantQueueSlot.objects.filter(tenant="k", current_jobs=2).exists(),
+             20, "victim to hold 2 slots")
+    waiting = [tasks.limited3.delay("k", 0.01).id for _ in range(4)]
+    victim.kill()
+    killed_at = time.monotonic()
+    survivor = start_worker("survivor", pool="prefork", concurrency=2)
+    # Slots held by the dead node come back within timeout + one interval (+ start slack).
+    bound = settings.FAIR_JOBS_WORKER_TIMEOUT + settings.FAIR_JOBS_HEARTBEAT_INTERVAL + 5
+    wait_for(
+        lambda: not SlotLease.objects.filter(task_id__in=long_jobs[:2]).exists(),
+        bound, "dead worker's leases to be reaped",
+    )
+    assert time.monotonic() - killed_at <= bound
+    wait_finished(waiting[:3], timeout=60)
+    assert max_overlap(finished_runs("k")) <= 3
+    assert survivor.proc.poll() is None
+    assert victim.children
+    assert not WorkerProcess.objects.filter(pid__in=victim.children).exists()
+
+
+def test_warm_shutdown__running_job_finishes_and_releases(
+    start_worker: Callable[..., Worker],
+) -> None:
+    worker = start_worker("w", pool="prefork", concurrency=2)
+    job = tasks.limited1.delay("s", 1.0)
+    wait_for(lambda: JobRun.objects.filter(task_id=job.id).exists(), 20, "job to start")
+    worker.stop()
+    assert JobRun.objects.get(task_id=job.id).finished_at is not None
+    assert_all_released("s")
+    assert WorkerProcess.objects.count() == 0
+
+
+def test_explicit_tenant__wins_over_fair_tenant(start_worker: Callable[..., Worker]) -> None:
+    start_worker("w", pool="threads", concurrency=2)
+    tasks.limited3.apply_async(("acme", 0.01), fair_tenant="t1").get(timeout=30)
+    tasks.limited3.s("acme", 0.01).set(fair_tenant="t2").delay().get(timeout=30)
+    tasks.limited3.delay("acme", 0.01).get(timeout=30)
+    assert set(TenantQueueSlot.objects.values_list("tenant", flat=True)) == {"t1", "t2", "acme"}
+
+
+def test_missing_tenant__runs_unthrottled_with_one_warning(
+    start_worker: Callable[..., Worker],
+) -> None:
+    worker = start_worker("w", pool="threads", concurrency=2)
+    results = [tasks.no_tenant.delay(i) for i in range(5)]
+    assert [r.get(timeout=30) for r in results] == [0, 2, 4, 6, 8]
+    assert worker.output().count("ran without a tenant") == 1
+    assert not TenantQueueSlot.objects.exists()
+
+
+def test_send_task_by_name__tenant_resolved_in_worker(
+    start_worker: Callable[..., Worker], celery_app: Any
+) -> None:
+    start_worker("w", pool="threads", concurrency=2)
+    result = celery_app.send_task(tasks.limited3.name, ("byname", 0.01), queue="fair")
+    assert result.get(timeout=30) == "byname:done"
+    assert TenantQueueSlot.objects.filter(tenant="byname").exists()
