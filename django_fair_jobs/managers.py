@@ -57,6 +57,7 @@ class Woken:
     slot_id: int
     task_id: str
     signature: str
+    wake: int
 
 
 def _is_postgres(alias: str) -> bool:
@@ -291,7 +292,7 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                     # The job already has a lease on this slot: it is running, nothing to wake.
                     return None
                 row = cursor.fetchone()
-            return None if row is None else Woken(slot_id, row[0], row[1])
+            return None if row is None else Woken(slot_id, row[0], row[1], row[2])
         return self._wake_portable(slot_id, token)
 
     def _wake_portable(self, slot_id: int, token: uuid.UUID) -> Woken | None:
@@ -314,9 +315,11 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
             )
             if not taken:
                 return None
-            ParkedJob.objects.filter(pk=job.pk).update(woken_at=Now())
+            ParkedJob.objects.filter(pk=job.pk).update(
+                woken_at=Now(), wake_count=F("wake_count") + 1
+            )
             SlotLease.objects.create(slot_id=slot_id, task_id=job.task_id, token=token)
-        return Woken(slot_id, job.task_id, job.signature)
+        return Woken(slot_id, job.task_id, job.signature, job.wake_count + 1)
 
     def with_waiting_room(self) -> list[int]:
         """Slots that have a waiting parked job and a free slot for it (missed wake-ups)."""
@@ -409,7 +412,15 @@ class SlotLeaseManager(models.Manager["SlotLease"]):
 
 
 class ParkedJobManager(models.Manager["ParkedJob"]):
-    """Parked jobs: putting lost wake-ups back in line."""
+    """Parked jobs: telling stale copies apart, putting lost wake-ups back in line."""
+
+    def is_current_wake(self, task_id: str, wake: int) -> bool:
+        """True if ``wake`` is the latest wake of ``task_id``'s parked row.
+
+        False means the message is a stale copy: the job already started (its row is
+        gone), was revoked, or was woken again since and a newer copy is on its way.
+        """
+        return self.filter(task_id=task_id, wake_count=wake).exists()
 
     def rewake_lost(self, *, timeout: float) -> int:
         """Return woken jobs that never started (and lost their reservation) to waiting.

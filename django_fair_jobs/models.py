@@ -158,7 +158,8 @@ class ParkedJob(models.Model):
     ``signature`` is the Celery signature that re-publishes the job unchanged (same task
     id, arguments, headers, links and retry count), serialized with kombu's JSON.
     ``woken_at`` is set when a release reserved a slot for the job and re-published it;
-    the row is deleted when the job starts.
+    the row is deleted when the job starts, so a late copy of a woken message finds no
+    row (or a newer ``wake_count``) and is dropped instead of running twice.
     """
 
     slot = models.ForeignKey(TenantQueueSlot, on_delete=models.PROTECT, related_name="parked")
@@ -168,6 +169,11 @@ class ParkedJob(models.Model):
     default_max_jobs = models.PositiveIntegerField()
     parked_at = models.DateTimeField(db_default=Now())
     woken_at = models.DateTimeField(null=True, blank=True)
+    wake_count = models.PositiveIntegerField(
+        default=0,
+        help_text="How many times the job was woken; each re-published copy carries its "
+        "number, and a copy that is not the latest (or whose row is gone) is dropped.",
+    )
 
     objects = ParkedJobManager()
 

@@ -35,6 +35,9 @@ logger = logging.getLogger("django_fair_jobs.slots")
 DEFERRALS_HEADER = "fair_deferrals"
 """Message header counting how many times a job was deferred (for logs and explain)."""
 
+WAKE_HEADER = "fair_wake"
+"""Message header with the wake number of a re-published parked job."""
+
 _PARK_ATTEMPTS = 20
 """How often park may answer "room" (a slot freed meanwhile) before we park anyway and
 leave the job to the sweep. Each "room" means the slot changed hands, so this is only
@@ -203,12 +206,31 @@ def publish(job: Woken, app: Celery | None = None) -> None:
     woken and the sweep puts it back in line once its reservation expires."""
     celery_app = app or current_app
     try:
-        celery_app.signature(loads(job.signature)).apply_async()
+        sig = celery_app.signature(loads(job.signature))
+        # The header is for a publisher without the task class (send_task); FairTask's
+        # apply_async takes the number from the fair_wake option.
+        sig.options["headers"] = {**(sig.options.get("headers") or {}), WAKE_HEADER: job.wake}
+        sig.apply_async(fair_wake=job.wake)
     except Exception:
         logger.exception("Could not re-publish woken job %s; the sweep will retry it",
                          job.task_id)
         return
     logger.debug("Woke parked job %s on slot %s", job.task_id, job.slot_id)
+
+
+def is_stale_copy(task: Task[Any, Any]) -> bool:
+    """True if the current message is an outdated copy of a woken parked job (the job
+    already started, or a newer wake-up was published): it must not run."""
+    from django_fair_jobs.models import ParkedJob
+
+    wake = (task.request.headers or {}).get(WAKE_HEADER)
+    if wake is None:
+        return False
+    if ParkedJob.objects.is_current_wake(str(task.request.id), int(wake)):
+        return False
+    logger.info("%s[%s]: stale copy of wake-up %s dropped (the job already started or was "
+                "woken again)", task.name, task.request.id, wake)
+    return True
 
 
 def forget_task(task_id: str, app: Celery | None = None) -> None:

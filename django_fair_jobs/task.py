@@ -14,6 +14,7 @@ from celery import Task
 from celery.exceptions import Ignore
 
 from django_fair_jobs.conf import ON_LIMIT_CHOICES, fair_settings
+from django_fair_jobs.slots import WAKE_HEADER
 from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant
 
 
@@ -100,6 +101,12 @@ class FairTask(Task):  # type: ignore[type-arg]
         raise :class:`~django_fair_jobs.tenants.TenantError` here, at enqueue.
         """
         headers = dict(options.get("headers") or {})
+        # The wake number marks one specific re-publish of a parked job; a retry or any
+        # other re-publish built from that request must not inherit it.
+        headers.pop(WAKE_HEADER, None)
+        wake = options.pop("fair_wake", None)
+        if wake is not None:
+            headers[WAKE_HEADER] = wake
         explicit = options.pop("fair_tenant", None)
         if explicit is not None:
             headers[HEADER] = normalize_tenant(explicit)
@@ -140,6 +147,8 @@ class FairTask(Task):  # type: ignore[type-arg]
         if tenant is None:
             warn_missing_tenant(self.name)
             return super().__call__(*args, **kwargs)
+        if slots.is_stale_copy(self):
+            raise Ignore()
         queue = self._fair_queue()
         limit = self.fair_limit()
         acquired = slots.acquire(

@@ -210,3 +210,23 @@ def test_reconcile__drifted_counter__is_repaired(process: uuid.UUID) -> None:
     TenantQueueSlot.objects.update(parked_jobs=5)
     assert TenantQueueSlot.objects.reconcile_parked() == 1
     assert slot().parked_jobs == 1
+
+
+def test_wake_number__stale_copies_are_recognised(process: uuid.UUID) -> None:
+    holder = acquire(process, "j1", limit=1)
+    assert holder is not None
+    assert park("j2", limit=1) == "parked"
+    TenantQueueSlot.objects.release(holder)
+    first = TenantQueueSlot.objects.wake_one(holder.slot_id)
+    assert first is not None and first.wake == 1
+    assert ParkedJob.objects.is_current_wake("j2", 1)
+    # Its message is slow; the reservation expires and the job is woken again.
+    SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
+    ParkedJob.objects.update(woken_at="2000-01-01T00:00:00Z")
+    SlotLease.objects.reap(timeout=60)
+    ParkedJob.objects.rewake_lost(timeout=60)
+    second = TenantQueueSlot.objects.wake_one(holder.slot_id)
+    assert second is not None and second.wake == 2
+    assert not ParkedJob.objects.is_current_wake("j2", 1)  # the first copy is stale
+    assert acquire(process, "j2", limit=1) is not None  # the second copy starts
+    assert not ParkedJob.objects.is_current_wake("j2", 2)  # any later copy is stale

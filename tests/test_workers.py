@@ -209,3 +209,47 @@ def test_send_task_by_name__tenant_resolved_in_worker(
     result = celery_app.send_task(tasks.limited3.name, ("byname", 0.01), queue="fair")
     assert result.get(timeout=30) == "byname:done"
     assert TenantQueueSlot.objects.filter(tenant="byname").exists()
+
+
+def test_stale_holder__reaped_while_frozen__late_release_frees_nothing(
+    start_worker: Callable[..., Worker],
+) -> None:
+    import os
+    import signal
+
+    frozen = start_worker("frozen", pool="prefork", concurrency=1)
+    stale = tasks.limited1.delay("st", 6.0).id
+    wait_for(lambda: JobRun.objects.filter(task_id=stale).exists(), 20, "job 1 to start")
+    (child,) = frozen.child_pids()
+    os.kill(child, signal.SIGSTOP)  # its heartbeat thread stops with it
+    try:
+        start_worker("healthy", pool="prefork", concurrency=2)
+        successor = tasks.limited1.delay("st", 4.0).id
+        # The frozen holder is reaped and the parked successor is woken and started.
+        wait_for(lambda: JobRun.objects.filter(task_id=successor).exists(), 30,
+                 "the successor to start after the frozen holder was reaped")
+    finally:
+        os.kill(child, signal.SIGCONT)
+    wait_finished([stale], timeout=30)  # the stale job ends and releases late: fenced
+    third = tasks.limited1.delay("st", 0.01).id
+    wait_finished([successor, third], timeout=30)
+    runs = {r.task_id: r for r in JobRun.objects.filter(tenant="st")}
+    # Had the stale release freed a slot, the third job would have started beside the
+    # successor; it must wait for the successor to finish.
+    assert runs[third].started_at >= runs[successor].finished_at
+    assert "was reaped while alive; re-registering" in frozen.output()
+    assert_all_released("st")
+
+
+def test_stale_copy_of_woken_job__dropped_not_run(
+    start_worker: Callable[..., Worker],
+) -> None:
+    worker = start_worker("w", pool="threads", concurrency=2)
+    # A copy of a wake-up whose job already started: no parked row carries wake 1.
+    stale = tasks.limited1.apply_async(("sc", 0.01), fair_wake=1)
+    fresh = tasks.limited1.delay("sc", 0.01)
+    assert fresh.get(timeout=30) == "sc:done"
+    wait_for(lambda: "stale copy of wake-up 1 dropped" in worker.output(), 20,
+             "the stale copy to be dropped")
+    assert not JobRun.objects.filter(task_id=stale.id).exists()
+    assert stale.state == "PENDING"

@@ -84,8 +84,9 @@ WITH waiting AS (
     RETURNING s.id
 ), parked AS (
     INSERT INTO fair_jobs_parkedjob AS p
-           (slot_id, task_id, task_name, signature, default_max_jobs, parked_at, woken_at)
-    SELECT id, %(task_id)s, %(task_name)s, %(signature)s, %(limit)s, now(), NULL FROM slot
+           (slot_id, task_id, task_name, signature, default_max_jobs, parked_at, woken_at,
+            wake_count)
+    SELECT id, %(task_id)s, %(task_name)s, %(signature)s, %(limit)s, now(), NULL, 0 FROM slot
     ON CONFLICT (task_id) DO UPDATE
        SET woken_at = NULL, slot_id = EXCLUDED.slot_id, signature = EXCLUDED.signature,
            task_name = EXCLUDED.task_name, default_max_jobs = EXCLUDED.default_max_jobs
@@ -114,7 +115,8 @@ RETURNING s.parked_jobs;
 -- name: wake
 -- Hand a free slot to the oldest waiting parked job of the slot: the slot is acquired on
 -- the job's behalf (same conditional increment as acquire), a lease with no process is
--- reserved for its task id, and the row is marked woken. The caller re-publishes the
+-- reserved for its task id, and the row is marked woken with a new wake number that the
+-- re-published message carries. The caller re-publishes the
 -- returned signature; the job claims its reserved lease when it starts. SKIP LOCKED lets
 -- two wakers pick two different jobs without waiting on each other.
 WITH pick AS (
@@ -134,15 +136,15 @@ WITH pick AS (
     RETURNING s.id
 ), woken AS (
     UPDATE fair_jobs_parkedjob AS p
-       SET woken_at = now()
+       SET woken_at = now(), wake_count = p.wake_count + 1
       FROM pick, slot
      WHERE p.id = pick.id
-    RETURNING p.task_id, p.signature
+    RETURNING p.task_id, p.signature, p.wake_count
 ), lease AS (
     INSERT INTO fair_jobs_slotlease (slot_id, task_id, token, process_id, acquired_at)
     SELECT %(slot_id)s, task_id, %(token)s, NULL, now() FROM woken
 )
-SELECT task_id, signature FROM woken;
+SELECT task_id, signature, wake_count FROM woken;
 
 -- name: reap
 -- Give back the slots of leases whose holder is gone: the process has not beaten within

@@ -1,0 +1,87 @@
+"""Example project settings, read with django-environ.
+
+With no environment at all it runs on embedded defaults: SQLite and kombu's filesystem
+broker under ``.demo/`` (no service needed). Point it at real services with, e.g.::
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/fair_jobs_example \\
+    CELERY_BROKER_URL=redis://127.0.0.1:6379/0 python manage.py run_demo
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+env = environ.Env()
+environ.Env.read_env(BASE_DIR / ".env")  # optional; never committed
+
+DEMO_DIR = Path(env.str("DEMO_DIR", default=str(BASE_DIR / ".demo")))
+DEMO_DIR.mkdir(parents=True, exist_ok=True)
+
+SECRET_KEY = env.str("SECRET_KEY", default="example-only-not-secret")
+DEBUG = env.bool("DEBUG", default=True)
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1"])
+USE_TZ = True
+TIME_ZONE = "UTC"
+ROOT_URLCONF = "example.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+STATIC_URL = "static/"
+
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{DEMO_DIR / 'db.sqlite3'}")}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # WAL: readers never block the writer, so heartbeats land on time; IMMEDIATE: writers
+    # queue for the lock instead of failing to upgrade it.
+    DATABASES["default"]["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 30,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_fair_jobs",
+    "shop",
+]
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="filesystem://")
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    (DEMO_DIR / "broker").mkdir(exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(DEMO_DIR / "broker"),
+        "data_folder_out": str(DEMO_DIR / "broker"),
+        "store_processed": False,
+    }
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+
+FAIR_JOBS_HEARTBEAT_INTERVAL = env.float("FAIR_JOBS_HEARTBEAT_INTERVAL", default=2.0)
+FAIR_JOBS_WORKER_TIMEOUT = env.float("FAIR_JOBS_WORKER_TIMEOUT", default=20.0)

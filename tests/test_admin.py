@@ -1,0 +1,142 @@
+"""The admin console: editing limits, pausing, reaping; bad input is refused."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.test import Client
+
+from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def staff(client: Client) -> Client:
+    user = User.objects.create_superuser("ops", "ops@example.com", "pw")
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def process() -> uuid.UUID:
+    pid = uuid.uuid4()
+    WorkerProcess.objects.register(process_id=pid, node="n@h", hostname="h", pid=1)
+    return pid
+
+
+def acquire(process: uuid.UUID, task_id: str, limit: int = 1) -> Any:
+    return TenantQueueSlot.objects.try_acquire(
+        tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
+    ).grant
+
+
+def test_changelist__lists_slots_with_search_and_filter(staff: Client, process: uuid.UUID) -> None:
+    acquire(process, "j1")
+    response = staff.get("/admin/fair_jobs/tenantqueueslot/", {"q": "acme", "queue": "q"})
+    assert response.status_code == 200
+    assert b"acme" in response.content
+
+
+def test_edit_limit__takes_effect_on_next_job(staff: Client, process: uuid.UUID) -> None:
+    assert acquire(process, "j1") is not None
+    assert acquire(process, "j2") is None
+    slot = TenantQueueSlot.objects.get()
+    response = staff.post(
+        f"/admin/fair_jobs/tenantqueueslot/{slot.pk}/change/",
+        {"max_jobs": "2", "leases-TOTAL_FORMS": "1", "leases-INITIAL_FORMS": "1",
+         "leases-MIN_NUM_FORMS": "0", "leases-MAX_NUM_FORMS": "1000",
+         "leases-0-id": str(SlotLease.objects.get().pk), "leases-0-slot": str(slot.pk)},
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert acquire(process, "j2") is not None
+    slot.refresh_from_db()
+    assert (slot.max_jobs, slot.current_jobs) == (2, 2)
+
+
+def test_edit_limit__negative__refused_with_message(staff: Client, process: uuid.UUID) -> None:
+    acquire(process, "j1")
+    slot = TenantQueueSlot.objects.get()
+    response = staff.post(
+        f"/admin/fair_jobs/tenantqueueslot/{slot.pk}/change/",
+        {"max_jobs": "-3", "leases-TOTAL_FORMS": "0", "leases-INITIAL_FORMS": "0",
+         "leases-MIN_NUM_FORMS": "0", "leases-MAX_NUM_FORMS": "1000"},
+    )
+    assert response.status_code == 200
+    assert b"greater than or equal to 0" in response.content
+    slot.refresh_from_db()
+    assert slot.max_jobs is None
+
+
+def test_edit_limit__raising_wakes_parked_jobs(staff: Client, process: uuid.UUID,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    published: list[str] = []
+    monkeypatch.setattr("django_fair_jobs.slots.publish",
+                        lambda job, app=None: published.append(job.task_id))
+    acquire(process, "j1")
+    TenantQueueSlot.objects.try_park(tenant="acme", queue="q", task_id="j2", task_name="t",
+                                     limit=1, signature="{}")
+    slot = TenantQueueSlot.objects.get()
+    staff.post(
+        f"/admin/fair_jobs/tenantqueueslot/{slot.pk}/change/",
+        {"max_jobs": "2", "leases-TOTAL_FORMS": "0", "leases-INITIAL_FORMS": "0",
+         "leases-MIN_NUM_FORMS": "0", "leases-MAX_NUM_FORMS": "1000"},
+    )
+    assert published == ["j2"]
+    assert ParkedJob.objects.get().woken_at is not None
+
+
+def test_action_pause__sets_limit_zero(staff: Client, process: uuid.UUID) -> None:
+    grant = acquire(process, "j1")
+    slot = TenantQueueSlot.objects.get()
+    staff.post("/admin/fair_jobs/tenantqueueslot/",
+               {"action": "pause_tenants", "_selected_action": [slot.pk]})
+    TenantQueueSlot.objects.release(grant)
+    assert acquire(process, "j2") is None
+    assert TenantQueueSlot.objects.get().max_jobs == 0
+
+
+def test_action_reap__releases_dead_workers_only(staff: Client, process: uuid.UUID) -> None:
+    acquire(process, "j1")
+    dead = uuid.uuid4()
+    WorkerProcess.objects.register(process_id=dead, node="d@h", hostname="h", pid=2)
+    TenantQueueSlot.objects.try_acquire(tenant="other", queue="q", task_id="j9", limit=1,
+                                        process_id=dead, timeout=60)
+    WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at="2000-01-01T00:00:00Z")
+    slot = TenantQueueSlot.objects.get(tenant="acme")
+    staff.post("/admin/fair_jobs/tenantqueueslot/",
+               {"action": "reap_dead_workers", "_selected_action": [slot.pk]})
+    assert TenantQueueSlot.objects.get(tenant="other").current_jobs == 0
+    assert TenantQueueSlot.objects.get(tenant="acme").current_jobs == 1
+
+
+def test_parked_and_process_pages__render_read_only(staff: Client, process: uuid.UUID) -> None:
+    acquire(process, "j1")
+    TenantQueueSlot.objects.try_park(tenant="acme", queue="q", task_id="j2", task_name="t",
+                                     limit=1, signature="{}")
+    assert staff.get("/admin/fair_jobs/parkedjob/").status_code == 200
+    assert staff.get("/admin/fair_jobs/workerprocess/").status_code == 200
+    assert staff.get("/admin/fair_jobs/parkedjob/add/").status_code == 403
+
+
+def test_reap_command__prints_report(process: uuid.UUID, capsys: pytest.CaptureFixture[str]) -> None:
+    acquire(process, "j1")
+    WorkerProcess.objects.update(last_heartbeat_at="2000-01-01T00:00:00Z")
+    call_command("fair_jobs_reap")
+    assert "Reaped 1 lease(s) on 1 slot(s)" in capsys.readouterr().out
+    assert TenantQueueSlot.objects.get().current_jobs == 0
+
+
+def test_reap_command__bad_timeout__command_error() -> None:
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="--timeout"):
+        call_command("fair_jobs_reap", "--timeout", "-1")
+
+
+def test_migrations__in_sync() -> None:
+    call_command("makemigrations", "--check", "--dry-run", verbosity=0)
