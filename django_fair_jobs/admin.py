@@ -52,8 +52,15 @@ class TenantQueueSlotAdmin(_SlotAdmin):
     list_filter = ("queue",)
     search_fields = ("tenant",)
     ordering = ("tenant", "queue")
-    fields = ("tenant", "queue", "max_jobs", "default_max_jobs", "current_jobs", "parked_jobs",
-              "deferred_total")
+    fields = (
+        "tenant",
+        "queue",
+        "max_jobs",
+        "default_max_jobs",
+        "current_jobs",
+        "parked_jobs",
+        "deferred_total",
+    )
     readonly_fields = ("default_max_jobs", "current_jobs", "parked_jobs", "deferred_total")
     inlines = (SlotLeaseInline,)
     actions = ("pause_tenants", "clear_overrides", "reap_dead_workers")
@@ -75,7 +82,9 @@ class TenantQueueSlotAdmin(_SlotAdmin):
     def live_leases(self, obj: TenantQueueSlot) -> int:
         return int(getattr(obj, "lease_count", 0))
 
-    def save_model(self, request: HttpRequest, obj: TenantQueueSlot, form: Any, change: bool) -> None:
+    def save_model(
+        self, request: HttpRequest, obj: TenantQueueSlot, form: Any, change: bool
+    ) -> None:
         # Only the override is written: the counters belong to the running workers.
         if change:
             TenantQueueSlot.objects.filter(pk=obj.pk).update(max_jobs=obj.max_jobs)
@@ -88,14 +97,17 @@ class TenantQueueSlotAdmin(_SlotAdmin):
             if woken:
                 self.message_user(request, f"{obj}: woke {woken} parked job(s).")
 
-    @admin.action(description="Pause selected tenants on their queue (limit 0)",
-                  permissions=["change"])
+    @admin.action(
+        description="Pause selected tenants on their queue (limit 0)", permissions=["change"]
+    )
     def pause_tenants(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
         count = queryset.update(max_jobs=0)
         self.message_user(request, f"Paused {count} slot(s); running jobs finish, new ones park.")
 
-    @admin.action(description="Resume: clear the limit override (use the task's default)",
-                  permissions=["change"])
+    @admin.action(
+        description="Resume: clear the limit override (use the task's default)",
+        permissions=["change"],
+    )
     def clear_overrides(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
         from django_fair_jobs.slots import wake
 

@@ -28,7 +28,8 @@ from django_fair_jobs.conf import ON_LIMIT_CHOICES, PREFIX, fair_settings
 def _number(value: Any, minimum: float, strict: bool) -> bool:
     if isinstance(value, bool) or not isinstance(value, Real):
         return False
-    return bool(value > minimum if strict else value >= minimum)
+    number = float(value)
+    return number > minimum if strict else number >= minimum
 
 
 _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [

@@ -26,7 +26,14 @@ from django_fair_jobs.sql import queries
 if TYPE_CHECKING:
     from datetime import timedelta
 
-    from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+    # Used in the Manager["..."] subscripts below, which the linter cannot see.
+    from django_fair_jobs.models import (  # noqa: F401
+        ParkedJob,
+        SlotLease,
+        TenantQueueSlot,
+        WorkerProcess,
+    )
+
 
 ParkOutcome = Literal["parked", "already_parked", "room"]
 AcquireStatus = Literal["held", "full", "duplicate"]
@@ -108,7 +115,7 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         token = uuid.uuid4()
         alias = self._alias()
         if _is_postgres(alias):
-            params = {
+            params: dict[str, Any] = {
                 "tenant": tenant,
                 "queue": queue,
                 "task_id": task_id,
@@ -199,7 +206,7 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         """
         alias = self._alias()
         if _is_postgres(alias):
-            params = {
+            params: dict[str, Any] = {
                 "tenant": tenant,
                 "queue": queue,
                 "task_id": task_id,
@@ -256,7 +263,11 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         redelivery): a stale holder releases nothing.
         """
         alias = self._alias()
-        params = {"slot_id": grant.slot_id, "task_id": grant.task_id, "token": grant.token}
+        params: dict[str, Any] = {
+            "slot_id": grant.slot_id,
+            "task_id": grant.task_id,
+            "token": grant.token,
+        }
         if _is_postgres(alias):
             with connections[alias].cursor() as cursor:
                 cursor.execute(queries()["release"], params)
@@ -444,9 +455,7 @@ class ParkedJobManager(models.Manager["ParkedJob"]):
                 counts[slot_id] = counts.get(slot_id, 0) + 1
             lost.update(woken_at=None)
             for slot_id, n in counts.items():
-                TenantQueueSlot.objects.filter(pk=slot_id).update(
-                    parked_jobs=F("parked_jobs") + n
-                )
+                TenantQueueSlot.objects.filter(pk=slot_id).update(parked_jobs=F("parked_jobs") + n)
         return len(counts)
 
     def forget(self, task_id: str) -> None:

@@ -16,13 +16,14 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models.functions import Now
 
-from django_fair_jobs.tenants import TENANT_MAX_LENGTH
 from django_fair_jobs.managers import (
     ParkedJobManager,
     SlotLeaseManager,
     TenantQueueSlotManager,
     WorkerProcessManager,
 )
+from django_fair_jobs.tenants import TENANT_MAX_LENGTH
+
 
 class TenantQueueSlot(models.Model):
     """How many of one tenant's jobs may run at once on one queue, and how many do.

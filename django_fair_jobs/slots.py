@@ -47,9 +47,7 @@ _pending_releases: list[Grant] = []
 _pending_lock = threading.Lock()
 
 
-def acquire(
-    *, tenant: str, queue: str, task_id: str, limit: int, node: str | None
-) -> Acquisition:
+def acquire(*, tenant: str, queue: str, task_id: str, limit: int, node: str | None) -> Acquisition:
     """Take a slot of ``tenant`` on ``queue`` for ``task_id``."""
     from django_fair_jobs.models import TenantQueueSlot
     from django_fair_jobs.workers import current_process_id
@@ -72,7 +70,9 @@ def postpone_duplicate(task: Task[Any, Any], args: tuple[Any, ...], kwargs: dict
     request = task.request
     logger.info(
         "%s[%s] is already running in a live worker; this delivery is postponed %s s",
-        task.name, request.id, fair_settings.WORKER_TIMEOUT,
+        task.name,
+        request.id,
+        fair_settings.WORKER_TIMEOUT,
     )
     task.signature_from_request(
         request, args, kwargs, countdown=fair_settings.WORKER_TIMEOUT
@@ -110,7 +110,11 @@ def defer(
         sig.apply_async()
         logger.debug(
             "Deferred %s[%s]: tenant %r at its limit on %s; retrying in %.1f s",
-            task.name, request.id, tenant, queue, countdown,
+            task.name,
+            request.id,
+            tenant,
+            queue,
+            countdown,
         )
         return None
     signature = dumps(dict(task.signature_from_request(request, args, kwargs, headers=headers)))
@@ -126,11 +130,18 @@ def defer(
         if outcome != "room":
             logger.debug(
                 "Deferred %s[%s]: tenant %r at its limit on %s; %s",
-                task.name, request.id, tenant, queue, outcome.replace("_", " "),
+                task.name,
+                request.id,
+                tenant,
+                queue,
+                outcome.replace("_", " "),
             )
             return None
         again = acquire(
-            tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
+            tenant=tenant,
+            queue=queue,
+            task_id=str(request.id),
+            limit=limit,
             node=request.hostname,
         )
         if again.grant is not None:
@@ -140,7 +151,10 @@ def defer(
             return None
     logger.warning(
         "Could not park or start %s[%s] after %s tries; re-publishing it in %s s",
-        task.name, request.id, _PARK_ATTEMPTS, retry_countdown,
+        task.name,
+        request.id,
+        _PARK_ATTEMPTS,
+        retry_countdown,
     )
     task.signature_from_request(request, args, kwargs, countdown=retry_countdown).apply_async()
     return None
@@ -157,15 +171,17 @@ def release(grant: Grant, app: Celery | None = None) -> None:
     try:
         parked = TenantQueueSlot.objects.release(grant)
     except Exception:
-        logger.exception("Could not release slot %s of %s; will retry", grant.slot_id,
-                         grant.task_id)
+        logger.exception(
+            "Could not release slot %s of %s; will retry", grant.slot_id, grant.task_id
+        )
         with _pending_lock:
             _pending_releases.append(grant)
         return
     if parked is None:
         logger.info(
-            "Lease of %s on slot %s was gone at release (reaped or taken over); "
-            "nothing released", grant.task_id, grant.slot_id,
+            "Lease of %s on slot %s was gone at release (reaped or taken over); nothing released",
+            grant.task_id,
+            grant.slot_id,
         )
     elif parked > 0:
         wake(grant.slot_id, limit=1, app=app)
@@ -212,8 +228,7 @@ def publish(job: Woken, app: Celery | None = None) -> None:
         sig.options["headers"] = {**(sig.options.get("headers") or {}), WAKE_HEADER: job.wake}
         sig.apply_async(fair_wake=job.wake)
     except Exception:
-        logger.exception("Could not re-publish woken job %s; the sweep will retry it",
-                         job.task_id)
+        logger.exception("Could not re-publish woken job %s; the sweep will retry it", job.task_id)
         return
     logger.debug("Woke parked job %s on slot %s", job.task_id, job.slot_id)
 
@@ -228,8 +243,12 @@ def is_stale_copy(task: Task[Any, Any]) -> bool:
         return False
     if ParkedJob.objects.is_current_wake(str(task.request.id), int(wake)):
         return False
-    logger.info("%s[%s]: stale copy of wake-up %s dropped (the job already started or was "
-                "woken again)", task.name, task.request.id, wake)
+    logger.info(
+        "%s[%s]: stale copy of wake-up %s dropped (the job already started or was woken again)",
+        task.name,
+        task.request.id,
+        wake,
+    )
     return True
 
 

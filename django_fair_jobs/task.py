@@ -129,7 +129,11 @@ class FairTask(Task):  # type: ignore[type-arg]
 
     def _fair_queue(self) -> str:
         info = self.request.delivery_info or {}
-        queue = info.get("routing_key") or self.queue or self.app.conf.task_default_queue
+        queue = (
+            info.get("routing_key")
+            or getattr(self, "queue", None)
+            or self.app.conf.task_default_queue
+        )
         return str(queue)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -152,7 +156,10 @@ class FairTask(Task):  # type: ignore[type-arg]
         queue = self._fair_queue()
         limit = self.fair_limit()
         acquired = slots.acquire(
-            tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
+            tenant=tenant,
+            queue=queue,
+            task_id=str(request.id),
+            limit=limit,
             node=request.hostname,
         )
         grant = acquired.grant

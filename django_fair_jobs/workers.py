@@ -81,19 +81,23 @@ def _heartbeat_loop(ident: _Identity) -> None:
                 if not WorkerProcess.objects.beat(ident.process_id):
                     # We were presumed dead (a stall longer than the timeout) and reaped:
                     # our old leases are gone and our late releases are fenced; come back.
-                    logger.warning("Worker process %s was reaped while alive; re-registering",
-                                   ident.process_id)
+                    logger.warning(
+                        "Worker process %s was reaped while alive; re-registering", ident.process_id
+                    )
                     WorkerProcess.objects.register(
-                        process_id=ident.process_id, node=ident.node,
-                        hostname=socket.gethostname(), pid=ident.pid,
+                        process_id=ident.process_id,
+                        node=ident.node,
+                        hostname=socket.gethostname(),
+                        pid=ident.pid,
                     )
                 retry_pending_releases()
                 run_maintenance()
             except Exception:
                 # A database outage must not kill the heartbeat: drop the connection and
                 # try again next interval.
-                logger.exception("Heartbeat failed; retrying in %s s",
-                                 fair_settings.HEARTBEAT_INTERVAL)
+                logger.exception(
+                    "Heartbeat failed; retrying in %s s", fair_settings.HEARTBEAT_INTERVAL
+                )
                 connections.close_all()
     finally:
         connections.close_all()
@@ -149,7 +153,11 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         logger.info(
             "Maintenance: reaped %s leases on %s slots, re-queued %s lost wake-ups, "
             "woke %s parked jobs, fixed %s counters",
-            sum(n for _, n in reaped), len(reaped), lost, woken, fixed,
+            sum(n for _, n in reaped),
+            len(reaped),
+            lost,
+            woken,
+            fixed,
         )
     return MaintenanceReport(
         leases_reaped=sum(n for _, n in reaped),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,7 +51,9 @@ class Worker:
     def child_pids(self) -> list[int]:
         out = subprocess.run(
             ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout
         return [int(p) for p in out.split()]
 
@@ -67,10 +70,8 @@ class Worker:
         """SIGKILL the worker and its pool processes: nothing runs its ``finally``."""
         pids = self.children = self.child_pids()
         for pid in [self.proc.pid, *pids]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait(10)
 
 
@@ -87,7 +88,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, message: str) -> Any:
 
 
 @pytest.fixture
-def broker_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def broker_env() -> dict[str, str]:
     """Environment for worker processes; purges the test queues before each test."""
     env = {
         **os.environ,
@@ -101,17 +102,14 @@ def broker_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, s
 
     with app.connection_for_write() as conn:
         for queue in ("fair", "default", "other"):
-            try:
-                conn.default_channel.queue_purge(queue)
-            except Exception:  # the queue does not exist yet  # noqa: S110
-                pass
-    yield env
+            # A queue that does not exist yet has nothing to purge.
+            with contextlib.suppress(Exception):
+                conn.default_channel.queue_purge(queue)  # type: ignore[attr-defined]
+    return env
 
 
 @pytest.fixture
-def start_worker(
-    broker_env: dict[str, str], tmp_path: Path
-) -> Iterator[Callable[..., Worker]]:
+def start_worker(broker_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     """Start real ``celery worker`` processes; all are stopped at the end of the test."""
     workers: list[Worker] = []
 
@@ -124,20 +122,41 @@ def start_worker(
     ) -> Worker:
         log = tmp_path / f"{name}.log"
         cmd = [
-            sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
-            "-P", pool, "-c", str(concurrency), "-Q", queues, "-n", f"{name}@%h",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.celery_app",
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-Q",
+            queues,
+            "-n",
+            f"{name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-l",
+            "INFO",
         ]
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                cmd, cwd=ROOT, env={**broker_env, **(extra_env or {})},
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                cmd,
+                cwd=ROOT,
+                env={**broker_env, **(extra_env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         worker = Worker(name, proc, log)
         workers.append(worker)
         wait_for(
             lambda: " ready." in worker.output() or proc.poll() is not None,
-            60, f"worker {name} to start",
+            60,
+            f"worker {name} to start",
         )
         assert proc.poll() is None, worker.output()
         return worker

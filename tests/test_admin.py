@@ -48,9 +48,15 @@ def test_edit_limit__takes_effect_on_next_job(staff: Client, process: uuid.UUID)
     slot = TenantQueueSlot.objects.get()
     response = staff.post(
         f"/admin/fair_jobs/tenantqueueslot/{slot.pk}/change/",
-        {"max_jobs": "2", "leases-TOTAL_FORMS": "1", "leases-INITIAL_FORMS": "1",
-         "leases-MIN_NUM_FORMS": "0", "leases-MAX_NUM_FORMS": "1000",
-         "leases-0-id": str(SlotLease.objects.get().pk), "leases-0-slot": str(slot.pk)},
+        {
+            "max_jobs": "2",
+            "leases-TOTAL_FORMS": "1",
+            "leases-INITIAL_FORMS": "1",
+            "leases-MIN_NUM_FORMS": "0",
+            "leases-MAX_NUM_FORMS": "1000",
+            "leases-0-id": str(SlotLease.objects.get().pk),
+            "leases-0-slot": str(slot.pk),
+        },
     )
     assert response.status_code == 302, response.content.decode()[:2000]
     assert acquire(process, "j2") is not None
@@ -63,8 +69,13 @@ def test_edit_limit__negative__refused_with_message(staff: Client, process: uuid
     slot = TenantQueueSlot.objects.get()
     response = staff.post(
         f"/admin/fair_jobs/tenantqueueslot/{slot.pk}/change/",
-        {"max_jobs": "-3", "leases-TOTAL_FORMS": "0", "leases-INITIAL_FORMS": "0",
-         "leases-MIN_NUM_FORMS": "0", "leases-MAX_NUM_FORMS": "1000"},
+        {
+            "max_jobs": "-3",
+            "leases-TOTAL_FORMS": "0",
+            "leases-INITIAL_FORMS": "0",
+            "leases-MIN_NUM_FORMS": "0",
+            "leases-MAX_NUM_FORMS": "1000",
+        },
     )
     assert response.status_code == 200
     assert b"greater than or equal to 0" in response.content
@@ -72,19 +83,27 @@ def test_edit_limit__negative__refused_with_message(staff: Client, process: uuid
     assert slot.max_jobs is None
 
 
-def test_edit_limit__raising_wakes_parked_jobs(staff: Client, process: uuid.UUID,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_edit_limit__raising_wakes_parked_jobs(
+    staff: Client, process: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
     published: list[str] = []
-    monkeypatch.setattr("django_fair_jobs.slots.publish",
-                        lambda job, app=None: published.append(job.task_id))
+    monkeypatch.setattr(
+        "django_fair_jobs.slots.publish", lambda job, app=None: published.append(job.task_id)
+    )
     acquire(process, "j1")
-    TenantQueueSlot.objects.try_park(tenant="acme", queue="q", task_id="j2", task_name="t",
-                                     limit=1, signature="{}")
+    TenantQueueSlot.objects.try_park(
+        tenant="acme", queue="q", task_id="j2", task_name="t", limit=1, signature="{}"
+    )
     slot = TenantQueueSlot.objects.get()
     staff.post(
         f"/admin/fair_jobs/tenantqueueslot/{slot.pk}/change/",
-        {"max_jobs": "2", "leases-TOTAL_FORMS": "0", "leases-INITIAL_FORMS": "0",
-         "leases-MIN_NUM_FORMS": "0", "leases-MAX_NUM_FORMS": "1000"},
+        {
+            "max_jobs": "2",
+            "leases-TOTAL_FORMS": "0",
+            "leases-INITIAL_FORMS": "0",
+            "leases-MIN_NUM_FORMS": "0",
+            "leases-MAX_NUM_FORMS": "1000",
+        },
     )
     assert published == ["j2"]
     assert ParkedJob.objects.get().woken_at is not None
@@ -93,8 +112,10 @@ def test_edit_limit__raising_wakes_parked_jobs(staff: Client, process: uuid.UUID
 def test_action_pause__sets_limit_zero(staff: Client, process: uuid.UUID) -> None:
     grant = acquire(process, "j1")
     slot = TenantQueueSlot.objects.get()
-    staff.post("/admin/fair_jobs/tenantqueueslot/",
-               {"action": "pause_tenants", "_selected_action": [slot.pk]})
+    staff.post(
+        "/admin/fair_jobs/tenantqueueslot/",
+        {"action": "pause_tenants", "_selected_action": [slot.pk]},
+    )
     TenantQueueSlot.objects.release(grant)
     assert acquire(process, "j2") is None
     assert TenantQueueSlot.objects.get().max_jobs == 0
@@ -104,26 +125,32 @@ def test_action_reap__releases_dead_workers_only(staff: Client, process: uuid.UU
     acquire(process, "j1")
     dead = uuid.uuid4()
     WorkerProcess.objects.register(process_id=dead, node="d@h", hostname="h", pid=2)
-    TenantQueueSlot.objects.try_acquire(tenant="other", queue="q", task_id="j9", limit=1,
-                                        process_id=dead, timeout=60)
+    TenantQueueSlot.objects.try_acquire(
+        tenant="other", queue="q", task_id="j9", limit=1, process_id=dead, timeout=60
+    )
     WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at="2000-01-01T00:00:00Z")
     slot = TenantQueueSlot.objects.get(tenant="acme")
-    staff.post("/admin/fair_jobs/tenantqueueslot/",
-               {"action": "reap_dead_workers", "_selected_action": [slot.pk]})
+    staff.post(
+        "/admin/fair_jobs/tenantqueueslot/",
+        {"action": "reap_dead_workers", "_selected_action": [slot.pk]},
+    )
     assert TenantQueueSlot.objects.get(tenant="other").current_jobs == 0
     assert TenantQueueSlot.objects.get(tenant="acme").current_jobs == 1
 
 
 def test_parked_and_process_pages__render_read_only(staff: Client, process: uuid.UUID) -> None:
     acquire(process, "j1")
-    TenantQueueSlot.objects.try_park(tenant="acme", queue="q", task_id="j2", task_name="t",
-                                     limit=1, signature="{}")
+    TenantQueueSlot.objects.try_park(
+        tenant="acme", queue="q", task_id="j2", task_name="t", limit=1, signature="{}"
+    )
     assert staff.get("/admin/fair_jobs/parkedjob/").status_code == 200
     assert staff.get("/admin/fair_jobs/workerprocess/").status_code == 200
     assert staff.get("/admin/fair_jobs/parkedjob/add/").status_code == 403
 
 
-def test_reap_command__prints_report(process: uuid.UUID, capsys: pytest.CaptureFixture[str]) -> None:
+def test_reap_command__prints_report(
+    process: uuid.UUID, capsys: pytest.CaptureFixture[str]
+) -> None:
     acquire(process, "j1")
     WorkerProcess.objects.update(last_heartbeat_at="2000-01-01T00:00:00Z")
     call_command("fair_jobs_reap")

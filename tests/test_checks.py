@@ -45,9 +45,7 @@ def test_e005__heartbeat_interval() -> None:
 
 
 def test_e006__heartbeat_not_below_timeout() -> None:
-    assert ids(FAIR_JOBS_HEARTBEAT_INTERVAL=60, FAIR_JOBS_WORKER_TIMEOUT=60) == [
-        "fair_jobs.E006"
-    ]
+    assert ids(FAIR_JOBS_HEARTBEAT_INTERVAL=60, FAIR_JOBS_WORKER_TIMEOUT=60) == ["fair_jobs.E006"]
 
 
 def test_e007__tenant_warning_interval() -> None:

@@ -19,10 +19,15 @@ def process() -> uuid.UUID:
     return pid
 
 
-def acquire(process: uuid.UUID, task_id: str, tenant: str = "acme", queue: str = "q",
-            limit: int = 2) -> Grant | None:
+def acquire(
+    process: uuid.UUID, task_id: str, tenant: str = "acme", queue: str = "q", limit: int = 2
+) -> Grant | None:
     return TenantQueueSlot.objects.try_acquire(
-        tenant=tenant, queue=queue, task_id=task_id, limit=limit, process_id=process,
+        tenant=tenant,
+        queue=queue,
+        task_id=task_id,
+        limit=limit,
+        process_id=process,
         timeout=60,
     ).grant
 
@@ -34,12 +39,17 @@ def status(process: uuid.UUID, task_id: str, limit: int = 2) -> str:
 
 
 def slot(tenant: str = "acme", queue: str = "q") -> TenantQueueSlot:
-    return TenantQueueSlot.objects.get(tenant=tenant, queue=queue)
+    found: TenantQueueSlot = TenantQueueSlot.objects.get(tenant=tenant, queue=queue)
+    return found
 
 
 def park(task_id: str, tenant: str = "acme", limit: int = 2) -> str:
     return TenantQueueSlot.objects.try_park(
-        tenant=tenant, queue="q", task_id=task_id, task_name="t", limit=limit,
+        tenant=tenant,
+        queue="q",
+        task_id=task_id,
+        task_name="t",
+        limit=limit,
         signature=f'{{"task": "t", "options": {{"task_id": "{task_id}"}}}}',
     )
 

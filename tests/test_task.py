@@ -23,8 +23,9 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Capture the options Celery's apply_async receives, without a broker."""
     calls: list[dict[str, Any]] = []
 
-    def fake_apply_async(self: Any, args: Any = None, kwargs: Any = None, *rest: Any,
-                         **options: Any) -> None:
+    def fake_apply_async(
+        self: Any, args: Any = None, kwargs: Any = None, *rest: Any, **options: Any
+    ) -> None:
         calls.append({"args": args, "kwargs": kwargs, **options})
 
     monkeypatch.setattr("celery.app.task.Task.apply_async", fake_apply_async)
@@ -38,7 +39,7 @@ def test_publish__tenant_from_fair_tenant(sent: list[dict[str, Any]]) -> None:
 
 def test_publish__explicit_tenant_wins(sent: list[dict[str, Any]]) -> None:
     tasks.limited3.apply_async(("acme", 0.1), fair_tenant="t1")
-    tasks.limited3.s("acme", 0.1).set(fair_tenant=42).delay()
+    tasks.limited3.s("acme", 0.1).set(fair_tenant=42).delay()  # type: ignore[call-arg]
     assert [c["headers"]["fair_tenant"] for c in sent] == ["t1", "42"]
     assert all("fair_tenant" not in c for c in sent)
 
@@ -70,7 +71,14 @@ def test_publish__tenant_too_long__error_and_nothing_sent(sent: list[dict[str, A
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(None, None), ("", None), ("   ", None), (7, "7"), ("ünïcode", "ünïcode"), ("x" * 255, "x" * 255)],
+    [
+        (None, None),
+        ("", None),
+        ("   ", None),
+        (7, "7"),
+        ("ünïcode", "ünïcode"),
+        ("x" * 255, "x" * 255),
+    ],
 )
 def test_normalize_tenant(value: Any, expected: str | None) -> None:
     assert normalize_tenant(value) == expected
@@ -94,13 +102,15 @@ def test_warn_missing_tenant__rate_limited(caplog: pytest.LogCaptureFixture, set
     ],
 )
 def test_task_options__invalid__error_at_definition(options: dict[str, Any], match: str) -> None:
-    with pytest.raises(FairTaskConfigError, match=match):
-
+    def define() -> Any:
         @shared_task(base=FairTask, name=f"tests.bad_{len(options)}", **options)
         def bad() -> None:
             pass
 
-        bad.fair_max_jobs  # noqa: B018  (shared_task is lazy: touching it builds the class)
+        return bad.fair_max_jobs  # shared_task is lazy: touching it builds the class
+
+    with pytest.raises(FairTaskConfigError, match=match):
+        define()
 
 
 def test_eager__runs_without_slots(settings: Any) -> None:

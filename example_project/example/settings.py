@@ -78,10 +78,12 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "data_folder_in": str(DEMO_DIR / "broker"),
         "data_folder_out": str(DEMO_DIR / "broker"),
         "store_processed": False,
+        # The transport polls its folder; its 1 s default would cap the demo at a few
+        # messages a second.
+        "polling_interval": 0.01,
     }
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 
-FAIR_JOBS_HEARTBEAT_INTERVAL = env.float("FAIR_JOBS_HEARTBEAT_INTERVAL", default=2.0)
-FAIR_JOBS_WORKER_TIMEOUT = env.float("FAIR_JOBS_WORKER_TIMEOUT", default=20.0)
+# FAIR_JOBS_* settings are read from the environment by the library itself.

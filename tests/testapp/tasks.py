@@ -46,8 +46,14 @@ def limited1(self: Any, tenant: str, duration: float = 0.05) -> str:
     return _run(self, tenant, duration)
 
 
-@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_on_limit="retry",
-             fair_retry_countdown=0.2, max_retries=0)
+@shared_task(
+    base=TenantFromFirstArg,
+    bind=True,
+    queue="fair",
+    fair_on_limit="retry",
+    fair_retry_countdown=0.2,
+    max_retries=0,
+)
 def limited1_retry(self: Any, tenant: str, duration: float = 0.05) -> str:
     """A job at the default limit that defers by re-publishing with a countdown."""
     return _run(self, tenant, duration)
@@ -57,8 +63,15 @@ def limited1_retry(self: Any, tenant: str, duration: float = 0.05) -> str:
 def retries_once(self: Any, tenant: str, duration: float = 0.05) -> str:
     """Fails on its first run and calls self.retry(): the retry competes for the slot."""
     if self.request.retries == 0:
-        JobRun.objects.create(task_id=self.request.id, tenant=tenant, pid=0, retries=0,
-                              started_at=Now(), finished_at=Now(), queue="retry-marker")
+        JobRun.objects.create(
+            task_id=self.request.id,
+            tenant=tenant,
+            pid=0,
+            retries=0,
+            started_at=Now(),
+            finished_at=Now(),
+            queue="retry-marker",
+        )
         raise self.retry(countdown=0.1)
     return _run(self, tenant, duration)
 

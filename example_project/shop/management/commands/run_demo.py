@@ -50,18 +50,36 @@ class Command(BaseCommand):
     help = "Flood the imports with one greedy merchant, plain Celery vs FairTask."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--greedy-jobs", type=int, default=120,
-                            help="Imports the greedy merchant enqueues at once (default 120).")
-        parser.add_argument("--small-merchants", type=int, default=10,
-                            help="Small merchants enqueueing shortly after (default 10).")
-        parser.add_argument("--small-jobs", type=int, default=2,
-                            help="Imports per small merchant (default 2).")
-        parser.add_argument("--seconds", type=float, default=0.05,
-                            help="Duration of one import in seconds (default 0.05).")
-        parser.add_argument("--concurrency", type=int, default=4,
-                            help="Worker concurrency (default 4).")
-        parser.add_argument("--timeout", type=float, default=300,
-                            help="Give up after this many seconds per mode (default 300).")
+        parser.add_argument(
+            "--greedy-jobs",
+            type=int,
+            default=120,
+            help="Imports the greedy merchant enqueues at once (default 120).",
+        )
+        parser.add_argument(
+            "--small-merchants",
+            type=int,
+            default=10,
+            help="Small merchants enqueueing shortly after (default 10).",
+        )
+        parser.add_argument(
+            "--small-jobs", type=int, default=2, help="Imports per small merchant (default 2)."
+        )
+        parser.add_argument(
+            "--seconds",
+            type=float,
+            default=0.05,
+            help="Duration of one import in seconds (default 0.05).",
+        )
+        parser.add_argument(
+            "--concurrency", type=int, default=4, help="Worker concurrency (default 4)."
+        )
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=300,
+            help="Give up after this many seconds per mode (default 300).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         for name in ("greedy_jobs", "small_merchants", "small_jobs", "concurrency"):
@@ -93,14 +111,33 @@ class Command(BaseCommand):
 
     def _start_worker(self, concurrency: int) -> subprocess.Popen[bytes]:
         log = Path(settings.DEMO_DIR) / "worker.log"
-        self.stdout.write(f"Starting a Celery worker (threads pool, concurrency {concurrency}); "
-                          f"its log: {log}")
+        self.stdout.write(
+            f"Starting a Celery worker (threads pool, concurrency {concurrency}); its log: {log}"
+        )
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "example", "worker", "-P", "threads",
-                 "-c", str(concurrency), "-Q", "imports_plain,imports", "-l", "INFO",
-                 "--without-gossip", "--without-mingle", "--without-heartbeat"],
-                cwd=PROJECT_DIR, stdout=out, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "example",
+                    "worker",
+                    "-P",
+                    "threads",
+                    "-c",
+                    str(concurrency),
+                    "-Q",
+                    "imports_plain,imports",
+                    "-l",
+                    "INFO",
+                    "--without-gossip",
+                    "--without-mingle",
+                    "--without-heartbeat",
+                ],
+                cwd=PROJECT_DIR,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONPATH": str(PROJECT_DIR)},
             )
         deadline = time.monotonic() + 60
@@ -114,8 +151,11 @@ class Command(BaseCommand):
     def _run_mode(self, mode: str, options: dict[str, Any]) -> dict[str, Any]:
         task = plain_import if mode == "plain" else fair_import
         seconds = options["seconds"]
-        greedy, small_n, per = (options["greedy_jobs"], options["small_merchants"],
-                                options["small_jobs"])
+        greedy, small_n, per = (
+            options["greedy_jobs"],
+            options["small_merchants"],
+            options["small_jobs"],
+        )
         total = greedy + small_n * per
         start = time.time()
         for _ in range(greedy):
@@ -125,18 +165,29 @@ class Command(BaseCommand):
             for _ in range(per):
                 task.delay(f"small-{i:02d}", time.time(), seconds)
         deadline = time.monotonic() + options["timeout"]
-        done = 0
+        done = shown = 0
+        tty = self.stdout.isatty()
         while done < total:
             done = ImportRun.objects.filter(mode=mode, finished_at__isnull=False).count()
-            bar = "#" * (30 * done // total)
-            self.stdout.write(f"\r  {mode:5} [{bar:30}] {done}/{total} jobs", ending="")
-            self.stdout.flush()
+            # A live bar on a terminal; a line per quarter when the output is a log.
+            if tty or done * 4 // total > shown * 4 // total or done == total:
+                bar = "#" * (30 * done // total)
+                prefix = "\r" if tty else ""
+                self.stdout.write(
+                    f"{prefix}  {mode:5} [{bar:30}] {done}/{total} jobs", ending="" if tty else "\n"
+                )
+                self.stdout.flush()
+                shown = done
             if time.monotonic() > deadline:
                 raise CommandError(f"{mode}: only {done}/{total} jobs finished in time.")
-            time.sleep(0.2)
-        self.stdout.write("")
-        runs = list(ImportRun.objects.filter(mode=mode).values_list(
-            "tenant", "enqueued_at", "started_at", "finished_at"))
+            time.sleep(0.1)
+        if tty:
+            self.stdout.write("")
+        runs = list(
+            ImportRun.objects.filter(mode=mode).values_list(
+                "tenant", "enqueued_at", "started_at", "finished_at"
+            )
+        )
         small_waits = [s - q for t, q, s, _ in runs if t != "greedy-merchant"]
         greedy_runs = [(s, e) for t, _, s, e in runs if t == "greedy-merchant"]
         return {
@@ -156,10 +207,12 @@ class Command(BaseCommand):
             f"{options['seconds']} s each; concurrency {options['concurrency']}."
         )
         self.stdout.write("")
-        self.stdout.write("| mode  | small wait p50 | p95     | max     | greedy at once "
-                          "| makespan |")
-        self.stdout.write("|-------|----------------|---------|---------|----------------"
-                          "|----------|")
+        self.stdout.write(
+            "| mode  | small wait p50 | p95     | max     | greedy at once | makespan |"
+        )
+        self.stdout.write(
+            "|-------|----------------|---------|---------|----------------|----------|"
+        )
         for r in rows:
             self.stdout.write(
                 f"| {r['mode']:5} | {r['p50']:12.2f} s | {r['p95']:5.2f} s | {r['max']:5.2f} s "

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The whole test suite, twice: against PostgreSQL (the real target) and against SQLite
+# (development), both with real Celery worker processes on Redis. Creates .venv and
+# installs the package with its dev extras on first use.
+#
+# Needs PostgreSQL on 127.0.0.1:5432 (role postgres, trust auth) and Redis on
+# 127.0.0.1:6379; override with DATABASE_URL / CELERY_BROKER_URL. Extra arguments go to
+# pytest (e.g. -k race).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv || exit 1
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" || exit 1
+
+PG_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/fair_jobs}
+BROKER=${CELERY_BROKER_URL:-redis://127.0.0.1:6379/15}
+.venv/bin/python - "$PG_URL" "$BROKER" <<'PY' || exit 1
+import sys
+
+import psycopg
+import redis
+
+pg_url, broker = sys.argv[1:3]
+try:
+    psycopg.connect(pg_url.rsplit("/", 1)[0] + "/postgres", connect_timeout=5).close()
+except Exception as exc:
+    sys.exit(f"PostgreSQL is not reachable ({exc}); start it (see README: Running the tests).")
+try:
+    redis.Redis.from_url(broker, socket_connect_timeout=5).ping()
+except Exception as exc:
+    sys.exit(f"Redis is not reachable ({exc}); start it (see README: Running the tests).")
+PY
+
+SQLITE_DIR=$(mktemp -d)
+trap 'rm -rf "$SQLITE_DIR"' EXIT
+status=0
+echo "=== PostgreSQL ==="
+DATABASE_URL=$PG_URL CELERY_BROKER_URL=$BROKER \
+    CELERY_RESULT_BACKEND=${CELERY_RESULT_BACKEND:-redis://127.0.0.1:6379/14} \
+    .venv/bin/python -m pytest "$@" || status=1
+echo "=== SQLite ==="
+DATABASE_URL=sqlite:///$SQLITE_DIR/test.sqlite3 CELERY_BROKER_URL=redis://127.0.0.1:6379/13 \
+    CELERY_RESULT_BACKEND=redis://127.0.0.1:6379/12 \
+    .venv/bin/python -m pytest "$@" || status=1
+exit $status
