@@ -144,10 +144,9 @@ class SlotLease(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["slot", "task_id"], name="fair_jobs_lease_slot_task"),
         ]
-        indexes = [
-            models.Index(fields=["process"], name="fair_jobs_lease_process"),
-            models.Index(fields=["task_id"], name="fair_jobs_lease_task"),
-        ]
+        # No secondary index: the table holds only running jobs, so the reaper's and the
+        # revoke path's scans are short, and every index would be one more write on the
+        # hot path of acquire.
 
     def __str__(self) -> str:
         return f"{self.task_id} on {self.slot_id}"

@@ -1,0 +1,33 @@
+"""The docs say what the code does: the SQL, the settings, the two Quick start commands."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from django_fair_jobs.conf import SETTING_NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_how_it_works__prints_the_shipped_sql() -> None:
+    sql = (ROOT / "django_fair_jobs/sql/postgresql.sql").read_text()
+    assert sql in (ROOT / "docs/how-it-works.md").read_text()
+
+
+def test_readme_and_reference__list_every_setting() -> None:
+    readme = (ROOT / "README.md").read_text()
+    reference = (ROOT / "docs/reference.md").read_text()
+    for name in SETTING_NAMES:
+        assert f"`FAIR_JOBS_{name}`" in readme
+        assert f"`FAIR_JOBS_{name}`" in reference
+
+
+def test_readme__quick_start_has_two_commands_demo_first() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1]
+    block = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert block is not None
+    commands = [line for line in block.group(1).splitlines() if line.strip()]
+    assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
+    assert "scripts/test.sh" in (ROOT / ".ci/run").read_text()
