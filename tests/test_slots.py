@@ -240,3 +240,34 @@ def test_wake_number__stale_copies_are_recognised(process: uuid.UUID) -> None:
     assert not ParkedJob.objects.is_current_wake("j2", 1)  # the first copy is stale
     assert acquire(process, "j2", limit=1) is not None  # the second copy starts
     assert not ParkedJob.objects.is_current_wake("j2", 2)  # any later copy is stale
+
+
+def test_acquire__new_tenant_from_16_connections_at_once__one_row_limit_kept(
+    process: uuid.UUID,
+) -> None:
+    import threading
+
+    from django.db import connections
+
+    barrier = threading.Barrier(16)
+    grants: list[Grant | None] = []
+    lock = threading.Lock()
+
+    def hit(i: int) -> None:
+        try:
+            barrier.wait()
+            got = acquire(process, f"c{i}", tenant="brand-new", limit=3)
+            with lock:
+                grants.append(got)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=hit, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(grants) == 16
+    assert sum(g is not None for g in grants) == 3
+    assert TenantQueueSlot.objects.filter(tenant="brand-new").count() == 1
+    assert slot("brand-new").current_jobs == 3

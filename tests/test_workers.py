@@ -277,3 +277,77 @@ def test_stale_copy_of_woken_job__dropped_not_run(
     )
     assert not JobRun.objects.filter(task_id=stale.id).exists()
     assert stale.state == "PENDING"
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_live_worker__cpu_bound_job_longer_than_timeout__keeps_its_lease(
+    start_worker: Callable[..., Worker], settings: Any, pool: str
+) -> None:
+    start_worker("w", pool=pool, concurrency=2)
+    slow = tasks.spin.delay("cpu", settings.FAIR_JOBS_WORKER_TIMEOUT * 2)
+    follower = tasks.spin.delay("cpu", 0.01)
+    wait_for(lambda: SlotLease.objects.filter(task_id=slow.id).exists(), 20, "slow to start")
+    lease = SlotLease.objects.get(task_id=slow.id)
+    while not slow.ready():
+        # Meanwhile maintenance runs (in the worker, and here): a live holder is never reaped.
+        from django_fair_jobs.workers import run_maintenance
+
+        run_maintenance()
+        # Lease first, then the finish record: the job records its finish before it
+        # releases, so "lease gone, job not finished" can only mean it was reaped.
+        held = SlotLease.objects.filter(pk=lease.pk, token=lease.token).exists()
+        finished = JobRun.objects.filter(task_id=slow.id, finished_at__isnull=False).exists()
+        assert held or finished, "a live worker's lease was reaped"
+        time.sleep(0.3)
+    assert follower.get(timeout=30) == "cpu:done"
+    assert max_overlap(finished_runs("cpu")) == 1
+    assert_all_released("cpu")
+
+
+def test_soft_time_limit__releases_slot(start_worker: Callable[..., Worker]) -> None:
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    start_worker("w", pool="prefork", concurrency=2)
+    over = tasks.overruns.delay("soft")
+    with pytest.raises(SoftTimeLimitExceeded):
+        over.get(timeout=30)
+    assert tasks.limited1.delay("soft", 0.01).get(timeout=30) == "soft:done"
+    assert_all_released("soft")
+
+
+def test_revoke__parked_job__drops_its_row_and_frees_the_slot(
+    start_worker: Callable[..., Worker], celery_app: Any
+) -> None:
+    start_worker("w", pool="prefork", concurrency=2)
+    holder = tasks.limited1.delay("rv", 1.5)
+    wait_for(lambda: JobRun.objects.filter(task_id=holder.id).exists(), 20, "holder to start")
+    parked = tasks.limited1.delay("rv", 0.01)
+    wait_for(lambda: ParkedJob.objects.filter(task_id=parked.id).exists(), 20, "park")
+    parked.revoke()
+    assert holder.get(timeout=30) == "rv:done"
+    # Woken, then refused as revoked: its reservation must not hold the slot until reaped.
+    wait_for(
+        lambda: not ParkedJob.objects.filter(task_id=parked.id).exists(),
+        10,
+        "the revoked job's parked row to go",
+    )
+    assert tasks.limited1.delay("rv", 0.01).get(timeout=10) == "rv:done"
+    assert not JobRun.objects.filter(task_id=parked.id).exists()
+    assert_all_released("rv")
+
+
+def test_revoke_terminate__running_job__slot_back_before_timeout(
+    start_worker: Callable[..., Worker], settings: Any
+) -> None:
+    start_worker("w", pool="prefork", concurrency=2)
+    victim = tasks.limited1.delay("rt", 30)
+    wait_for(lambda: JobRun.objects.filter(task_id=victim.id).exists(), 20, "victim to start")
+    victim.revoke(terminate=True)
+    started = time.monotonic()
+    wait_for(
+        lambda: not SlotLease.objects.filter(task_id=victim.id).exists(),
+        settings.FAIR_JOBS_WORKER_TIMEOUT + settings.FAIR_JOBS_HEARTBEAT_INTERVAL + 5,
+        "the terminated job's lease to go",
+    )
+    assert time.monotonic() - started < settings.FAIR_JOBS_WORKER_TIMEOUT
+    assert tasks.limited1.delay("rt", 0.01).get(timeout=30) == "rt:done"

@@ -1,7 +1,8 @@
 """Example project settings, read with django-environ.
 
-With no environment at all it runs on embedded defaults: SQLite and kombu's filesystem
-broker under ``.demo/`` (no service needed). Point it at real services with, e.g.::
+With no environment at all it runs on embedded defaults: SQLite for the project and kombu's
+SQLAlchemy transport on a second SQLite file as the broker, both under ``.demo/`` (no
+service needed). Point it at real services with, e.g.::
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/fair_jobs_example \\
     CELERY_BROKER_URL=redis://127.0.0.1:6379/0 python manage.py run_demo
@@ -71,17 +72,15 @@ TEMPLATES = [
     }
 ]
 
-CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="filesystem://")
-if CELERY_BROKER_URL.startswith("filesystem://"):
-    (DEMO_DIR / "broker").mkdir(exist_ok=True)
-    CELERY_BROKER_TRANSPORT_OPTIONS = {
-        "data_folder_in": str(DEMO_DIR / "broker"),
-        "data_folder_out": str(DEMO_DIR / "broker"),
-        "store_processed": False,
-        # The transport polls its folder; its 1 s default would cap the demo at a few
-        # messages a second.
-        "polling_interval": 0.01,
-    }
+# kombu's SQLAlchemy transport takes each message in its own SQLite transaction, so it is
+# safe with a worker and a publisher at once (its filesystem transport can hand a reader a
+# half-written message file: kombu issue #1551).
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="")
+if not CELERY_BROKER_URL:
+    # A plain SQLAlchemy URL with our transport class (a "sqla+" URL would pick kombu's own).
+    CELERY_BROKER_URL = f"sqlite:///{DEMO_DIR / 'broker.sqlite3'}"
+    CELERY_BROKER_TRANSPORT = "example.broker:Transport"
+
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

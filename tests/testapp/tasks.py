@@ -86,3 +86,24 @@ def fails(self: Any, tenant: str) -> str:
 def no_tenant(self: Any, value: int) -> int:
     """A fair task whose class resolves no tenant."""
     return value * 2
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair")
+def spin(self: Any, tenant: str, seconds: float) -> str:
+    """CPU-bound for ``seconds``: the heartbeat thread must keep beating meanwhile."""
+    run = JobRun.objects.create(
+        task_id=self.request.id, tenant=tenant, pid=__import__("os").getpid(), started_at=Now()
+    )
+    deadline = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < deadline:
+        n += sum(i * i for i in range(1000))
+    JobRun.objects.filter(pk=run.pk).update(finished_at=Now())
+    return f"{tenant}:done"
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", soft_time_limit=1)
+def overruns(self: Any, tenant: str) -> str:
+    """Sleeps past its soft time limit: SoftTimeLimitExceeded is raised inside run()."""
+    time.sleep(5)
+    return "unreachable"

@@ -7,6 +7,7 @@ long the small merchants waited and how many of the greedy merchant's imports ra
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import statistics
@@ -104,10 +105,13 @@ class Command(BaseCommand):
         ParkedJob.objects.all().delete()
         TenantQueueSlot.objects.all().delete()
         WorkerProcess.objects.all().delete()
-        broker = Path(settings.DEMO_DIR) / "broker"
-        if settings.CELERY_BROKER_URL.startswith("filesystem://") and broker.exists():
-            for message in broker.iterdir():
-                message.unlink()
+        from example.celery import app
+
+        with app.connection_for_write() as conn:
+            for queue in ("imports_plain", "imports"):
+                # A queue that does not exist yet has nothing to purge.
+                with contextlib.suppress(Exception):
+                    conn.default_channel.queue_purge(queue)
 
     def _start_worker(self, concurrency: int) -> subprocess.Popen[bytes]:
         log = Path(settings.DEMO_DIR) / "worker.log"
