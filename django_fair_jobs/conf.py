@@ -85,6 +85,17 @@ class Settings:
         return value
 
 
+RECOMMENDED_SQLITE_OPTIONS: dict[str, Any] = {
+    "transaction_mode": "IMMEDIATE",
+    "timeout": 30,
+    "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+}
+"""``DATABASES[...]["OPTIONS"]`` for SQLite (development and demos).
+
+WAL, so that readers never block the writer and heartbeats land on time; ``IMMEDIATE``
+transactions, so that concurrent writers queue for the lock instead of failing to upgrade it.
+"""
+
 fair_settings = Settings()
 """The settings object used everywhere in the library."""
 

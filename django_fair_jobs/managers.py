@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     # Used in the Manager["..."] subscripts below, which the linter cannot see.
     from django_fair_jobs.models import (  # noqa: F401
+        Maintenance,
         ParkedJob,
         SlotLease,
         TenantQueueSlot,
@@ -69,6 +70,13 @@ class Woken:
 
 def _is_postgres(alias: str) -> bool:
     return connections[alias].vendor == "postgresql"
+
+
+def _run(alias: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """Run the named statement of ``sql/postgresql.sql`` and return its rows."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(queries()[name], params)
+        return list(cursor.fetchall())
 
 
 def _savepoint_if_needed(alias: str) -> Any:
@@ -125,9 +133,8 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                 "timeout": timeout,
             }
             try:
-                with _savepoint_if_needed(alias), connections[alias].cursor() as cursor:
-                    cursor.execute(queries()["acquire"], params)
-                    status, slot_id, still_waiting = cursor.fetchone()
+                with _savepoint_if_needed(alias):
+                    ((status, slot_id, still_waiting),) = _run(alias, "acquire", params)
             except IntegrityError:
                 # Two deliveries of one task id raced for the lease's unique key.
                 return Acquisition("duplicate")
@@ -214,11 +221,8 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                 "limit": limit,
                 "signature": signature,
             }
-            with connections[alias].cursor() as cursor:
-                cursor.execute(queries()["park"], params)
-                row = cursor.fetchone()
-            outcome: ParkOutcome = row[0]
-            return outcome
+            ((outcome,),) = _run(alias, "park", params)
+            return outcome  # type: ignore[no-any-return]
         return self._park_portable(tenant, queue, task_id, task_name, limit, signature)
 
     def _park_portable(
@@ -269,10 +273,8 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
             "token": grant.token,
         }
         if _is_postgres(alias):
-            with connections[alias].cursor() as cursor:
-                cursor.execute(queries()["release"], params)
-                row = cursor.fetchone()
-            return None if row is None else int(row[0])
+            rows = _run(alias, "release", params)
+            return int(rows[0][0]) if rows else None
         from django_fair_jobs.models import SlotLease
 
         with transaction.atomic(using=alias):
@@ -296,14 +298,13 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         alias = self._alias()
         token = uuid.uuid4()
         if _is_postgres(alias):
-            with connections[alias].cursor() as cursor:
-                try:
-                    cursor.execute(queries()["wake"], {"slot_id": slot_id, "token": token})
-                except IntegrityError:
-                    # The job already has a lease on this slot: it is running, nothing to wake.
-                    return None
-                row = cursor.fetchone()
-            return None if row is None else Woken(slot_id, row[0], row[1], row[2])
+            try:
+                with _savepoint_if_needed(alias):
+                    rows = _run(alias, "wake", {"slot_id": slot_id, "token": token})
+            except IntegrityError:
+                # The job already has a lease on this slot: it is running, nothing to wake.
+                return None
+            return Woken(slot_id, *rows[0]) if rows else None
         return self._wake_portable(slot_id, token)
 
     def _wake_portable(self, slot_id: int, token: uuid.UUID) -> Woken | None:
@@ -379,9 +380,7 @@ class SlotLeaseManager(models.Manager["SlotLease"]):
         slots back; delete dead process rows. Returns ``[(slot_id, leases_reaped)]``."""
         alias = router.db_for_write(self.model)
         if _is_postgres(alias):
-            with connections[alias].cursor() as cursor:
-                cursor.execute(queries()["reap"], {"timeout": timeout})
-                return [(row[0], row[1]) for row in cursor.fetchall()]
+            return [(row[0], row[1]) for row in _run(alias, "reap", {"timeout": timeout})]
         return self._reap_portable(alias, timeout)
 
     def _reap_portable(self, alias: str, timeout: float) -> list[tuple[int, int]]:
@@ -440,9 +439,7 @@ class ParkedJobManager(models.Manager["ParkedJob"]):
         """
         alias = router.db_for_write(self.model)
         if _is_postgres(alias):
-            with connections[alias].cursor() as cursor:
-                cursor.execute(queries()["rewake_lost"], {"timeout": timeout})
-                return len(cursor.fetchall())
+            return len(_run(alias, "rewake_lost", {"timeout": timeout}))
         from django_fair_jobs.models import SlotLease, TenantQueueSlot
 
         with transaction.atomic(using=alias):
@@ -471,6 +468,26 @@ class ParkedJobManager(models.Manager["ParkedJob"]):
                 TenantQueueSlot.objects.filter(pk=job.slot_id, parked_jobs__gt=0).update(
                     parked_jobs=F("parked_jobs") - 1
                 )
+
+
+class MaintenanceManager(models.Manager["Maintenance"]):
+    """Cluster-wide pacing of maintenance passes."""
+
+    def claim(self, name: str, *, interval: float) -> bool:
+        """True if this caller may run ``name`` now: nobody ran it for ``interval`` seconds.
+
+        One conditional upsert on PostgreSQL; two callers at once cannot both win.
+        """
+        alias = router.db_for_write(self.model)
+        if _is_postgres(alias):
+            return bool(_run(alias, "claim_maintenance", {"name": name, "interval": interval}))
+        with transaction.atomic(using=alias):
+            if self.filter(name=name, last_run_at__lt=_ago(interval)).update(last_run_at=Now()):
+                return True
+            if self.filter(name=name).exists():
+                return False
+            self.create(name=name)
+        return True
 
 
 class WorkerProcessManager(models.Manager["WorkerProcess"]):

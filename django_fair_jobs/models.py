@@ -17,6 +17,7 @@ from django.db import models
 from django.db.models.functions import Now
 
 from django_fair_jobs.managers import (
+    MaintenanceManager,
     ParkedJobManager,
     SlotLeaseManager,
     TenantQueueSlotManager,
@@ -109,6 +110,23 @@ class WorkerProcess(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node} pid {self.pid}"
+
+
+class Maintenance(models.Model):
+    """When a maintenance pass last ran cluster-wide: every process beats, but only the one
+    whose conditional upsert claims the row runs the pass, once per interval."""
+
+    name = models.CharField(max_length=64, primary_key=True)
+    last_run_at = models.DateTimeField(db_default=Now())
+
+    objects = MaintenanceManager()
+
+    class Meta:
+        db_table = "fair_jobs_maintenance"
+        verbose_name = "maintenance run"
+
+    def __str__(self) -> str:
+        return f"{self.name} at {self.last_run_at}"
 
 
 class SlotLease(models.Model):

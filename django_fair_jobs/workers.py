@@ -6,7 +6,8 @@ heartbeat every ``FAIR_JOBS_HEARTBEAT_INTERVAL`` seconds. The thread keeps beati
 tasks run (CPU-bound Python code releases the GIL between bytecodes), so a slow job never
 loses its lease. On each beat the thread also runs maintenance: leases of processes silent
 for ``FAIR_JOBS_WORKER_TIMEOUT`` are reaped and missed wake-ups are swept. No beat schedule
-is needed; ``manage.py fair_jobs_reap`` runs the same maintenance by hand.
+is needed, and the pass runs at most once per interval across the cluster, whoever claims
+it; ``manage.py fair_jobs_reap`` runs the same maintenance by hand, at once.
 
 Registration is lazy and keyed by pid, so a prefork child registers itself after the fork
 and never shares its parent's identity.
@@ -91,7 +92,7 @@ def _heartbeat_loop(ident: _Identity) -> None:
                         pid=ident.pid,
                     )
                 retry_pending_releases()
-                run_maintenance()
+                maybe_run_maintenance()
             except Exception:
                 # A database outage must not kill the heartbeat: drop the connection and
                 # try again next interval.
@@ -115,6 +116,7 @@ def shutdown() -> None:
     ident.stop.set()
     try:
         WorkerProcess.objects.retire(ident.process_id)
+        # Ungated: this process's own leases are what must come back now.
         run_maintenance()
     except Exception:
         logger.exception("Could not retire worker process %s", ident.process_id)
@@ -130,6 +132,24 @@ class MaintenanceReport:
     lost_rewoken: int
     jobs_woken: int
     counters_fixed: int
+
+
+def maybe_run_maintenance() -> MaintenanceReport | None:
+    """Run a maintenance pass if no process in the cluster ran one within the last
+    ``FAIR_JOBS_HEARTBEAT_INTERVAL``; called by every heartbeat. Returns None if skipped.
+
+    Pacing it cluster-wide keeps the write load of maintenance constant however many
+    processes beat, so heartbeats are never starved by it (on SQLite, every write contends
+    for one lock)."""
+    from django_fair_jobs.models import Maintenance
+
+    # A little under the interval, so that beats arriving on time are not skipped by
+    # rounding, while two passes still cannot run within one interval.
+    if not Maintenance.objects.claim(
+        "maintenance", interval=fair_settings.HEARTBEAT_INTERVAL * 0.9
+    ):
+        return None
+    return run_maintenance()
 
 
 def run_maintenance(timeout: float | None = None) -> MaintenanceReport:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import environ
 
+from django_fair_jobs.conf import RECOMMENDED_SQLITE_OPTIONS
+
 env = environ.Env()
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -24,15 +26,9 @@ DATABASES = {
     "default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/fair_jobs")
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # A file, not memory, so that worker processes see the test database; IMMEDIATE
-    # transactions so that concurrent writers queue instead of failing lock upgrades.
+    # A file, not memory, so that worker processes see the test database.
     DATABASES["default"]["TEST"] = {"NAME": DATABASES["default"]["NAME"]}
-    # WAL so that readers never block the writer (heartbeats must land on time).
-    DATABASES["default"]["OPTIONS"] = {
-        "transaction_mode": "IMMEDIATE",
-        "timeout": 30,
-        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-    }
+    DATABASES["default"]["OPTIONS"] = dict(RECOMMENDED_SQLITE_OPTIONS)
 
 INSTALLED_APPS = [
     "django.contrib.admin",

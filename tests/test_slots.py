@@ -271,3 +271,12 @@ def test_acquire__new_tenant_from_16_connections_at_once__one_row_limit_kept(
     assert sum(g is not None for g in grants) == 3
     assert TenantQueueSlot.objects.filter(tenant="brand-new").count() == 1
     assert slot("brand-new").current_jobs == 3
+
+
+def test_maintenance_claim__once_per_interval() -> None:
+    from django_fair_jobs.models import Maintenance
+
+    assert Maintenance.objects.claim("m", interval=60)
+    assert not Maintenance.objects.claim("m", interval=60)
+    Maintenance.objects.update(last_run_at="2000-01-01T00:00:00Z")
+    assert Maintenance.objects.claim("m", interval=60)

@@ -286,8 +286,11 @@ def test_live_worker__cpu_bound_job_longer_than_timeout__keeps_its_lease(
     start_worker("w", pool=pool, concurrency=2)
     slow = tasks.spin.delay("cpu", settings.FAIR_JOBS_WORKER_TIMEOUT * 2)
     follower = tasks.spin.delay("cpu", 0.01)
-    wait_for(lambda: SlotLease.objects.filter(task_id=slow.id).exists(), 20, "slow to start")
+    # Wait until the slow job runs (it may first be parked behind the follower and woken:
+    # a woken job's reservation changes token when the job claims it).
+    wait_for(lambda: JobRun.objects.filter(task_id=slow.id).exists(), 20, "slow to start")
     lease = SlotLease.objects.get(task_id=slow.id)
+    assert lease.process_id is not None
     while not slow.ready():
         # Meanwhile maintenance runs (in the worker, and here): a live holder is never reaped.
         from django_fair_jobs.workers import run_maintenance
@@ -298,7 +301,7 @@ def test_live_worker__cpu_bound_job_longer_than_timeout__keeps_its_lease(
         held = SlotLease.objects.filter(pk=lease.pk, token=lease.token).exists()
         finished = JobRun.objects.filter(task_id=slow.id, finished_at__isnull=False).exists()
         assert held or finished, "a live worker's lease was reaped"
-        time.sleep(0.3)
+        time.sleep(0.5)
     assert follower.get(timeout=30) == "cpu:done"
     assert max_overlap(finished_runs("cpu")) == 1
     assert_all_released("cpu")

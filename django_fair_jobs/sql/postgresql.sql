@@ -173,6 +173,16 @@ UPDATE fair_jobs_tenantqueueslot AS s
  WHERE s.id = counted.slot_id
 RETURNING s.id, counted.n::int, (SELECT count(*) FROM dead)::int;
 
+-- name: claim_maintenance
+-- Every process beats, but a maintenance pass runs at most once per interval across the
+-- cluster: the caller whose upsert returns a row runs it.
+INSERT INTO fair_jobs_maintenance AS m (name, last_run_at)
+VALUES (%(name)s, now())
+ON CONFLICT (name) DO UPDATE
+   SET last_run_at = now()
+ WHERE m.last_run_at < now() - make_interval(secs => %(interval)s)
+RETURNING 1;
+
 -- name: rewake_lost
 -- A woken job whose reservation was reaped and that never started (its message was lost
 -- between the wake and the publish) goes back to waiting, keeping its place.

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import environ
 
+from django_fair_jobs.conf import RECOMMENDED_SQLITE_OPTIONS
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env")  # optional; never committed
@@ -32,13 +34,7 @@ STATIC_URL = "static/"
 
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{DEMO_DIR / 'db.sqlite3'}")}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # WAL: readers never block the writer, so heartbeats land on time; IMMEDIATE: writers
-    # queue for the lock instead of failing to upgrade it.
-    DATABASES["default"]["OPTIONS"] = {
-        "transaction_mode": "IMMEDIATE",
-        "timeout": 30,
-        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-    }
+    DATABASES["default"]["OPTIONS"] = dict(RECOMMENDED_SQLITE_OPTIONS)
 
 INSTALLED_APPS = [
     "django.contrib.admin",
