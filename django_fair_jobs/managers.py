@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 ParkOutcome = Literal["parked", "already_parked", "room"]
-AcquireStatus = Literal["held", "full", "duplicate"]
+AcquireStatus = Literal["held", "full", "duplicate", "stale"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class Grant:
 @dataclass(frozen=True)
 class Acquisition:
     """The answer of an acquire: ``"held"`` (with a grant), ``"full"`` (the tenant is at
-    its limit) or ``"duplicate"`` (this task id is running in a live process)."""
+    its limit), ``"duplicate"`` (this task id is running in a live process) or ``"stale"``
+    (a copy of a woken parked job that another copy already started)."""
 
     status: AcquireStatus
     grant: Grant | None = None
@@ -112,13 +113,15 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         limit: int,
         process_id: uuid.UUID,
         timeout: float,
+        woken: bool = False,
     ) -> Acquisition:
         """Take one of ``tenant``'s slots on ``queue`` for ``task_id``.
 
         ``limit`` applies when the row has no ``max_jobs`` override. A job whose lease on
         this slot is held by a gone holder (a reservation, or a process silent for
         ``timeout`` seconds) claims it with a new token and takes no second slot; one
-        whose lease is held by a live process is a ``"duplicate"`` delivery.
+        whose lease is held by a live process is a ``"duplicate"`` delivery. A ``woken``
+        job (a re-published parked job) starts only while its parked row exists.
         """
         token = uuid.uuid4()
         alias = self._alias()
@@ -131,6 +134,7 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                 "process_id": process_id,
                 "token": token,
                 "timeout": timeout,
+                "woken": woken,
             }
             try:
                 with _savepoint_if_needed(alias):
@@ -140,7 +144,7 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                 return Acquisition("duplicate")
         else:
             status, slot_id, still_waiting = self._acquire_portable(
-                tenant, queue, task_id, limit, process_id, token, timeout
+                tenant, queue, task_id, limit, process_id, token, timeout, woken
             )
         if status != "held":
             return Acquisition(status)
@@ -158,10 +162,13 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         process_id: uuid.UUID,
         token: uuid.UUID,
         timeout: float,
+        woken: bool,
     ) -> tuple[AcquireStatus, int | None, int]:
         from django_fair_jobs.models import ParkedJob, SlotLease, WorkerProcess
 
         with transaction.atomic(using=self._alias()):
+            if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
+                return "stale", None, 0
             slot_id = self.filter(tenant=tenant, queue=queue).values_list("pk", flat=True).first()
             lease = (
                 None
@@ -403,16 +410,21 @@ class SlotLeaseManager(models.Manager["SlotLease"]):
                 )
         return sorted(counts.items())
 
-    def drop_for_task(self, task_id: str) -> list[int]:
-        """Drop every lease of ``task_id`` (a revoked job) and give the slots back.
+    def drop_for_task(self, task_id: str, *, running: bool) -> list[int]:
+        """Drop the leases of a revoked ``task_id`` and give the slots back.
 
-        Returns the ids of the slots freed.
+        Reservations (no process) always go. Leases of a running copy go only with
+        ``running=True`` (the job was terminated): revoking or expiring a duplicate copy
+        must not free the slot of the copy that runs. Returns the ids of the slots freed.
         """
         from django_fair_jobs.models import TenantQueueSlot
 
         freed: list[int] = []
+        leases = self.select_for_update().filter(task_id=task_id)
+        if not running:
+            leases = leases.filter(process__isnull=True)
         with transaction.atomic(using=router.db_for_write(self.model)):
-            for lease in self.select_for_update().filter(task_id=task_id):
+            for lease in leases:
                 lease.delete()
                 TenantQueueSlot.objects.filter(pk=lease.slot_id, current_jobs__gt=0).update(
                     current_jobs=F("current_jobs") - 1, updated_at=Now()
@@ -422,15 +434,7 @@ class SlotLeaseManager(models.Manager["SlotLease"]):
 
 
 class ParkedJobManager(models.Manager["ParkedJob"]):
-    """Parked jobs: telling stale copies apart, putting lost wake-ups back in line."""
-
-    def is_current_wake(self, task_id: str, wake: int) -> bool:
-        """True if ``wake`` is the latest wake of ``task_id``'s parked row.
-
-        False means the message is a stale copy: the job already started (its row is
-        gone), was revoked, or was woken again since and a newer copy is on its way.
-        """
-        return self.filter(task_id=task_id, wake_count=wake).exists()
+    """Parked jobs: putting lost wake-ups back in line, forgetting revoked ones."""
 
     def rewake_lost(self, *, timeout: float) -> int:
         """Return woken jobs that never started (and lost their reservation) to waiting.

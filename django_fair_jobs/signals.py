@@ -5,9 +5,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.signals import task_revoked, worker_process_shutdown, worker_shutdown
+from celery.signals import task_revoked, worker_init, worker_process_shutdown, worker_shutdown
 
 logger = logging.getLogger("django_fair_jobs.signals")
+
+
+@worker_init.connect
+def _on_worker_init(**kwargs: Any) -> None:
+    # Refuse to start on invalid settings instead of misbehaving at the first job.
+    from django_fair_jobs.checks import fail_fast_on_bad_settings
+
+    fail_fast_on_bad_settings()
 
 
 @worker_process_shutdown.connect
@@ -27,15 +35,15 @@ def _on_worker_shutdown(**kwargs: Any) -> None:
 
 
 @task_revoked.connect
-def _on_task_revoked(request: Any = None, **kwargs: Any) -> None:
-    # A revoked job never reaches its release (not started, or terminated): drop its
-    # lease or reservation and its parked row, so no slot waits for the reaper.
+def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
+    # A revoked (or expired) delivery never reaches its release: drop its reservation and
+    # parked row, and a terminated job's lease, so no slot waits for the reaper.
     from django_fair_jobs.slots import forget_task
 
     task_id = getattr(request, "id", None)
     if task_id is None:
         return
     try:
-        forget_task(str(task_id))
+        forget_task(str(task_id), terminated=bool(terminated))
     except Exception:
         logger.exception("Could not drop the slots of revoked job %s", task_id)

@@ -22,6 +22,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from celery import current_app
+from django.db import DatabaseError
 from kombu.utils.json import dumps, loads
 
 from django_fair_jobs.conf import fair_settings
@@ -36,7 +37,8 @@ DEFERRALS_HEADER = "fair_deferrals"
 """Message header counting how many times a job was deferred (for logs and explain)."""
 
 WAKE_HEADER = "fair_wake"
-"""Message header with the wake number of a re-published parked job."""
+"""Message header marking a re-published parked job (its value: the wake number). Such a
+copy starts only while the job's parked row exists; the first copy to start deletes it."""
 
 _PARK_ATTEMPTS = 20
 """How often park may answer "room" (a slot freed meanwhile) before we park anyway and
@@ -47,8 +49,57 @@ _pending_releases: list[Grant] = []
 _pending_lock = threading.Lock()
 
 
-def acquire(*, tenant: str, queue: str, task_id: str, limit: int, node: str | None) -> Acquisition:
-    """Take a slot of ``tenant`` on ``queue`` for ``task_id``."""
+def enter(
+    task: Task[Any, Any],
+    *,
+    tenant: str,
+    queue: str,
+    limit: int,
+    on_limit: str,
+    retry_countdown: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Grant | None:
+    """Take a slot for the current job of ``task``, or deal with the delivery.
+
+    Returns a :class:`Grant` when the job may run. None means the message must be
+    acknowledged without running: the job was parked or rescheduled (its tenant is at its
+    limit), postponed (a duplicate delivery, or the database is unreachable), or dropped (a
+    stale copy of a woken job). No path loses the job.
+    """
+    request = task.request
+    woken = WAKE_HEADER in (request.headers or {})
+    try:
+        acquired = acquire(
+            tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
+            node=request.hostname, woken=woken,
+        )  # fmt: skip
+        if acquired.grant is not None:
+            return acquired.grant
+        if acquired.status != "full":
+            refuse(task, acquired.status, args, kwargs, woken=woken)
+            return None
+        return defer(
+            task, tenant=tenant, queue=queue, limit=limit, on_limit=on_limit,
+            retry_countdown=retry_countdown, args=args, kwargs=kwargs, woken=woken,
+        )  # fmt: skip
+    except DatabaseError as exc:
+        # Without the database no slot can be taken; failing the task would lose the job
+        # (its message is acknowledged), so it goes back through the broker, which needs no
+        # database. If it was parked before the error, the copy that starts first deletes
+        # the parked row, so it still runs once.
+        postpone(
+            task, args, kwargs, countdown=retry_countdown,
+            reason=f"database unavailable ({exc.__class__.__name__}: {exc})".strip(),
+        )  # fmt: skip
+        return None
+
+
+def acquire(
+    *, tenant: str, queue: str, task_id: str, limit: int, node: str | None, woken: bool
+) -> Acquisition:
+    """Take a slot of ``tenant`` on ``queue`` for ``task_id`` (``woken``: the message is a
+    re-published parked job)."""
     from django_fair_jobs.models import TenantQueueSlot
     from django_fair_jobs.workers import current_process_id
 
@@ -59,24 +110,54 @@ def acquire(*, tenant: str, queue: str, task_id: str, limit: int, node: str | No
         limit=limit,
         process_id=current_process_id(node),
         timeout=fair_settings.WORKER_TIMEOUT,
+        woken=woken,
     )
 
 
-def postpone_duplicate(task: Task[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Re-publish a delivery of a job that a live process is running, to come back after
-    ``FAIR_JOBS_WORKER_TIMEOUT``: if that process dies meanwhile (an AMQP redelivery after
-    a crash), its lease is reaped by then and this copy runs; if it lives, this copy runs
-    after it (at-least-once, never two at once)."""
+def postpone(
+    task: Task[Any, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    countdown: float,
+    reason: str,
+) -> None:
+    """Re-publish the current job unchanged (same task id, same ``retries``) to come back
+    after ``countdown`` seconds. Needs only the broker, not the database."""
     request = task.request
-    logger.info(
-        "%s[%s] is already running in a live worker; this delivery is postponed %s s",
-        task.name,
-        request.id,
-        fair_settings.WORKER_TIMEOUT,
+    logger.warning(
+        "%s[%s]: %s; re-published to run in %.1f s", task.name, request.id, reason, countdown
     )
-    task.signature_from_request(
-        request, args, kwargs, countdown=fair_settings.WORKER_TIMEOUT
-    ).apply_async()
+    task.signature_from_request(request, args, kwargs, countdown=countdown).apply_async()
+
+
+def refuse(
+    task: Task[Any, Any],
+    status: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    woken: bool,
+) -> None:
+    """Deal with a delivery that must not run now (acquire said ``duplicate`` or ``stale``).
+
+    A copy of a woken job is dropped: the copy that started deleted the parked row, so
+    this one has nothing left to do. A duplicate of a fresh job (the broker delivered it
+    twice) is postponed by ``FAIR_JOBS_WORKER_TIMEOUT``: if the running copy's process dies
+    meanwhile, its lease is reaped by then and this copy runs; if it lives, this copy runs
+    after it, never beside it.
+    """
+    request = task.request
+    if status == "stale" or woken:
+        logger.info(
+            "%s[%s]: %s copy of a woken job dropped (another copy started it)",
+            task.name, request.id, status,
+        )  # fmt: skip
+        return
+    postpone(
+        task, args, kwargs, countdown=fair_settings.WORKER_TIMEOUT,
+        reason="already running in a live worker",
+    )  # fmt: skip
 
 
 def defer(
@@ -89,6 +170,7 @@ def defer(
     retry_countdown: float,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    woken: bool = False,
 ) -> Grant | None:
     """Defer the current job of ``task`` because its tenant is at its limit.
 
@@ -100,6 +182,7 @@ def defer(
     request = task.request
     deferrals = int((request.headers or {}).get(DEFERRALS_HEADER) or 0) + 1
     headers = {**(request.headers or {}), DEFERRALS_HEADER: deferrals}
+    headers.pop(WAKE_HEADER, None)
     if on_limit == "retry":
         countdown = retry_countdown * random.uniform(0.5, 1.5)
         # Like Task.retry(), but keeping request.retries: deferral is not a failure.
@@ -110,12 +193,8 @@ def defer(
         sig.apply_async()
         logger.debug(
             "Deferred %s[%s]: tenant %r at its limit on %s; retrying in %.1f s",
-            task.name,
-            request.id,
-            tenant,
-            queue,
-            countdown,
-        )
+            task.name, request.id, tenant, queue, countdown,
+        )  # fmt: skip
         return None
     signature = dumps(dict(task.signature_from_request(request, args, kwargs, headers=headers)))
     for _ in range(_PARK_ATTEMPTS):
@@ -130,41 +209,31 @@ def defer(
         if outcome != "room":
             logger.debug(
                 "Deferred %s[%s]: tenant %r at its limit on %s; %s",
-                task.name,
-                request.id,
-                tenant,
-                queue,
-                outcome.replace("_", " "),
-            )
+                task.name, request.id, tenant, queue, outcome.replace("_", " "),
+            )  # fmt: skip
             return None
         again = acquire(
-            tenant=tenant,
-            queue=queue,
-            task_id=str(request.id),
-            limit=limit,
-            node=request.hostname,
-        )
+            tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
+            node=request.hostname, woken=woken,
+        )  # fmt: skip
         if again.grant is not None:
             return again.grant
-        if again.status == "duplicate":
-            postpone_duplicate(task, args, kwargs)
+        if again.status != "full":
+            refuse(task, again.status, args, kwargs, woken=woken)
             return None
-    logger.warning(
-        "Could not park or start %s[%s] after %s tries; re-publishing it in %s s",
-        task.name,
-        request.id,
-        _PARK_ATTEMPTS,
-        retry_countdown,
-    )
-    task.signature_from_request(request, args, kwargs, countdown=retry_countdown).apply_async()
+    postpone(
+        task, args, kwargs, countdown=retry_countdown,
+        reason=f"could not park or start after {_PARK_ATTEMPTS} tries",
+    )  # fmt: skip
     return None
 
 
 def release(grant: Grant, app: Celery | None = None) -> None:
     """Give back ``grant``'s slot and wake the parked jobs that can now run.
 
-    A failure to reach the database does not lose the slot: the release is kept and
-    retried by this process's heartbeat.
+    Never raises: a job that succeeded stays a success. A failed release is kept and
+    retried by this process's heartbeat (no slot is lost); a failed wake-up is left to the
+    maintenance sweep.
     """
     from django_fair_jobs.models import TenantQueueSlot
 
@@ -183,8 +252,13 @@ def release(grant: Grant, app: Celery | None = None) -> None:
             grant.task_id,
             grant.slot_id,
         )
-    elif parked > 0:
-        wake(grant.slot_id, limit=1, app=app)
+        return
+    if parked > 0:
+        try:
+            wake(grant.slot_id, limit=1, app=app)
+        except Exception:
+            logger.exception("Could not wake a parked job of slot %s; the sweep will",
+                             grant.slot_id)  # fmt: skip
 
 
 def retry_pending_releases() -> int:
@@ -233,29 +307,15 @@ def publish(job: Woken, app: Celery | None = None) -> None:
     logger.debug("Woke parked job %s on slot %s", job.task_id, job.slot_id)
 
 
-def is_stale_copy(task: Task[Any, Any]) -> bool:
-    """True if the current message is an outdated copy of a woken parked job (the job
-    already started, or a newer wake-up was published): it must not run."""
-    from django_fair_jobs.models import ParkedJob
+def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) -> None:
+    """Drop a revoked job's parked row and reservations, and its running leases too if it
+    was ``terminated``; wake jobs on the slots freed.
 
-    wake = (task.request.headers or {}).get(WAKE_HEADER)
-    if wake is None:
-        return False
-    if ParkedJob.objects.is_current_wake(str(task.request.id), int(wake)):
-        return False
-    logger.info(
-        "%s[%s]: stale copy of wake-up %s dropped (the job already started or was woken again)",
-        task.name,
-        task.request.id,
-        wake,
-    )
-    return True
-
-
-def forget_task(task_id: str, app: Celery | None = None) -> None:
-    """Drop a revoked job's leases and parked row, and wake jobs on the slots it freed."""
+    A revoke without terminate (or an expired duplicate copy) leaves a running copy's
+    lease alone: that copy still runs and releases it.
+    """
     from django_fair_jobs.models import ParkedJob, SlotLease
 
     ParkedJob.objects.forget(task_id)
-    for slot_id in SlotLease.objects.drop_for_task(task_id):
+    for slot_id in SlotLease.objects.drop_for_task(task_id, running=terminated):
         wake(slot_id, limit=1, app=app)

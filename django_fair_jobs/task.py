@@ -127,6 +127,11 @@ class FairTask(Task):  # type: ignore[type-arg]
         # Published without our apply_async (send_task by name): resolve it here.
         return normalize_tenant(self.fair_tenant(*args, **kwargs))
 
+    def _fair_retry_countdown(self) -> float:
+        if self.fair_retry_countdown is None:
+            return fair_settings.RETRY_COUNTDOWN
+        return float(self.fair_retry_countdown)
+
     def _fair_queue(self) -> str:
         info = self.request.delivery_info or {}
         queue = (
@@ -151,40 +156,21 @@ class FairTask(Task):  # type: ignore[type-arg]
         if tenant is None:
             warn_missing_tenant(self.name)
             return super().__call__(*args, **kwargs)
-        if slots.is_stale_copy(self):
-            raise Ignore()
-        queue = self._fair_queue()
-        limit = self.fair_limit()
-        acquired = slots.acquire(
+        grant = slots.enter(
+            self,
             tenant=tenant,
-            queue=queue,
-            task_id=str(request.id),
-            limit=limit,
-            node=request.hostname,
+            queue=self._fair_queue(),
+            limit=self.fair_limit(),
+            on_limit=self.fair_on_limit or fair_settings.ON_LIMIT,
+            retry_countdown=self._fair_retry_countdown(),
+            args=args,
+            kwargs=kwargs,
         )
-        grant = acquired.grant
-        if acquired.status == "duplicate":
-            slots.postpone_duplicate(self, args, kwargs)
-            raise Ignore()
         if grant is None:
-            grant = slots.defer(
-                self,
-                tenant=tenant,
-                queue=queue,
-                limit=limit,
-                on_limit=self.fair_on_limit or fair_settings.ON_LIMIT,
-                retry_countdown=(
-                    fair_settings.RETRY_COUNTDOWN
-                    if self.fair_retry_countdown is None
-                    else self.fair_retry_countdown
-                ),
-                args=args,
-                kwargs=kwargs,
-            )
-            if grant is None:
-                # Acknowledge without a state change: the job is parked or rescheduled
-                # under the same task id, and AsyncResult keeps waiting for its real end.
-                raise Ignore()
+            # Acknowledge without a state change: the job is parked, rescheduled or
+            # postponed under the same task id (or was a stale copy), and AsyncResult
+            # keeps waiting for its real end.
+            raise Ignore()
         try:
             return super().__call__(*args, **kwargs)
         finally:

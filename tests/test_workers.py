@@ -162,7 +162,7 @@ def test_sigkill__slots_reclaimed_within_timeout_and_parked_jobs_run(
     start_worker: Callable[..., Worker], settings: Any
 ) -> None:
     victim = start_worker("victim", pool="prefork", concurrency=2)
-    long_jobs = [tasks.limited3.delay("k", 30).id for _ in range(3)]
+    long_jobs = [tasks.limited3.delay("k", 30).id for _ in range(2)]  # one per child
     wait_for(
         lambda: TenantQueueSlot.objects.filter(tenant="k", current_jobs=2).exists(),
         20,
@@ -197,6 +197,23 @@ def test_warm_shutdown__running_job_finishes_and_releases(
     assert JobRun.objects.get(task_id=job.id).finished_at is not None
     assert_all_released("s")
     assert WorkerProcess.objects.count() == 0
+
+
+def test_bad_setting__worker_refuses_to_start(broker_env: dict[str, str]) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker", "-P", "solo",
+         "-Q", "fair", "--without-gossip", "--without-mingle", "--without-heartbeat"],
+        cwd=ROOT, env={**broker_env, "FAIR_JOBS_ON_LIMIT": "drop"},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "fair_jobs.E002" in proc.stderr
+    assert " ready." not in proc.stderr + proc.stdout
 
 
 def test_explicit_tenant__wins_over_fair_tenant(start_worker: Callable[..., Worker]) -> None:
@@ -271,7 +288,7 @@ def test_stale_copy_of_woken_job__dropped_not_run(
     fresh = tasks.limited1.delay("sc", 0.01)
     assert fresh.get(timeout=30) == "sc:done"
     wait_for(
-        lambda: "stale copy of wake-up 1 dropped" in worker.output(),
+        lambda: "stale copy of a woken job dropped" in worker.output(),
         20,
         "the stale copy to be dropped",
     )
@@ -354,3 +371,24 @@ def test_revoke_terminate__running_job__slot_back_before_timeout(
     )
     assert time.monotonic() - started < settings.FAIR_JOBS_WORKER_TIMEOUT
     assert tasks.limited1.delay("rt", 0.01).get(timeout=30) == "rt:done"
+
+
+def test_database_unreachable__job_postponed_through_broker_not_lost(
+    start_worker: Callable[..., Worker],
+) -> None:
+    cut_off = start_worker(
+        "cutoff", pool="threads", concurrency=2,
+        extra_env={"DATABASE_URL": "postgres://postgres@127.0.0.1:1/unreachable"},
+    )  # fmt: skip
+    job = tasks.limited1_retry.delay("db", 0.01)  # fair_retry_countdown=0.2
+    wait_for(
+        lambda: "database unavailable" in cut_off.output(),
+        30,
+        "the cut-off worker to postpone the job",
+    )
+    assert "raised unexpected" not in cut_off.output()
+    cut_off.stop()  # its countdown copy goes back to the broker unacknowledged
+    start_worker("healthy", pool="threads", concurrency=2)
+    assert job.get(timeout=60) == "db:done"
+    assert JobRun.objects.filter(task_id=job.id).count() == 1
+    assert_all_released("db")

@@ -5,20 +5,22 @@
 
 -- name: acquire
 -- Take a slot for a starting job, in one round trip. Returns one row: the status
--- ('held', 'full' or 'duplicate'), the slot id when held, and the number of still-waiting
--- parked rows of the job that were removed (a duplicate delivery; the caller fixes
--- parked_jobs).
+-- ('held', 'full', 'duplicate' or 'stale'), the slot id when held, and the number of
+-- still-waiting parked rows of the job that were removed (the caller fixes parked_jobs).
+-- * woken_ok: a re-published parked job (woken) may start only while its parked row
+--   exists; the first copy to start deletes it (unparked), so later copies are 'stale'.
 -- * own: the job already has a lease on this slot whose holder is gone (a reservation
 --   made for it when it was woken, or a process that stopped beating): it claims it with
---   a new token, so the old holder's release is fenced off. Never a second slot.
--- * live: the lease is held by a live process: this delivery is a duplicate of a running
---   job and must not run beside it.
+--   a new token, so the old holder's release is fenced off. Never a second slot. The
+--   token in the WHERE makes a second claimant, re-checking the row after the first
+--   committed, find it changed and claim nothing.
+-- * live: the lease is held by a live process, or was claimed under us: 'duplicate'.
 -- * taken: otherwise the slot row is created on first use (race free: ON CONFLICT) and
 --   its counter incremented only while below the limit, the lease written alongside.
 --   Two concurrent deliveries of one task id collide on the lease's unique key and the
 --   loser's whole statement rolls back.
 WITH existing AS (
-    SELECT l.id, l.slot_id,
+    SELECT l.id, l.slot_id, l.token,
            (l.process_id IS NOT NULL AND EXISTS (
                 SELECT 1 FROM fair_jobs_workerprocess AS w
                  WHERE w.id = l.process_id
@@ -27,18 +29,21 @@ WITH existing AS (
       FROM fair_jobs_slotlease AS l
       JOIN fair_jobs_tenantqueueslot AS s ON s.id = l.slot_id
      WHERE s.tenant = %(tenant)s AND s.queue = %(queue)s AND l.task_id = %(task_id)s
+), woken_ok AS (
+    SELECT (NOT %(woken)s
+            OR EXISTS (SELECT 1 FROM fair_jobs_parkedjob WHERE task_id = %(task_id)s)) AS ok
 ), own AS (
     UPDATE fair_jobs_slotlease AS l
        SET process_id = %(process_id)s, token = %(token)s, acquired_at = now()
-      FROM existing AS e
-     WHERE l.id = e.id AND NOT e.live
+      FROM existing AS e, woken_ok AS w
+     WHERE l.id = e.id AND l.token = e.token AND NOT e.live AND w.ok
     RETURNING l.slot_id
 ), taken AS (
     INSERT INTO fair_jobs_tenantqueueslot AS s
            (tenant, queue, max_jobs, default_max_jobs, current_jobs, parked_jobs,
             deferred_total, created_at, updated_at)
     SELECT %(tenant)s, %(queue)s, NULL, %(limit)s, 1, 0, 0, now(), now()
-     WHERE NOT EXISTS (SELECT 1 FROM existing)
+     WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT ok FROM woken_ok)
     ON CONFLICT (tenant, queue) DO UPDATE
        SET current_jobs = s.current_jobs + 1,
            default_max_jobs = EXCLUDED.default_max_jobs,
@@ -58,7 +63,8 @@ WITH existing AS (
     RETURNING p.woken_at
 )
 SELECT CASE WHEN EXISTS (SELECT 1 FROM held) THEN 'held'
-            WHEN EXISTS (SELECT 1 FROM existing WHERE live) THEN 'duplicate'
+            WHEN NOT (SELECT ok FROM woken_ok) THEN 'stale'
+            WHEN EXISTS (SELECT 1 FROM existing) THEN 'duplicate'
             ELSE 'full' END,
        (SELECT slot_id FROM held),
        (SELECT count(*) FROM unparked WHERE woken_at IS NULL);
