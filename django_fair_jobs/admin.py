@@ -153,6 +153,10 @@ class ParkedJobAdmin(_ParkedAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Deleting a parked row would lose the job silently; revoke it with Celery instead.
+        return False
+
 
 @admin.register(WorkerProcess)
 class WorkerProcessAdmin(_ProcessAdmin):
@@ -173,4 +177,9 @@ class WorkerProcessAdmin(_ProcessAdmin):
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # A live worker deleted here would have its leases reaped while its jobs run;
+        # dead workers are removed by the reaper.
         return False

@@ -7,7 +7,7 @@ Ids are stable:
 * ``fair_jobs.E003`` ``FAIR_JOBS_RETRY_COUNTDOWN`` is not a number >= 0.
 * ``fair_jobs.E004`` ``FAIR_JOBS_WORKER_TIMEOUT`` is not a number > 0.
 * ``fair_jobs.E005`` ``FAIR_JOBS_HEARTBEAT_INTERVAL`` is not a number > 0.
-* ``fair_jobs.E006`` ``FAIR_JOBS_HEARTBEAT_INTERVAL`` is not below ``FAIR_JOBS_WORKER_TIMEOUT``.
+* ``fair_jobs.E006`` the heartbeat interval is more than half ``FAIR_JOBS_WORKER_TIMEOUT``.
 * ``fair_jobs.E007`` ``FAIR_JOBS_TENANT_WARNING_INTERVAL`` is not a number >= 0.
 * ``fair_jobs.E008`` a ``FAIR_JOBS_*`` environment variable cannot be parsed.
 """
@@ -77,13 +77,30 @@ def check_settings(
         else:
             values[name] = value
     interval, timeout = values.get("HEARTBEAT_INTERVAL"), values.get("WORKER_TIMEOUT")
-    if interval is not None and timeout is not None and interval >= timeout:
+    if interval is not None and timeout is not None and interval * 2 > timeout:
         errors.append(
             checks.Error(
-                f"{PREFIX}HEARTBEAT_INTERVAL ({interval}) is not below "
-                f"{PREFIX}WORKER_TIMEOUT ({timeout}): live workers would be reaped.",
-                hint="Keep the interval at most a third of the timeout (defaults: 10 and 60).",
+                f"{PREFIX}HEARTBEAT_INTERVAL ({interval}) is more than half of "
+                f"{PREFIX}WORKER_TIMEOUT ({timeout}): one late beat would get a live worker "
+                "reaped.",
+                hint="Keep the interval at most half the timeout (defaults: 10 and 60).",
                 id="fair_jobs.E006",
             )
         )
     return errors
+
+
+def fail_fast_on_bad_settings() -> None:
+    """Stop a Celery worker at start-up when a ``FAIR_JOBS_*`` setting is invalid.
+
+    Celery runs Django's checks but does not stop on them; a worker with, say, a heartbeat
+    interval above the timeout would get live workers reaped. ``SystemExit`` is used
+    because Celery's signal dispatch logs and swallows ordinary exceptions.
+    """
+    import sys
+
+    errors = [e for e in check_settings() if e.is_serious()]
+    if errors:
+        for error in errors:
+            print(f"{error.id}: {error.msg} HINT: {error.hint}", file=sys.stderr)
+        raise SystemExit("django-fair-jobs: invalid settings; the worker will not start.")

@@ -36,14 +36,20 @@ class Settings:
         if hasattr(django_settings, key):
             return getattr(django_settings, key)
         if key in os.environ:
-            return parse(key)
+            # django-environ reads the raw string; the conversion is strict (its own int()
+            # and float() drop stray characters, so "1e3" would silently become 13).
+            raw = _env.str(key)
+            try:
+                return parse(raw.strip())
+            except ValueError:
+                raise ValueError(f"{key}={raw!r} is not a valid {parse.__name__}") from None
         return default
 
     @property
     def DEFAULT_MAX_JOBS(self) -> int:
         """Jobs one tenant may run at once on one queue, when neither the tenant's slot row
         nor the task (``fair_max_jobs``) says otherwise. Default 1."""
-        value: int = self._get("DEFAULT_MAX_JOBS", 1, _env.int)
+        value: int = self._get("DEFAULT_MAX_JOBS", 1, int)
         return value
 
     @property
@@ -51,7 +57,7 @@ class Settings:
         """What a job does when its tenant is at its limit: ``"park"`` (stored in the
         database and re-published as soon as a slot frees) or ``"retry"`` (re-published with
         a jittered countdown). Tasks override it with ``fair_on_limit``. Default ``"park"``."""
-        value: str = self._get("ON_LIMIT", "park", _env.str)
+        value: str = self._get("ON_LIMIT", "park", str)
         return value
 
     @property
@@ -59,29 +65,29 @@ class Settings:
         """Base countdown in seconds for ``fair_on_limit = "retry"``; the actual countdown is
         drawn uniformly from 0.5x to 1.5x of it. Tasks override it with
         ``fair_retry_countdown``. Default 60."""
-        value: float = self._get("RETRY_COUNTDOWN", 60.0, _env.float)
+        value: float = self._get("RETRY_COUNTDOWN", 60.0, float)
         return value
 
     @property
     def WORKER_TIMEOUT(self) -> float:
         """Seconds without a heartbeat after which a worker process is presumed dead and its
         slots are reaped. Default 60."""
-        value: float = self._get("WORKER_TIMEOUT", 60.0, _env.float)
+        value: float = self._get("WORKER_TIMEOUT", 60.0, float)
         return value
 
     @property
     def HEARTBEAT_INTERVAL(self) -> float:
         """Seconds between a worker process's heartbeats; maintenance (reaping dead workers,
-        sweeping missed wake-ups) runs at the same pace. Must be below ``WORKER_TIMEOUT``.
+        sweeping missed wake-ups) runs at the same pace. At most half of ``WORKER_TIMEOUT``.
         Default 10."""
-        value: float = self._get("HEARTBEAT_INTERVAL", 10.0, _env.float)
+        value: float = self._get("HEARTBEAT_INTERVAL", 10.0, float)
         return value
 
     @property
     def TENANT_WARNING_INTERVAL(self) -> float:
         """Minimum seconds between two "job has no tenant" warnings for the same task, so a
         flood of tenant-less jobs does not flood the log. Default 60."""
-        value: float = self._get("TENANT_WARNING_INTERVAL", 60.0, _env.float)
+        value: float = self._get("TENANT_WARNING_INTERVAL", 60.0, float)
         return value
 
 

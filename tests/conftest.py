@@ -87,9 +87,16 @@ def wait_for(predicate: Callable[[], Any], timeout: float, message: str) -> Any:
         time.sleep(0.05)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _configured_celery_app() -> None:
+    """Configure the publishing side: importing the app makes it current, with the test
+    broker and result backend, before any test publishes or reads a result."""
+    import tests.celery_app  # noqa: F401
+
+
 @pytest.fixture
 def broker_env() -> dict[str, str]:
-    """Environment for worker processes; purges the test queues before each test."""
+    """Environment for worker processes; empties the test broker before each test."""
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
@@ -98,13 +105,20 @@ def broker_env() -> dict[str, str]:
         "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
         "CELERY_RESULT_BACKEND": settings.CELERY_RESULT_BACKEND,
     }
-    from tests.celery_app import app
+    if settings.CELERY_BROKER_URL.startswith("redis://"):
+        import redis
 
-    with app.connection_for_write() as conn:
-        for queue in ("fair", "default", "other"):
-            # A queue that does not exist yet has nothing to purge.
-            with contextlib.suppress(Exception):
-                conn.default_channel.queue_purge(queue)  # type: ignore[attr-defined]
+        # The test broker database is the suite's own: flushing it also drops unacknowledged
+        # messages of killed workers, which a queue purge would leave to be redelivered.
+        redis.Redis.from_url(settings.CELERY_BROKER_URL).flushdb()
+    else:
+        from tests.celery_app import app
+
+        with app.connection_for_write() as conn:
+            for queue in ("fair", "default", "other"):
+                # A queue that does not exist yet has nothing to purge.
+                with contextlib.suppress(Exception):
+                    conn.default_channel.queue_purge(queue)  # type: ignore[attr-defined]
     return env
 
 

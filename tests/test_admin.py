@@ -161,9 +161,26 @@ def test_reap_command__prints_report(
 def test_reap_command__bad_timeout__command_error() -> None:
     from django.core.management.base import CommandError
 
-    with pytest.raises(CommandError, match="--timeout"):
-        call_command("fair_jobs_reap", "--timeout", "-1")
+    with pytest.raises(CommandError, match="at least twice"):
+        call_command("fair_jobs_reap", "--timeout", "0.9")  # test interval: 0.5 s
 
 
 def test_migrations__in_sync() -> None:
     call_command("makemigrations", "--check", "--dry-run", verbosity=0)
+
+
+def test_parked_jobs_and_processes__cannot_be_deleted(staff: Client, process: uuid.UUID) -> None:
+    acquire(process, "j1")
+    TenantQueueSlot.objects.try_park(
+        tenant="acme", queue="q", task_id="j2", task_name="t", limit=1, signature="{}"
+    )
+    parked = ParkedJob.objects.get()
+    assert (
+        staff.post(f"/admin/fair_jobs/parkedjob/{parked.pk}/delete/", {"post": "yes"}).status_code
+        == 403
+    )
+    assert (
+        staff.post(f"/admin/fair_jobs/workerprocess/{process}/delete/", {"post": "yes"}).status_code
+        == 403
+    )
+    assert ParkedJob.objects.exists() and WorkerProcess.objects.filter(pk=process).exists()

@@ -44,18 +44,30 @@ def test_e005__heartbeat_interval() -> None:
     assert ids(FAIR_JOBS_HEARTBEAT_INTERVAL="10") == ["fair_jobs.E005"]
 
 
-def test_e006__heartbeat_not_below_timeout() -> None:
-    assert ids(FAIR_JOBS_HEARTBEAT_INTERVAL=60, FAIR_JOBS_WORKER_TIMEOUT=60) == ["fair_jobs.E006"]
+def test_e006__heartbeat_more_than_half_the_timeout() -> None:
+    assert ids(FAIR_JOBS_HEARTBEAT_INTERVAL=31, FAIR_JOBS_WORKER_TIMEOUT=60) == ["fair_jobs.E006"]
+    assert ids(FAIR_JOBS_HEARTBEAT_INTERVAL=30, FAIR_JOBS_WORKER_TIMEOUT=60) == []
 
 
 def test_e007__tenant_warning_interval() -> None:
     assert ids(FAIR_JOBS_TENANT_WARNING_INTERVAL=-5) == ["fair_jobs.E007"]
 
 
-def test_e008__unparsable_environment(monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
+@pytest.mark.parametrize("raw", ["sixty", "1e3x", "5 min", ""])
+def test_e008__unparsable_environment(
+    monkeypatch: pytest.MonkeyPatch, settings: Any, raw: str
+) -> None:
     del settings.FAIR_JOBS_WORKER_TIMEOUT
-    monkeypatch.setenv("FAIR_JOBS_WORKER_TIMEOUT", "sixty")
-    assert ids() == ["fair_jobs.E008"]
+    monkeypatch.setenv("FAIR_JOBS_WORKER_TIMEOUT", raw)
+    messages = [m for m in check_settings() if m.id]
+    assert [m.id for m in messages] == ["fair_jobs.E008"]
+    assert repr(raw) in messages[0].msg
+
+
+def test_environment__parsed_strictly(monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
+    del settings.FAIR_JOBS_WORKER_TIMEOUT
+    monkeypatch.setenv("FAIR_JOBS_WORKER_TIMEOUT", " 1e3 ")
+    assert fair_settings.WORKER_TIMEOUT == 1000.0
 
 
 def test_check_command__fails_on_bad_setting(settings: Any) -> None:

@@ -32,8 +32,13 @@ class Command(BaseCommand):
         from django_fair_jobs.workers import run_maintenance
 
         timeout = options["timeout"]
-        if timeout is not None and timeout <= 0:
-            raise CommandError("--timeout must be a number of seconds > 0.")
+        interval = fair_settings.HEARTBEAT_INTERVAL
+        if timeout is not None and timeout < 2 * interval:
+            # A shorter threshold would call live workers dead between two beats.
+            raise CommandError(
+                f"--timeout must be at least twice FAIR_JOBS_HEARTBEAT_INTERVAL "
+                f"({2 * interval:g} s), or live workers would be reaped."
+            )
         report = run_maintenance(timeout)
         self.stdout.write(
             f"Reaped {report.leases_reaped} lease(s) on {report.slots_reaped} slot(s) "

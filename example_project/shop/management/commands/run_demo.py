@@ -54,8 +54,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--greedy-jobs",
             type=int,
-            default=120,
-            help="Imports the greedy merchant enqueues at once (default 120).",
+            default=60,
+            help="Imports the greedy merchant enqueues at once (default 60).",
         )
         parser.add_argument(
             "--small-merchants",
@@ -69,8 +69,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--seconds",
             type=float,
-            default=0.05,
-            help="Duration of one import in seconds (default 0.05).",
+            default=0.2,
+            help="Duration of one import in seconds (default 0.2).",
         )
         parser.add_argument(
             "--concurrency", type=int, default=4, help="Worker concurrency (default 4)."
