@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     )
 
 
-ParkOutcome = Literal["parked", "already_parked", "room"]
+ParkOutcome = Literal["parked", "already_parked", "room", "stale"]
 AcquireStatus = Literal["held", "full", "duplicate", "stale"]
 
 
@@ -167,8 +167,6 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         from django_fair_jobs.models import ParkedJob, SlotLease, WorkerProcess
 
         with transaction.atomic(using=self._alias()):
-            if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
-                return "stale", None, 0
             slot_id = self.filter(tenant=tenant, queue=queue).values_list("pk", flat=True).first()
             lease = (
                 None
@@ -187,6 +185,8 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                 SlotLease.objects.filter(pk=lease.pk).update(
                     process_id=process_id, token=token, acquired_at=Now()
                 )
+            elif woken and not ParkedJob.objects.filter(task_id=task_id).exists():
+                return "stale", None, 0
             else:
                 if slot_id is None:
                     self.bulk_create(
@@ -211,12 +211,21 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         return "held", slot_id, waiting
 
     def try_park(
-        self, *, tenant: str, queue: str, task_id: str, task_name: str, limit: int, signature: str
+        self,
+        *,
+        tenant: str,
+        queue: str,
+        task_id: str,
+        task_name: str,
+        limit: int,
+        signature: str,
+        woken: bool = False,
     ) -> ParkOutcome:
         """Park a job whose acquire failed, if the slot is still full.
 
         Returns ``"room"`` when a slot freed in between (the caller acquires again),
-        ``"already_parked"`` for a duplicate delivery of a waiting job, else ``"parked"``.
+        ``"already_parked"`` for a duplicate delivery of a waiting job, ``"stale"`` for a
+        ``woken`` copy whose parked row another copy already took, else ``"parked"``.
         """
         alias = self._alias()
         if _is_postgres(alias):
@@ -227,19 +236,29 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                 "task_name": task_name,
                 "limit": limit,
                 "signature": signature,
+                "woken": woken,
             }
             ((outcome,),) = _run(alias, "park", params)
             return outcome  # type: ignore[no-any-return]
-        return self._park_portable(tenant, queue, task_id, task_name, limit, signature)
+        return self._park_portable(tenant, queue, task_id, task_name, limit, signature, woken)
 
     def _park_portable(
-        self, tenant: str, queue: str, task_id: str, task_name: str, limit: int, signature: str
+        self,
+        tenant: str,
+        queue: str,
+        task_id: str,
+        task_name: str,
+        limit: int,
+        signature: str,
+        woken: bool,
     ) -> ParkOutcome:
         from django_fair_jobs.models import ParkedJob
 
         with transaction.atomic(using=self._alias()):
             if ParkedJob.objects.filter(task_id=task_id, woken_at__isnull=True).exists():
                 return "already_parked"
+            if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
+                return "stale"
             updated = self.filter(
                 tenant=tenant, queue=queue, current_jobs__gte=Coalesce(F("max_jobs"), limit)
             ).update(
@@ -318,11 +337,20 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         from django_fair_jobs.models import ParkedJob, SlotLease
 
         with transaction.atomic(using=self._alias()):
-            job = (
-                ParkedJob.objects.filter(slot_id=slot_id, woken_at__isnull=True)
-                .order_by("id")
-                .first()
+            slot = self.filter(pk=slot_id).values("current_jobs", "max_jobs").first()
+            if slot is None:
+                return None
+            running = SlotLease.objects.filter(slot_id=slot_id, task_id=models.OuterRef("task_id"))
+            # Same choice as the PostgreSQL statement: the oldest job with room under its own
+            # limit whose task holds no lease on the slot.
+            candidates = ParkedJob.objects.filter(slot_id=slot_id, woken_at__isnull=True).exclude(
+                models.Exists(running)
             )
+            if slot["max_jobs"] is None:
+                candidates = candidates.filter(default_max_jobs__gt=slot["current_jobs"])
+            elif slot["current_jobs"] >= slot["max_jobs"]:
+                return None
+            job = candidates.order_by("id").first()
             if job is None:
                 return None
             taken = self.filter(
@@ -397,7 +425,10 @@ class SlotLeaseManager(models.Manager["SlotLease"]):
             live = WorkerProcess.objects.filter(last_heartbeat_at__gte=_ago(timeout)).values("pk")
             stale = self.filter(
                 Q(process__isnull=True, acquired_at__lt=_ago(timeout))
-                | (Q(process__isnull=False) & ~Q(process_id__in=live))
+                | (
+                    Q(process__isnull=False, acquired_at__lt=_ago(timeout))
+                    & ~Q(process_id__in=live)
+                )
             )
             counts: dict[int, int] = {}
             for slot_id in stale.values_list("slot_id", flat=True):

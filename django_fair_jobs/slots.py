@@ -128,7 +128,10 @@ def postpone(
     logger.warning(
         "%s[%s]: %s; re-published to run in %.1f s", task.name, request.id, reason, countdown
     )
-    task.signature_from_request(request, args, kwargs, countdown=countdown).apply_async()
+    # A woken copy stays marked as one, so that it still cannot run after another copy.
+    wake = (request.headers or {}).get(WAKE_HEADER)
+    options = {} if wake is None else {"fair_wake": wake}
+    task.signature_from_request(request, args, kwargs, countdown=countdown).apply_async(**options)
 
 
 def refuse(
@@ -205,7 +208,11 @@ def defer(
             task_name=task.name,
             limit=limit,
             signature=signature,
+            woken=woken,
         )
+        if outcome == "stale":
+            refuse(task, outcome, args, kwargs, woken=woken)
+            return None
         if outcome != "room":
             logger.debug(
                 "Deferred %s[%s]: tenant %r at its limit on %s; %s",

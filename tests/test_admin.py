@@ -128,7 +128,9 @@ def test_action_reap__releases_dead_workers_only(staff: Client, process: uuid.UU
     TenantQueueSlot.objects.try_acquire(
         tenant="other", queue="q", task_id="j9", limit=1, process_id=dead, timeout=60
     )
+    # Time passes: the dead worker's heartbeat and lease both age beyond the timeout.
     WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at="2000-01-01T00:00:00Z")
+    SlotLease.objects.filter(process_id=dead).update(acquired_at="2000-01-01T00:00:00Z")
     slot = TenantQueueSlot.objects.get(tenant="acme")
     staff.post(
         "/admin/fair_jobs/tenantqueueslot/",
@@ -153,6 +155,7 @@ def test_reap_command__prints_report(
 ) -> None:
     acquire(process, "j1")
     WorkerProcess.objects.update(last_heartbeat_at="2000-01-01T00:00:00Z")
+    SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
     call_command("fair_jobs_reap")
     assert "Reaped 1 lease(s) on 1 slot(s)" in capsys.readouterr().out
     assert TenantQueueSlot.objects.get().current_jobs == 0

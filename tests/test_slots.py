@@ -140,7 +140,8 @@ def test_release__stale_holder_after_takeover__releases_nothing(process: uuid.UU
 def test_release__stale_holder_after_reap__does_not_free_second_slot(process: uuid.UUID) -> None:
     stale = acquire(process, "j1", limit=1)
     assert stale is not None
-    WorkerProcess.objects.filter(pk=process).delete()  # presumed dead
+    WorkerProcess.objects.filter(pk=process).delete()  # presumed dead...
+    SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")  # ...for the whole timeout
     assert SlotLease.objects.reap(timeout=60) == [(stale.slot_id, 1)]
     other = uuid.uuid4()
     WorkerProcess.objects.register(process_id=other, node="b@host", hostname="host", pid=2)
@@ -247,19 +248,24 @@ def test_woken_copies__first_to_start_runs_later_ones_are_stale(process: uuid.UU
     # The old copy arrives first: it may still run (its row exists) and claims the slot.
     assert woken_status(process, "j2") == "held"
     assert slot().current_jobs == 1
-    # The newer copy arrives later: the row is gone, so it is stale, not a second run.
-    assert woken_status(uuid.uuid4(), "j2") == "stale"
+    # The newer copy arrives while the old one runs: a duplicate (a woken one is dropped).
+    assert woken_status(uuid.uuid4(), "j2") == "duplicate"
     assert slot().current_jobs == 1
+    # Or after it finished: its row is gone, so it is stale, never a second run.
+    running = SlotLease.objects.get(task_id="j2")
+    TenantQueueSlot.objects.release(Grant(running.slot_id, "j2", running.token))
+    assert woken_status(uuid.uuid4(), "j2") == "stale"
+    assert slot().current_jobs == 0
 
 
-def test_woken_copy__second_copy_while_first_runs__stale(process: uuid.UUID) -> None:
+def test_woken_copy__second_copy_while_first_runs__duplicate(process: uuid.UUID) -> None:
     holder = acquire(process, "j1", limit=1)
     assert holder is not None
     assert park("j2", limit=1) == "parked"
     TenantQueueSlot.objects.release(holder)
     assert TenantQueueSlot.objects.wake_one(holder.slot_id) is not None
     assert woken_status(process, "j2") == "held"
-    assert woken_status(process, "j2") == "stale"
+    assert woken_status(process, "j2") == "duplicate"  # dropped: it is a woken copy
 
 
 def test_maintenance_claim__once_per_interval() -> None:
@@ -269,3 +275,70 @@ def test_maintenance_claim__once_per_interval() -> None:
     assert not Maintenance.objects.claim("m", interval=60)
     Maintenance.objects.update(last_run_at="2000-01-01T00:00:00Z")
     assert Maintenance.objects.claim("m", interval=60)
+
+
+def wake_all(slot_id: int) -> list[str]:
+    woken = []
+    while (job := TenantQueueSlot.objects.wake_one(slot_id)) is not None:
+        woken.append(job.task_id)
+    return woken
+
+
+def test_woken_copy__redelivered_after_its_worker_died__claims_the_dead_lease(
+    process: uuid.UUID,
+) -> None:
+    holder = acquire(process, "j1", limit=1)
+    assert holder is not None
+    assert park("j2", limit=1) == "parked"
+    TenantQueueSlot.objects.release(holder)
+    assert TenantQueueSlot.objects.wake_one(holder.slot_id) is not None
+    assert woken_status(process, "j2") == "held"  # its row is gone now
+    WorkerProcess.objects.filter(pk=process).update(last_heartbeat_at="2000-01-01T00:00:00Z")
+    # The broker redelivers the same woken message (acks_late) to a new process: the job
+    # did not finish, so it must run, on the same slot.
+    assert woken_status(uuid.uuid4(), "j2") == "held"
+    assert slot().current_jobs == 1
+
+
+def test_park__woken_copy_whose_row_is_gone__stale_not_reparked(process: uuid.UUID) -> None:
+    assert acquire(process, "j1", limit=1) is not None
+    outcome = TenantQueueSlot.objects.try_park(
+        tenant="acme", queue="q", task_id="j2", task_name="t", limit=1, signature="{}",
+        woken=True,
+    )  # fmt: skip
+    assert outcome == "stale"
+    assert not ParkedJob.objects.exists()
+    assert slot().parked_jobs == 0
+
+
+def test_wake__picks_a_job_with_room_under_its_own_limit(process: uuid.UUID) -> None:
+    # Tasks with limits 1 and 3 share the queue; 3 jobs run, a limit-1 job parks first.
+    grants = [acquire(process, f"b{i}", limit=3) for i in range(3)]
+    assert park("a1", limit=1) == "parked"
+    assert park("b4", limit=3) == "parked"
+    released = grants[0]
+    assert released is not None
+    TenantQueueSlot.objects.release(released)
+    # 2 run: no room for a1 (limit 1), room for b4 (limit 3); a1 must not block b4.
+    assert wake_all(released.slot_id) == ["b4"]
+    assert ParkedJob.objects.get(task_id="a1").woken_at is None
+
+
+def test_wake__skips_a_job_whose_copy_is_running(process: uuid.UUID) -> None:
+    holder = acquire(process, "h", limit=2)
+    assert holder is not None
+    assert acquire(process, "j", limit=2) is not None  # a duplicate copy of j runs...
+    TenantQueueSlot.objects.try_park(  # ...while another copy of j had been parked
+        tenant="acme", queue="q", task_id="j", task_name="t", limit=1, signature="{}"
+    )
+    assert park("k", limit=2) == "parked"
+    TenantQueueSlot.objects.release(holder)
+    assert wake_all(holder.slot_id) == ["k"]
+
+
+def test_reap__spares_a_lease_claimed_within_the_timeout(process: uuid.UUID) -> None:
+    newcomer = uuid.uuid4()  # a process whose row this reaper's view does not have yet
+    assert acquire(newcomer, "j1") is not None
+    assert SlotLease.objects.reap(timeout=60) == []
+    SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
+    assert SlotLease.objects.reap(timeout=60) == [(slot().pk, 1)]

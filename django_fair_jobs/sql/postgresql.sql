@@ -7,11 +7,13 @@
 -- Take a slot for a starting job, in one round trip. Returns one row: the status
 -- ('held', 'full', 'duplicate' or 'stale'), the slot id when held, and the number of
 -- still-waiting parked rows of the job that were removed (the caller fixes parked_jobs).
--- * woken_ok: a re-published parked job (woken) may start only while its parked row
---   exists; the first copy to start deletes it (unparked), so later copies are 'stale'.
+-- * woken_ok: a re-published parked job (woken) may take a new slot only while its parked
+--   row exists; the first copy to start deletes it (unparked), so later copies are
+--   'stale'.
 -- * own: the job already has a lease on this slot whose holder is gone (a reservation
 --   made for it when it was woken, or a process that stopped beating): it claims it with
---   a new token, so the old holder's release is fenced off. Never a second slot. The
+--   a new token, so the old holder's release is fenced off. Never a second slot. Any copy
+--   may claim it, woken or not: a dead holder's lease means the job did not finish. The
 --   token in the WHERE makes a second claimant, re-checking the row after the first
 --   committed, find it changed and claim nothing.
 -- * live: the lease is held by a live process, or was claimed under us: 'duplicate'.
@@ -35,8 +37,8 @@ WITH existing AS (
 ), own AS (
     UPDATE fair_jobs_slotlease AS l
        SET process_id = %(process_id)s, token = %(token)s, acquired_at = now()
-      FROM existing AS e, woken_ok AS w
-     WHERE l.id = e.id AND l.token = e.token AND NOT e.live AND w.ok
+      FROM existing AS e
+     WHERE l.id = e.id AND l.token = e.token AND NOT e.live
     RETURNING l.slot_id
 ), taken AS (
     INSERT INTO fair_jobs_tenantqueueslot AS s
@@ -63,8 +65,8 @@ WITH existing AS (
     RETURNING p.woken_at
 )
 SELECT CASE WHEN EXISTS (SELECT 1 FROM held) THEN 'held'
-            WHEN NOT (SELECT ok FROM woken_ok) THEN 'stale'
             WHEN EXISTS (SELECT 1 FROM existing) THEN 'duplicate'
+            WHEN NOT (SELECT ok FROM woken_ok) THEN 'stale'
             ELSE 'full' END,
        (SELECT slot_id FROM held),
        (SELECT count(*) FROM unparked WHERE woken_at IS NULL);
@@ -75,10 +77,14 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM held) THEN 'held'
 -- that same row, so a release that commits after this sees parked_jobs > 0 and wakes
 -- someone, and a release that committed before leaves room and the answer is 'room'.
 -- A job already waiting (a duplicate delivery) is not parked twice: 'already_parked'.
--- A re-parked woken job keeps its row, and so its place in line.
+-- A re-parked woken job keeps its row, and so its place in line; a woken copy whose row
+-- is gone (another copy started the job) never creates a new one: 'stale'.
 WITH waiting AS (
     SELECT 1 FROM fair_jobs_parkedjob
      WHERE task_id = %(task_id)s AND woken_at IS NULL
+), woken_ok AS (
+    SELECT (NOT %(woken)s
+            OR EXISTS (SELECT 1 FROM fair_jobs_parkedjob WHERE task_id = %(task_id)s)) AS ok
 ), slot AS (
     UPDATE fair_jobs_tenantqueueslot AS s
        SET parked_jobs = s.parked_jobs + 1,
@@ -87,6 +93,7 @@ WITH waiting AS (
      WHERE s.tenant = %(tenant)s AND s.queue = %(queue)s
        AND s.current_jobs >= COALESCE(s.max_jobs, %(limit)s)
        AND NOT EXISTS (SELECT 1 FROM waiting)
+       AND (SELECT ok FROM woken_ok)
     RETURNING s.id
 ), parked AS (
     INSERT INTO fair_jobs_parkedjob AS p
@@ -100,6 +107,7 @@ WITH waiting AS (
 )
 SELECT CASE WHEN EXISTS (SELECT 1 FROM parked) THEN 'parked'
             WHEN EXISTS (SELECT 1 FROM waiting) THEN 'already_parked'
+            WHEN NOT (SELECT ok FROM woken_ok) THEN 'stale'
             ELSE 'room' END;
 
 -- name: release
@@ -119,19 +127,32 @@ UPDATE fair_jobs_tenantqueueslot AS s
 RETURNING s.parked_jobs;
 
 -- name: wake
--- Hand a free slot to the oldest waiting parked job of the slot: the slot is acquired on
--- the job's behalf (same conditional increment as acquire), a lease with no process is
--- reserved for its task id, and the row is marked woken with a new wake number that the
--- re-published message carries. The caller re-publishes the
--- returned signature; the job claims its reserved lease when it starts. SKIP LOCKED lets
--- two wakers pick two different jobs without waiting on each other.
-WITH pick AS (
+-- Hand a free slot to the oldest waiting parked job of the slot that can use it: the slot
+-- is acquired on the job's behalf (same conditional increment as acquire), a lease with no
+-- process is reserved for its task id, and the row is marked woken with a new wake number
+-- that the re-published message carries.
+-- * The slot row is locked first (an InitPlan, before any parked row), the same order as
+--   acquire and park, so wakers of one slot queue on it and never skip a job that another
+--   waker held without waking.
+-- * A job is picked only if there is room under its own limit (tasks sharing a queue may
+--   have different limits) and its task holds no lease on the slot (a duplicate copy is
+--   running), so neither can block the jobs behind it.
+WITH locked AS (
+    SELECT id, current_jobs, max_jobs
+      FROM fair_jobs_tenantqueueslot
+     WHERE id = %(slot_id)s
+       FOR UPDATE
+), pick AS (
     SELECT p.id, p.default_max_jobs
       FROM fair_jobs_parkedjob AS p
-     WHERE p.slot_id = %(slot_id)s AND p.woken_at IS NULL
+     WHERE p.slot_id = (SELECT id FROM locked)
+       AND p.woken_at IS NULL
+       AND (SELECT current_jobs < COALESCE(max_jobs, p.default_max_jobs) FROM locked)
+       AND NOT EXISTS (SELECT 1 FROM fair_jobs_slotlease AS l
+                        WHERE l.slot_id = p.slot_id AND l.task_id = p.task_id)
      ORDER BY p.id
      LIMIT 1
-       FOR UPDATE SKIP LOCKED
+       FOR UPDATE
 ), slot AS (
     UPDATE fair_jobs_tenantqueueslot AS s
        SET current_jobs = s.current_jobs + 1,
@@ -165,7 +186,11 @@ WITH dead AS (
     DELETE FROM fair_jobs_slotlease AS l
      WHERE (l.process_id IS NULL
             AND l.acquired_at < now() - make_interval(secs => %(timeout)s))
-        OR (l.process_id IS NOT NULL AND NOT EXISTS (
+        OR (l.process_id IS NOT NULL
+            -- A lease claimed within the timeout is spared: its new holder may have
+            -- registered after this statement's snapshot was taken.
+            AND l.acquired_at < now() - make_interval(secs => %(timeout)s)
+            AND NOT EXISTS (
                 SELECT 1 FROM fair_jobs_workerprocess AS w
                  WHERE w.id = l.process_id
                    AND w.last_heartbeat_at >= now() - make_interval(secs => %(timeout)s)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from kombu.transport.sqlalchemy import Transport as SQLAlchemyTransport
 
 
-class Transport(SQLAlchemyTransport):  # type: ignore[misc]
+class Transport(SQLAlchemyTransport):
     """SQLAlchemy transport that polls every 10 ms instead of every second."""
 
     polling_interval = 0.01
