@@ -54,6 +54,7 @@ def _library_pair_script(process_id: uuid.UUID, slot_id: int) -> str:
         "process_id": f"'{process_id}'::uuid",
         "token": f"'{uuid.uuid4()}'::uuid",
         "slot_id": str(slot_id),
+        "woken": "false",
         "task_id": "('pg-' || :n)",
     }
 
