@@ -173,7 +173,7 @@ def defer(
     retry_countdown: float,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    woken: bool = False,
+    woken: bool,
 ) -> Grant | None:
     """Defer the current job of ``task`` because its tenant is at its limit.
 
