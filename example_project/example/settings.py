@@ -35,6 +35,11 @@ STATIC_URL = "static/"
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{DEMO_DIR / 'db.sqlite3'}")}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"]["OPTIONS"] = dict(RECOMMENDED_SQLITE_OPTIONS)
+# Celery workers should keep their connections: Celery's Django fixup closes a connection
+# older than CONN_MAX_AGE after each task, and with Django's default (0) every job would
+# open a new one (several milliseconds on PostgreSQL, more than the slot statements cost).
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=600)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -44,7 +49,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_fair_jobs",
-    "shop",
+    "bench",
 ]
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",

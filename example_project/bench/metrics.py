@@ -1,0 +1,147 @@
+"""The benchmark's figures, computed from the jobs' own start and end records.
+
+Pure functions on plain data (no Django), so that the tests can check them on synthetic
+records and the ideal scheduler's runs go through exactly the same code as real ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Record:
+    """One execution of one job (a job run twice has two records). Times in seconds."""
+
+    job: int
+    tenant: str
+    enqueued_at: float
+    started_at: float
+    finished_at: float
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the benchmark reports for one mode (or for the ideal)."""
+
+    jobs: int
+    completed: int
+    lost: int
+    run_twice: int
+    small_wait_p50: float | None
+    small_wait_p95: float | None
+    small_wait_max: float | None
+    greedy_makespan: float | None
+    makespan: float
+    throughput: float
+    peak_tenant: str | None
+    peak_jobs: int
+    greedy_peak: int | None
+    statements_per_job: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` by nearest rank (a value that occurred)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError("q must be within [0, 100]")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def peak_overlap(intervals: Iterable[tuple[float, float]]) -> int:
+    """The largest number of ``(start, end)`` intervals open at once.
+
+    An interval ending at ``t`` and another starting at ``t`` do not overlap.
+    """
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+def first_runs(records: Iterable[Record]) -> dict[int, Record]:
+    """Each job's first execution, by job id."""
+    first: dict[int, Record] = {}
+    for r in records:
+        if r.job not in first or r.started_at < first[r.job].started_at:
+            first[r.job] = r
+    return first
+
+
+def summarize(
+    records: Sequence[Record],
+    expected: Iterable[int],
+    greedy: frozenset[str],
+    origin: float,
+    statements: int | None = None,
+) -> Summary:
+    """Summarize one mode.
+
+    ``expected`` are the job ids that were enqueued; ``greedy`` the greedy tenants (every
+    other tenant is small); ``origin`` the time the mode's first job was enqueued;
+    ``statements`` the statements on the library's tables during the mode, if counted.
+    """
+    expected_ids = set(expected)
+    first = first_runs(records)
+    done = set(first) & expected_ids
+    counts: dict[int, int] = {}
+    for r in records:
+        counts[r.job] = counts.get(r.job, 0) + 1
+    small_waits = [r.started_at - r.enqueued_at for r in first.values() if r.tenant not in greedy]
+    greedy_ends = [r.finished_at for r in records if r.tenant in greedy]
+    ends = [r.finished_at for r in records]
+    makespan = (max(ends) - origin) if ends else 0.0
+    by_tenant: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        by_tenant.setdefault(r.tenant, []).append((r.started_at, r.finished_at))
+    peaks = {t: peak_overlap(iv) for t, iv in by_tenant.items()}
+    # On a tie, name the greedy tenant: it is the one a limit is meant to hold back.
+    peak_tenant = max(peaks, key=lambda t: (peaks[t], t in greedy, t)) if peaks else None
+    greedy_peaks = [peaks[t] for t in greedy if t in peaks]
+    return Summary(
+        jobs=len(expected_ids),
+        completed=len(done),
+        lost=len(expected_ids - done),
+        run_twice=sum(1 for j, n in counts.items() if n > 1),
+        small_wait_p50=percentile(small_waits, 50) if small_waits else None,
+        small_wait_p95=percentile(small_waits, 95) if small_waits else None,
+        small_wait_max=max(small_waits) if small_waits else None,
+        greedy_makespan=(max(greedy_ends) - origin) if greedy_ends else None,
+        makespan=makespan,
+        throughput=(len(done) / makespan) if makespan > 0 else 0.0,
+        peak_tenant=peak_tenant,
+        peak_jobs=peaks[peak_tenant] if peak_tenant is not None else 0,
+        greedy_peak=max(greedy_peaks) if greedy_peaks else None,
+        statements_per_job=(statements / len(expected_ids))
+        if statements is not None and expected_ids
+        else None,
+    )
+
+
+def ratio(value: float | None, reference: float | None) -> float | None:
+    """``value / reference``, or None when either is missing or the reference is 0."""
+    if value is None or reference is None or reference == 0:
+        return None
+    return value / reference
+
+
+def progress(records: Iterable[Record], origin: float) -> dict[str, list[float]]:
+    """Per tenant, the sorted completion times (seconds since ``origin``) of its jobs."""
+    out: dict[str, list[float]] = {}
+    for r in first_runs(records).values():
+        out.setdefault(r.tenant, []).append(r.finished_at - origin)
+    for times in out.values():
+        times.sort()
+    return out

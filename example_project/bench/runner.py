@@ -1,0 +1,345 @@
+"""Run a scenario in each mode through real Celery worker processes and collect the records.
+
+For each mode: clear the library's tables, start fresh worker nodes
+(separate ``celery worker`` processes), publish the scenario's jobs on schedule (one
+publisher thread per tenant, as separate clients would), wait for every job's record, stop
+the workers, and read back the records and statement counts. Each mode of each run has a
+queue of its own, deleted at the end; workers are stopped and the library's rows and the
+run's records are deleted whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+from django.core.management import call_command
+from django.db import OperationalError, connection
+
+import bench.tasks  # noqa: F401  (registers the benchmark's tasks in the publisher)
+from bench import statements
+from bench.metrics import Record
+from bench.models import JobRecord, StatementCount
+from bench.modes import Mode
+from bench.scenario import Job, Scenario
+from django_fair_jobs.models import (
+    Maintenance,
+    ParkedJob,
+    SlotLease,
+    TenantQueueSlot,
+    WorkerProcess,
+)
+from example.celery import app
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run or did not finish; the message says why and what to do."""
+
+
+@dataclass
+class ModeResult:
+    """What one mode left behind: its records and counts, read after its workers stopped."""
+
+    mode: Mode
+    origin: float
+    records: list[Record]
+    statements: int | None
+    publisher_statements: int
+    leftover: dict[str, int]
+    timed_out: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def describe_database() -> str:
+    """The database in use, for messages and the report (no password)."""
+    s = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"SQLite ({s['NAME']})"
+    return f"{connection.vendor} ({s.get('HOST') or 'socket'}:{s.get('PORT') or ''}/{s['NAME']})"
+
+
+def describe_broker() -> str:
+    """The broker in use, for messages and the report (no password)."""
+    with app.connection_for_write() as conn:
+        return str(conn.as_uri())
+
+
+def check_services() -> None:
+    """Refuse with a clear message if the database or the broker is unreachable.
+
+    A PostgreSQL database that does not exist yet is created (the server must be up).
+    """
+    try:
+        connection.ensure_connection()
+    except OperationalError as exc:
+        if connection.vendor == "postgresql" and "does not exist" in str(exc):
+            _create_database()
+        else:
+            raise BenchError(
+                f"The database {describe_database()} is not reachable: {exc}. Start it (see "
+                "README: Running the tests) or point DATABASE_URL at one."
+            ) from exc
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=5)
+    except Exception as exc:
+        raise BenchError(
+            f"The broker {describe_broker()} is not reachable: {exc}. Start it (see "
+            "../README: Running the tests) or point CELERY_BROKER_URL at one."
+        ) from exc
+
+
+def _create_database() -> None:
+    s = connection.settings_dict
+    params = connection.get_connection_params()
+    params["dbname"] = "postgres"
+    try:
+        with psycopg.connect(**params, autocommit=True) as admin:
+            admin.execute(f'CREATE DATABASE "{s["NAME"]}"')
+    except psycopg.Error as exc:
+        raise BenchError(
+            f"PostgreSQL has no database {s['NAME']!r} and it could not be created: {exc}"
+        ) from exc
+    connection.ensure_connection()
+
+
+def prepare_database() -> None:
+    """Apply migrations (quietly)."""
+    call_command("migrate", verbosity=0)
+
+
+def clear_library_state() -> None:
+    """Delete every row of the library's tables, so each mode starts from nothing."""
+    SlotLease.objects.all().delete()
+    ParkedJob.objects.all().delete()
+    TenantQueueSlot.objects.all().delete()
+    WorkerProcess.objects.all().delete()
+    Maintenance.objects.all().delete()
+
+
+def library_leftover() -> dict[str, int]:
+    """What a finished mode left in the library's tables (all must be 0)."""
+    return {
+        "leases": SlotLease.objects.count(),
+        "parked": ParkedJob.objects.filter(woken_at__isnull=True).count(),
+        "parked_rows": ParkedJob.objects.count(),
+        "slot_jobs": sum(TenantQueueSlot.objects.values_list("current_jobs", flat=True)),
+    }
+
+
+def delete_queue(queue: str) -> None:
+    """Delete ``queue`` and whatever it still holds (it was the run's own)."""
+    # A queue that was never declared has nothing to delete.
+    with app.connection_for_write() as conn, contextlib.suppress(Exception):
+        conn.default_channel.queue_delete(queue)  # type: ignore[attr-defined]
+        conn.default_channel.exchange_delete(queue)  # type: ignore[attr-defined]
+
+
+class WorkerNode:
+    """One ``celery worker`` process (a node), with its pool children."""
+
+    def __init__(
+        self, name: str, queue: str, pool: str, concurrency: int, log: Path, env: dict[str, str]
+    ) -> None:
+        self.name = name
+        self.log = log
+        env = {**os.environ, "PYTHONPATH": str(PROJECT_DIR), **env}
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "celery", "-A", "example", "worker",
+                    "-P", pool, "-c", str(concurrency), "-Q", queue,
+                    "-n", f"{name}@%h", "-l", "INFO",
+                    "--without-gossip", "--without-mingle", "--without-heartbeat",
+                ],
+                cwd=PROJECT_DIR, stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,  # its own process group, so no child outlives it
+            )  # fmt: skip
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        """Wait until the worker consumes; raise BenchError if it dies or hangs."""
+        deadline = time.monotonic() + timeout
+        while " ready." not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise BenchError(f"Worker {self.name} did not start; see {self.log}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 60) -> None:
+        """Warm shutdown (running jobs finish); SIGKILL the group if it takes too long."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        # Pool children that outlived their parent, if any.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def kill(self) -> None:
+        """Stop the node and its children now."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def publish(
+    mode: Mode,
+    queue: str,
+    run: str,
+    jobs: tuple[Job, ...],
+    origin: float,
+    on_error: list[BaseException],
+) -> None:
+    """Publish ``jobs`` at ``origin + offset``, one thread per tenant, and wait for all."""
+    task = app.tasks[mode.task]
+    by_tenant: dict[str, list[Job]] = {}
+    for job in jobs:
+        by_tenant.setdefault(job.tenant, []).append(job)
+
+    def publisher(tenant_jobs: list[Job]) -> None:
+        try:
+            for job in tenant_jobs:
+                delay = origin + job.offset - time.time()
+                if delay > 0:
+                    time.sleep(delay)
+                task.apply_async(
+                    kwargs={
+                        "run": run,
+                        "mode": mode.name,
+                        "job": job.id,
+                        "tenant": job.tenant,
+                        "enqueued_at": time.time(),
+                        "seconds": job.seconds,
+                        "kind": job.work,
+                    },
+                    queue=queue,
+                )
+        except BaseException as exc:  # reported by the caller, not lost in a thread
+            on_error.append(exc)
+
+    threads = [
+        threading.Thread(target=publisher, args=(js,), daemon=True) for js in by_tenant.values()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def run_mode(
+    mode: Mode,
+    scenario: Scenario,
+    *,
+    run: str,
+    nodes: int,
+    concurrency: int,
+    pool: str,
+    tenant_limit: int,
+    timeout: float,
+    log_dir: Path,
+    progress: Callable[[Mode, int, int, float], None],
+) -> ModeResult:
+    """Run ``scenario`` in ``mode`` and return its records (see the module docstring)."""
+    clear_library_state()
+    queue = mode.queue(run)
+    env = {
+        "BENCH_RUN": run,
+        "BENCH_MODE": mode.name,
+        "FAIR_JOBS_DEFAULT_MAX_JOBS": str(tenant_limit),
+    }
+    workers: list[WorkerNode] = []
+    errors: list[BaseException] = []
+    timed_out = False
+    total = len(scenario.jobs)
+    try:
+        for i in range(nodes):
+            workers.append(
+                WorkerNode(f"bench{i + 1}-{mode.name}-{run}", queue, pool, concurrency,
+                           log_dir / f"{mode.name}-node{i + 1}.log", env)
+            )  # fmt: skip
+        for w in workers:
+            w.wait_ready()
+        before = statements.count()
+        origin = time.time()
+        publisher = threading.Thread(
+            target=publish, args=(mode, queue, run, scenario.jobs, origin, errors), daemon=True
+        )
+        publisher.start()
+        deadline = time.monotonic() + timeout
+        done = 0
+        while True:
+            done = (
+                JobRecord.objects.filter(run=run, mode=mode.name).values("job").distinct().count()
+            )
+            progress(mode, done, total, time.time() - origin)
+            if done >= total or errors:
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            if any(w.proc.poll() is not None for w in workers):
+                logs = ", ".join(str(w.log) for w in workers)
+                raise BenchError(f"A {mode.name} worker exited early; see {logs}")
+            time.sleep(0.2)
+        publisher.join()
+        publisher_statements = statements.count() - before
+        if errors:
+            raise BenchError(f"Publishing failed in mode {mode.name}: {errors[0]!r}") from errors[0]
+        # A redelivered or duplicated job would show up shortly after the last one.
+        time.sleep(0.5)
+    finally:
+        for w in workers:
+            w.stop()
+        delete_queue(queue)
+    counts = StatementCount.objects.filter(run=run, mode=mode.name)
+    pids_counted = set(counts.values_list("pid", flat=True))
+    rows = list(
+        JobRecord.objects.filter(run=run, mode=mode.name).values_list(
+            "job", "tenant", "enqueued_at", "started_at", "finished_at", "pid"
+        )
+    )
+    notes = []
+    missing = {pid for *_, pid in rows} - pids_counted
+    if missing:
+        notes.append(f"{len(missing)} worker process(es) did not report statement counts")
+    result = ModeResult(
+        mode=mode,
+        origin=origin,
+        records=[Record(j, t, q, s, e) for j, t, q, s, e, _ in rows],
+        statements=None
+        if missing
+        else sum(counts.values_list("statements", flat=True)) + publisher_statements,
+        publisher_statements=publisher_statements,
+        leftover=library_leftover(),
+        timed_out=timed_out,
+        notes=notes,
+    )
+    if timed_out:
+        result.notes.append(f"gave up after {timeout:.0f} s with {done}/{total} jobs done")
+    return result
+
+
+def cleanup(run: str) -> None:
+    """Delete the run's records and the library's rows."""
+    JobRecord.objects.filter(run=run).delete()
+    StatementCount.objects.filter(run=run).delete()
+    clear_library_state()
+
+
+def new_run_id() -> str:
+    """A short id that tags one invocation's rows."""
+    return uuid.uuid4().hex[:12]

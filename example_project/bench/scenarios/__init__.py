@@ -1,0 +1,1 @@
+"""The shipped scenarios, one module each; each defines ``SCENARIO``."""

@@ -1,0 +1,54 @@
+"""Count the SQL statements a process sends to the library's tables.
+
+Installed in every process of the example project (see ``BenchConfig.ready``). The count
+covers everything the library does for a job: acquire, park, release, wake, heartbeats and
+maintenance. The jobs' own records go to other tables and are not counted, so a plain
+Celery task counts 0.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.signals import connection_created
+
+LIBRARY_TABLE_PREFIX = "fair_jobs_"
+
+_lock = threading.Lock()
+_count = 0
+
+
+def count() -> int:
+    """Statements counted in this process since it started or was last reset."""
+    return _count
+
+
+def reset() -> None:
+    """Start counting from 0 (a forked worker child inherits its parent's count)."""
+    global _count
+    with _lock:
+        _count = 0
+
+
+def _counting(
+    execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
+    global _count
+    if LIBRARY_TABLE_PREFIX in sql:
+        with _lock:
+            _count += 1
+    return execute(sql, params, many, context)
+
+
+def _on_connection(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    # The wrapper list outlives reconnects of the same connection object: add it once.
+    if _counting not in connection.execute_wrappers:
+        connection.execute_wrappers.append(_counting)
+
+
+def install() -> None:
+    """Count from now on, on every database connection this process opens."""
+    connection_created.connect(_on_connection, dispatch_uid="bench.statements")

@@ -1,0 +1,89 @@
+"""The benchmark's jobs: the same work as a plain Celery task and as FairTasks.
+
+Each job sleeps or burns CPU for its planned duration, then writes one :class:`JobRecord`
+with its own start and end times. Worker processes started by the benchmark also save how
+many statements they sent to the library's tables when they exit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import shared_task
+from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
+
+from bench import statements
+from bench.models import JobRecord, StatementCount
+from django_fair_jobs import FairTask
+
+
+def burn(seconds: float) -> None:
+    """Keep a CPU busy for ``seconds`` of wall time."""
+    deadline = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < deadline:
+        for i in range(1000):
+            x += i * i
+
+
+def work(
+    *, run: str, mode: str, job: int, tenant: str, enqueued_at: float, seconds: float, kind: str
+) -> None:
+    """Do one job's work and record when it ran."""
+    started = time.time()
+    if kind == "cpu":
+        burn(seconds)
+    elif seconds > 0:
+        time.sleep(seconds)
+    finished = time.time()
+    JobRecord.objects.create(
+        run=run,
+        mode=mode,
+        job=job,
+        tenant=tenant,
+        enqueued_at=enqueued_at,
+        started_at=started,
+        finished_at=finished,
+        pid=os.getpid(),
+    )
+
+
+class PerTenant(FairTask):
+    """Fair per the job's ``tenant`` keyword; the limit is ``FAIR_JOBS_DEFAULT_MAX_JOBS``."""
+
+    @classmethod
+    def fair_tenant(cls, *args: Any, **kwargs: Any) -> Any:
+        return kwargs.get("tenant")
+
+
+@shared_task(name="bench.plain_job", ignore_result=True)
+def plain_job(**kwargs: Any) -> None:
+    """A plain Celery task: FIFO, whoever enqueues most takes every worker."""
+    work(**kwargs)
+
+
+@shared_task(base=PerTenant, name="bench.slots_job", ignore_result=True)
+def slots_job(**kwargs: Any) -> None:
+    """The same job as a FairTask with tenant slots (mechanism A)."""
+    work(**kwargs)
+
+
+def _save_count(**_: Any) -> None:
+    run, mode = os.environ.get("BENCH_RUN"), os.environ.get("BENCH_MODE")
+    if run and mode:
+        StatementCount.objects.create(
+            run=run, mode=mode, pid=os.getpid(), statements=statements.count()
+        )
+
+
+@worker_process_init.connect
+def _reset_count(**_: Any) -> None:
+    statements.reset()
+
+
+# A prefork child saves its count as it exits; the main process (or a solo or threads
+# pool, which runs the jobs itself) as the worker shuts down.
+worker_process_shutdown.connect(_save_count)
+worker_shutdown.connect(_save_count)
