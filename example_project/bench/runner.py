@@ -88,17 +88,21 @@ def check_services() -> None:
             _create_database()
         else:
             raise BenchError(
-                f"The database {describe_database()} is not reachable: {exc}. Start it (see "
-                "README: Running the tests) or point DATABASE_URL at one."
+                f"The database {describe_database()} is not reachable ({_reason(exc)}). Start "
+                "it (see README.md, Running the tests) or point DATABASE_URL at one."
             ) from exc
     try:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=5)
     except Exception as exc:
         raise BenchError(
-            f"The broker {describe_broker()} is not reachable: {exc}. Start it (see "
-            "../README: Running the tests) or point CELERY_BROKER_URL at one."
+            f"The broker {describe_broker()} is not reachable ({_reason(exc)}). Start it (see "
+            "README.md, Running the tests) or point CELERY_BROKER_URL at one."
         ) from exc
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc).strip().rstrip(".") or type(exc).__name__
 
 
 def _create_database() -> None:

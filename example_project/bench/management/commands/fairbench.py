@@ -30,6 +30,11 @@ class Command(BaseCommand):
         "Celery and each fairness mode, side by side, against a simulated ideal scheduler."
     )
 
+    report: dict[str, Any]
+    """The last run's report (see ``bench.report.build``)."""
+    tenant_limit: int
+    """The tenant slot limit the last run's fair modes used."""
+
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "scenario",
@@ -86,7 +91,8 @@ class Command(BaseCommand):
         limit = options["tenant_limit"] or scenario.limit_for(concurrency * nodes)
         if limit < 1:
             raise CommandError("--tenant-limit must be at least 1.")
-        self.run_benchmark(scenario, modes, concurrency, nodes, limit, options)
+        self.tenant_limit = limit
+        self.report = self.run_benchmark(scenario, modes, concurrency, nodes, limit, options)
 
     def _modes(self, value: str) -> list[Mode]:
         names = [n.strip() for n in value.split(",") if n.strip()]

@@ -1,0 +1,55 @@
+"""``manage.py run_demo``: the Quick start demo, a short flood on whatever services are set.
+
+The benchmark's ``demo`` scenario (see ``fairbench``), written under ``DEMO_DIR``, then
+what to try next.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import CommandParser
+
+from bench.management.commands import fairbench
+
+
+class Command(fairbench.Command):
+    """Run the short ``demo`` flood, plain Celery against FairTask, and say what next."""
+
+    help = "The fairness demo: a short flood, plain Celery against FairTask, and the ideal."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.set_defaults(scenario="demo", output=Path(settings.DEMO_DIR))
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        super().handle(*args, **options)
+        report = self.report
+        plain = report["summaries"].get("plain")
+        fair = report["summaries"].get("slots")
+        self.stdout.write("")
+        if plain and fair and plain["small_wait_p95"] and fair["small_wait_p95"]:
+            self.stdout.write(
+                f"Small tenants' p95 wait: {fair['small_wait_p95']:.2f} s with FairTask "
+                f"(limit {self.tenant_limit} per tenant) against {plain['small_wait_p95']:.2f} s "
+                f"with plain Celery; the greedy tenant ran at most {fair['greedy_peak']} jobs "
+                f"at once (plain Celery: {plain['greedy_peak']})."
+            )
+        self.stdout.write("")
+        self.stdout.write("Next steps:")
+        self.stdout.write(
+            "  * The full benchmark, on PostgreSQL and Redis (see docs/benchmarks.md):\n"
+            "      bash scripts/bench.sh flood\n"
+            "  * This demo against PostgreSQL and Redis:\n"
+            "      DATABASE_URL=postgres://postgres@127.0.0.1:5432/fair_jobs_example \\\n"
+            "      CELERY_BROKER_URL=redis://127.0.0.1:6379/0 "
+            ".venv/bin/python example_project/manage.py run_demo"
+        )
+        self.stdout.write(
+            "  * The admin (tenant limits, parked jobs, workers):\n"
+            "      .venv/bin/python example_project/manage.py createsuperuser\n"
+            "      .venv/bin/python example_project/manage.py runserver\n"
+            "    then open http://127.0.0.1:8000/admin/fair_jobs/"
+        )

@@ -1,0 +1,207 @@
+"""The benchmark's own arithmetic: the ideal scheduler, the metrics, scenarios, the report.
+
+Hand-computed cases and synthetic records; no timing is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.metrics import Record, peak_overlap, percentile, progress, ratio, summarize
+from bench.report import IDEAL, ModeData, build, ideal_records, table, write_figure, write_json
+from bench.scenario import Scenario, ScenarioError, Stream, load, tenants
+from bench.simulate import SimJob, SimRun, simulate
+
+
+def starts(runs: list[SimRun]) -> dict[int, tuple[float, float]]:
+    return {r.id: (r.start, r.end) for r in runs}
+
+
+# --- the ideal scheduler -------------------------------------------------------------
+
+
+def test_simulate__a_later_tenant_goes_before_the_backlogged_one() -> None:
+    jobs = [SimJob(1, "a", 0, 1), SimJob(2, "a", 0, 1), SimJob(3, "b", 0.5, 1)]
+    # One worker: a1 runs 0-1; at 1 both a and b wait, neither runs anything, b never had
+    # a turn, so b goes first (round-robin), then a2.
+    assert starts(simulate(jobs, 1)) == {1: (0, 1), 3: (1, 2), 2: (2, 3)}
+
+
+def test_simulate__equalizes_running_jobs_then_stays_busy() -> None:
+    jobs = [SimJob(1, "a", 0, 1), SimJob(2, "a", 0, 1), SimJob(3, "a", 0, 1)]
+    jobs.append(SimJob(4, "b", 0, 1))
+    # Two workers: one job each for a and b (a first by name); at 1 only a has work left,
+    # and a work-conserving scheduler gives it both workers.
+    assert starts(simulate(jobs, 2)) == {1: (0, 1), 4: (0, 1), 2: (1, 2), 3: (1, 2)}
+
+
+def test_simulate__idle_until_the_next_arrival() -> None:
+    runs = simulate([SimJob(1, "a", 0, 1), SimJob(2, "a", 5, 2)], 1)
+    assert starts(runs) == {1: (0, 1), 2: (5, 7)}
+
+
+def test_simulate__a_worker_freed_at_an_arrival_takes_it_at_once() -> None:
+    runs = simulate([SimJob(1, "a", 0, 1), SimJob(2, "b", 1, 1)], 1)
+    assert starts(runs) == {1: (0, 1), 2: (1, 2)}
+
+
+def test_simulate__flood_small_tenant_starts_on_the_next_free_worker() -> None:
+    jobs = [SimJob(i, "greedy", 0, 1) for i in range(10)]
+    jobs.append(SimJob(10, "small", 0.5, 1))
+    runs = starts(simulate(jobs, 2))
+    assert runs[10] == (1, 2)  # waits 0.5 s: for the first worker to free, not the flood
+    assert max(end for _, end in runs.values()) == 6  # 11 jobs, 2 workers, never idle
+
+
+def test_simulate__is_deterministic_and_rejects_nonsense() -> None:
+    jobs = [SimJob(i, f"t{i % 3}", i * 0.1, 0.3) for i in range(30)]
+    assert simulate(jobs, 4) == simulate(list(reversed(jobs)), 4)
+    with pytest.raises(ValueError, match="concurrency"):
+        simulate(jobs, 0)
+    with pytest.raises(ValueError, match="durations"):
+        simulate([SimJob(1, "a", 0, -1)], 1)
+
+
+# --- metrics -------------------------------------------------------------------------
+
+
+def test_percentile__nearest_rank() -> None:
+    values = [float(v) for v in range(10, 0, -1)]
+    assert percentile(values, 50) == 5
+    assert percentile(values, 95) == 10
+    assert percentile(values, 0) == 1
+    assert percentile([3.0], 95) == 3
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+
+
+def test_peak_overlap__touching_intervals_do_not_overlap() -> None:
+    assert peak_overlap([(0, 1), (1, 2), (2, 3)]) == 1
+    assert peak_overlap([(0, 2), (1, 3), (1.5, 1.6), (2.5, 4)]) == 3
+    assert peak_overlap([]) == 0
+
+
+def test_summarize__synthetic_records() -> None:
+    records = [
+        Record(1, "g", 100.0, 100.0, 101.0),
+        Record(2, "g", 100.0, 100.5, 102.0),
+        Record(2, "g", 100.0, 103.0, 104.0),  # job 2 ran twice
+        Record(3, "s1", 100.5, 101.5, 102.5),
+        Record(4, "s2", 100.5, 102.5, 103.0),
+    ]
+    s = summarize(records, [1, 2, 3, 4, 5], frozenset({"g"}), origin=100.0, statements=20)
+    assert (s.jobs, s.completed, s.lost, s.run_twice) == (5, 4, 1, 1)
+    assert (s.small_wait_p50, s.small_wait_p95, s.small_wait_max) == (1.0, 2.0, 2.0)
+    assert s.greedy_makespan == 4.0
+    assert s.makespan == 4.0
+    assert s.throughput == 1.0  # 4 distinct jobs done in 4 s
+    assert (s.peak_tenant, s.peak_jobs, s.greedy_peak) == ("g", 2, 2)
+    assert s.statements_per_job == 4.0
+
+
+def test_summarize__no_small_tenants_and_no_records() -> None:
+    s = summarize([], [1, 2], frozenset(), origin=0.0)
+    assert (s.lost, s.completed, s.makespan, s.throughput) == (2, 0, 0.0, 0.0)
+    assert s.small_wait_p95 is None and s.peak_tenant is None and s.statements_per_job is None
+
+
+def test_ratio_and_progress() -> None:
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(None, 2.0) is None and ratio(1.0, 0.0) is None
+    records = [Record(1, "a", 0, 0, 2), Record(2, "a", 0, 1, 1.5), Record(2, "a", 0, 3, 4)]
+    assert progress(records, origin=0.5) == {"a": [1.0, 1.5]}
+
+
+# --- scenarios -------------------------------------------------------------------------
+
+
+def test_flood_scenario_is_the_specified_one() -> None:
+    flood = load("flood")
+    greedy = [j for j in flood.jobs if j.tenant == "greedy"]
+    small = [j for j in flood.jobs if j.tenant != "greedy"]
+    assert flood.concurrency == 4
+    assert len(greedy) == 2000 and {(j.offset, j.seconds) for j in greedy} == {(0.0, 0.02)}
+    assert len(small) == 100 and {(j.offset, j.seconds) for j in small} == {(0.5, 0.02)}
+    assert len({j.tenant for j in small}) == 20
+    assert flood.greedy_tenants == {"greedy"}
+    assert flood.limit_for(4) == 2
+    assert load("overhead").limit_for(4) == 1000
+
+
+def test_steady_scenario__poisson_arrivals_are_seeded_and_one_tenant_turns_greedy() -> None:
+    steady = load("steady")
+    again = load("steady")
+    assert [j.offset for j in steady.jobs] == [j.offset for j in again.jobs]
+    offsets = [j.offset for j in steady.jobs]
+    assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+    assert steady.greedy_tenants == {"tenant-00"}
+    assert min(j.offset for j in steady.jobs if j.greedy) > 8.0
+
+
+def test_scenario__validation_says_what_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match="jobs must be at least 1"):
+        Scenario("x", "", (Stream(("a",), jobs=0, seconds=1),))
+    with pytest.raises(ScenarioError, match="rate must be > 0"):
+        Scenario("x", "", (Stream(("a",), jobs=1, seconds=1, rate=0),))
+    with pytest.raises(ScenarioError, match="no streams"):
+        Scenario("x", "", ())
+    with pytest.raises(ScenarioError, match=r"Unknown scenario 'nope'.*flood"):
+        load("nope")
+    bad = tmp_path / "bad.py"
+    bad.write_text("X = 1\n")
+    with pytest.raises(ScenarioError, match="must define SCENARIO"):
+        load(str(bad))
+    good = tmp_path / "tiny.py"
+    good.write_text(
+        "from bench.scenario import Scenario, Stream\n"
+        "SCENARIO = Scenario('tiny', 'two jobs', (Stream(('a', 'b'), jobs=1, seconds=0),))\n"
+    )
+    assert [j.tenant for j in load(str(good)).jobs] == ["a", "b"]
+    assert tenants("s", 3) == ("s-00", "s-01", "s-02")
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+def test_ideal_uses_the_median_measured_arrivals_and_durations() -> None:
+    nominal = {1: ("a", 0.0, 9.0), 2: ("b", 0.0, 9.0), 3: ("b", 0.0, 5.0)}
+    modes = [
+        ModeData("m1", "", 10.0, [Record(1, "a", 10.0, 10.0, 11.0),
+                                  Record(2, "b", 10.5, 11.0, 13.0)], None),
+        ModeData("m2", "", 20.0, [Record(1, "a", 20.0, 20.0, 23.0),
+                                  Record(2, "b", 20.5, 23.0, 25.0)], None),
+    ]  # fmt: skip
+    runs = {r.job: r for r in ideal_records(modes, nominal, concurrency=1)}
+    # Job 1: arrival 0, duration median(1, 3) = 2. Job 2: arrival 0.5, duration 2. Job 3
+    # never ran: its planned offset 0 and duration 5. One worker, round-robin: a1, b3, b2.
+    assert (runs[1].started_at, runs[1].finished_at) == (0.0, 2.0)
+    assert (runs[3].started_at, runs[3].finished_at) == (2.0, 7.0)
+    assert (runs[2].started_at, runs[2].finished_at) == (7.0, 9.0)
+
+
+def test_report__ratios_table_json_and_figure(tmp_path: Path) -> None:
+    nominal = {i: ("g" if i < 4 else "s", 0.0, 1.0) for i in range(6)}
+    plain = [Record(i, "g", 0.0, float(i), i + 1.0) for i in range(4)]
+    plain += [Record(4, "s", 0.0, 4.0, 5.0), Record(5, "s", 0.0, 5.0, 6.0)]
+    fair = [Record(4, "s", 0.0, 0.0, 1.0), Record(5, "s", 0.0, 1.0, 2.0)]
+    fair += [Record(i, "g", 0.0, i + 2.0, i + 3.0) for i in range(4)]
+    modes = [ModeData("plain", "", 0.0, plain, 0), ModeData("slots", "", 0.0, fair, 12)]
+    report = build(modes, nominal, frozenset({"g"}), 1, "plain", "slots")
+    s = report["summaries"]
+    assert list(s) == [IDEAL, "plain", "slots"]
+    assert s["plain"]["small_wait_p95"] == 5.0 and s["slots"]["small_wait_p95"] == 1.0
+    # The ideal alternates g0, s4, g1, s5, ...: small waits 1 and 3 s, p95 3 s. The "slots"
+    # records serve s first, so they beat this ideal (it does not know s is small).
+    assert s[IDEAL]["small_wait_p95"] == 3.0
+    assert s["slots"]["small_p95_vs_ideal"] == pytest.approx(1 / 3)
+    assert s["slots"]["makespan_vs_plain"] == 1.0
+    assert s["slots"]["statements_per_job"] == 2.0
+    text = table(report)
+    assert text.count("\n") == 4 and "| slots | 0.00 s | 1.00 s |" in text
+    write_json(report, {"scenario": {"name": "t"}}, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text())["recommended"] == "slots"
+    write_figure(report, "t", tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
