@@ -35,9 +35,9 @@ STATIC_URL = "static/"
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{DEMO_DIR / 'db.sqlite3'}")}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"]["OPTIONS"] = dict(RECOMMENDED_SQLITE_OPTIONS)
-# Celery workers should keep their connections: Celery's Django fixup closes a connection
-# older than CONN_MAX_AGE after each task, and with Django's default (0) every job would
-# open a new one (several milliseconds on PostgreSQL, more than the slot statements cost).
+# Persistent connections, checked before reuse. Celery workers also need
+# CELERY_DB_REUSE_MAX and the task_prerun hook in example/celery.py; see docs/howto.md,
+# "Keep worker connections open".
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=600)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 
@@ -85,5 +85,8 @@ if not CELERY_BROKER_URL:
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Celery's Django fixup closes every connection after every task unless this is set; it
+# then closes them every 2 x N tasks instead (example/celery.py drops broken ones).
+CELERY_DB_REUSE_MAX = env.int("CELERY_DB_REUSE_MAX", default=1000)
 
 # FAIR_JOBS_* settings are read from the environment by the library itself.
