@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import Record, Summary, progress, ratio, summarize
+from bench.metrics import Record, Summary, first_runs, progress, ratio, summarize
 from bench.simulate import SimJob, simulate
 
 IDEAL = "ideal"
@@ -37,11 +37,8 @@ def ideal_records(
     arrivals: dict[int, list[float]] = {}
     durations: dict[int, list[float]] = {}
     for m in modes:
-        seen: set[int] = set()
-        for r in sorted(m.records, key=lambda r: r.started_at):
-            if r.job in seen:
-                continue  # a second execution says nothing new about the arrival
-            seen.add(r.job)
+        # A second execution of a job says nothing new about its arrival.
+        for r in first_runs(m.records).values():
             arrivals.setdefault(r.job, []).append(r.enqueued_at - m.origin)
             durations.setdefault(r.job, []).append(r.finished_at - r.started_at)
     jobs = [
@@ -97,11 +94,8 @@ def build(
 
 
 def _small_waits(records: list[Record], greedy: frozenset[str]) -> list[float]:
-    first: dict[int, Record] = {}
-    for r in records:
-        if r.job not in first or r.started_at < first[r.job].started_at:
-            first[r.job] = r
-    return sorted(r.started_at - r.enqueued_at for r in first.values() if r.tenant not in greedy)
+    first = first_runs(records).values()
+    return sorted(r.started_at - r.enqueued_at for r in first if r.tenant not in greedy)
 
 
 def _f(value: float | None, unit: str = "", digits: int = 2) -> str:
