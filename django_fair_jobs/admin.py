@@ -1,4 +1,5 @@
-"""The admin: an operations console for tenant slots, leases, parked jobs and workers."""
+"""The admin: an operations console for tenant slots, leases, parked jobs, workers, and
+the rerouting windows and reroute counts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from django.contrib import admin, messages
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 
-from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+from django_fair_jobs.models import (
+    ParkedJob,
+    RerouteCount,
+    SlotLease,
+    TenantQueueSlot,
+    TenantWindow,
+    WorkerProcess,
+)
 
 if TYPE_CHECKING:
     # The admin classes are generic only for the type checker.
@@ -16,9 +24,24 @@ if TYPE_CHECKING:
     _SlotAdmin = admin.ModelAdmin[TenantQueueSlot]
     _ParkedAdmin = admin.ModelAdmin[ParkedJob]
     _ProcessAdmin = admin.ModelAdmin[WorkerProcess]
+    _WindowAdmin = admin.ModelAdmin[TenantWindow]
+    _RerouteAdmin = admin.ModelAdmin[RerouteCount]
 else:
     _LeaseInline = admin.TabularInline
-    _SlotAdmin = _ParkedAdmin = _ProcessAdmin = admin.ModelAdmin
+    _SlotAdmin = _ParkedAdmin = _ProcessAdmin = _WindowAdmin = _RerouteAdmin = admin.ModelAdmin
+
+
+class _ReadOnly:
+    """Rows that only the library writes: viewable, never added, edited or deleted."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
 
 
 class SlotLeaseInline(_LeaseInline):
@@ -183,3 +206,44 @@ class WorkerProcessAdmin(_ProcessAdmin):
         # A live worker deleted here would have its leases reaped while its jobs run;
         # dead workers are removed by the reaper.
         return False
+
+
+@admin.register(TenantWindow)
+class TenantWindowAdmin(_ReadOnly, _WindowAdmin):
+    """Each tenant's enqueue counts, now, in every window its rules count over."""
+
+    list_display = ("tenant", "key", "window_counts", "total", "last_enqueue")
+    list_filter = ("key",)
+    search_fields = ("tenant",)
+    ordering = ("tenant", "key")
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        from django_fair_jobs.windows import windows_by_key
+
+        # Computed once per page: which windows each key's rules count over.
+        self._windows = windows_by_key()
+        return super().changelist_view(request, extra_context)
+
+    @admin.display(description="enqueues in window (now)")
+    def window_counts(self, obj: TenantWindow) -> str:
+        pers = getattr(self, "_windows", {}).get(obj.key) or []
+        if not pers:
+            return "no task counts under this key now"
+        counts = TenantWindow.objects.current_counts(obj, pers)
+        return ", ".join(f"{n} in {per} s" for per, n in zip(pers, counts, strict=True))
+
+    @admin.display(description="last enqueue (UTC)", ordering="last_second")
+    def last_enqueue(self, obj: TenantWindow) -> str:
+        from datetime import UTC, datetime
+
+        return datetime.fromtimestamp(obj.last_second, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@admin.register(RerouteCount)
+class RerouteCountAdmin(_ReadOnly, _RerouteAdmin):
+    """How many jobs were rerouted, per tenant, task and destination queue."""
+
+    list_display = ("tenant", "task_name", "queue", "total", "first_at", "last_at")
+    list_filter = ("queue", "task_name")
+    search_fields = ("tenant",)
+    ordering = ("-last_at",)

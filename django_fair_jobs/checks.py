@@ -10,6 +10,15 @@ Ids are stable:
 * ``fair_jobs.E006`` the heartbeat interval is more than half ``FAIR_JOBS_WORKER_TIMEOUT``.
 * ``fair_jobs.E007`` ``FAIR_JOBS_TENANT_WARNING_INTERVAL`` is not a number >= 0.
 * ``fair_jobs.E008`` a ``FAIR_JOBS_*`` environment variable cannot be parsed.
+* ``fair_jobs.E009`` ``FAIR_JOBS_MAX_THROTTLING_WINDOW`` is not a whole number >= 1.
+* ``fair_jobs.E010`` ``FAIR_JOBS_WINDOW_SCOPE`` is not ``"task"``, ``"queue"`` or
+  ``"group:<name>"``.
+* ``fair_jobs.E011`` a task's ``fair_tenant_queues`` rule is invalid (unknown key, missing
+  queue, threshold < 1, ``per`` not > 0 or above the maximum window, bad ``max_jobs``).
+* ``fair_jobs.E012`` a task's ``fair_window_scope`` is invalid.
+* ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
+  (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
+  worker consumes it.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from django_fair_jobs.conf import ON_LIMIT_CHOICES, PREFIX, fair_settings
+from django_fair_jobs.windows import queue_name, rule_errors, scope_error
 
 
 def _number(value: Any, minimum: float, strict: bool) -> bool:
@@ -44,6 +54,18 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("WORKER_TIMEOUT", "fair_jobs.E004", lambda v: _number(v, 0, True), "a number > 0"),
     ("HEARTBEAT_INTERVAL", "fair_jobs.E005", lambda v: _number(v, 0, True), "a number > 0"),
     ("TENANT_WARNING_INTERVAL", "fair_jobs.E007", lambda v: _number(v, 0, False), "a number >= 0"),
+    (
+        "MAX_THROTTLING_WINDOW",
+        "fair_jobs.E009",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "a whole number of seconds >= 1 (default 86400)",
+    ),
+    (
+        "WINDOW_SCOPE",
+        "fair_jobs.E010",
+        lambda v: scope_error(v) is None,
+        '"task", "queue" or "group:<name>"',
+    ),
 ]
 
 
@@ -90,6 +112,78 @@ def check_settings(
     return errors
 
 
+def _known_queues(app: Any) -> set[str]:
+    """Every queue the Celery configuration names: a worker may consume these."""
+    conf = app.conf
+    known = {str(conf.task_default_queue)}
+    known.update(queue_name(q) for q in conf.task_queues or ())
+    routes = conf.task_routes or ()
+    for route in [routes] if isinstance(routes, dict) else list(routes):
+        if isinstance(route, dict):
+            for target in route.values():
+                if isinstance(target, dict) and target.get("queue"):
+                    known.add(queue_name(target["queue"]))
+    for task in app.tasks.values():
+        if getattr(task, "queue", None):
+            known.add(queue_name(task.queue))
+    return known
+
+
+@checks.register("fair_jobs")
+def check_task_rules(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """Validate the rerouting options of every fair task of the current Celery app."""
+    from celery import current_app
+
+    from django_fair_jobs.task import FairTask
+
+    messages: list[checks.CheckMessage] = []
+    try:
+        max_window = int(fair_settings.MAX_THROTTLING_WINDOW)
+    except (ImproperlyConfigured, ValueError, TypeError):
+        return messages  # reported by check_settings
+    tasks = [t for t in current_app.tasks.values() if isinstance(t, FairTask)]
+    known: set[str] | None = None
+    for task in sorted(tasks, key=lambda t: t.name):
+        raw = task.fair_tenant_queues
+        for problem in rule_errors(raw, max_window):
+            messages.append(
+                checks.Error(
+                    f"Task {task.name}: {problem}.",
+                    hint='Each rule is {"queue": str, "threshold": int >= 1, "per": seconds '
+                    'or timedelta (optional, default the maximum window), "max_jobs": int '
+                    "(optional)}.",
+                    id="fair_jobs.E011",
+                )
+            )
+        scope = task.fair_window_scope
+        if scope is not None and scope_error(scope):
+            messages.append(
+                checks.Error(
+                    f"Task {task.name}: fair_window_scope {scope_error(scope)}.",
+                    hint="Leave it unset to use FAIR_JOBS_WINDOW_SCOPE.",
+                    id="fair_jobs.E012",
+                )
+            )
+        if not raw or rule_errors(raw, max_window):
+            continue
+        known = _known_queues(current_app) if known is None else known
+        for rule in raw:
+            if rule["queue"] not in known:
+                messages.append(
+                    checks.Warning(
+                        f"Task {task.name}: rule queue {rule['queue']!r} is not named in "
+                        "task_queues, task_routes, task_default_queue or any task's queue, "
+                        "so perhaps no worker consumes it.",
+                        hint=f"Start workers with -Q including {rule['queue']} and add it to "
+                        "CELERY_TASK_QUEUES, or silence fair_jobs.W001.",
+                        id="fair_jobs.W001",
+                    )
+                )
+    return messages
+
+
 def fail_fast_on_bad_settings() -> None:
     """Stop a Celery worker at start-up when a ``FAIR_JOBS_*`` setting is invalid.
 
@@ -99,7 +193,7 @@ def fail_fast_on_bad_settings() -> None:
     """
     import sys
 
-    errors = [e for e in check_settings() if e.is_serious()]
+    errors = [e for e in [*check_settings(), *check_task_rules()] if e.is_serious()]
     if errors:
         for error in errors:
             print(f"{error.id}: {error.msg} HINT: {error.hint}", file=sys.stderr)

@@ -90,6 +90,23 @@ class Settings:
         value: float = self._get("TENANT_WARNING_INTERVAL", 60.0, float)
         return value
 
+    @property
+    def MAX_THROTTLING_WINDOW(self) -> int:
+        """Longest rerouting window in seconds: a rule's ``per`` may not exceed it, a rule
+        without ``per`` uses it, and enqueue counts older than it are pruned (with the rows
+        of tenants idle that long). Default 86,400 (one day)."""
+        value: int = self._get("MAX_THROTTLING_WINDOW", 86_400, int)
+        return value
+
+    @property
+    def WINDOW_SCOPE(self) -> str:
+        """What rerouting counts a tenant's enqueues under, for tasks that do not set
+        ``fair_window_scope``: ``"task"`` (each task apart), ``"queue"`` (all tasks of the
+        task's declared queue together) or ``"group:<name>"`` (all tasks naming that
+        group). Default ``"task"``."""
+        value: str = self._get("WINDOW_SCOPE", "task", str)
+        return value
+
 
 RECOMMENDED_SQLITE_OPTIONS: dict[str, Any] = {
     "transaction_mode": "IMMEDIATE",

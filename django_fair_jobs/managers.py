@@ -13,11 +13,15 @@ followed by a write.
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from django.db import IntegrityError, connections, models, router, transaction
+from django.db import DatabaseError, IntegrityError, connections, models, router, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Greatest, Now
 
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
         ParkedJob,
         SlotLease,
         TenantQueueSlot,
+        TenantWindow,
         WorkerProcess,
     )
 
@@ -67,6 +72,16 @@ class Woken:
     task_id: str
     signature: str
     wake: int
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The answer of recording an enqueue: the count within each rule's window (in rule
+    order, the enqueue itself included) and the 0-based index of the rule that picks the
+    queue (the last one whose count is above its threshold), or None."""
+
+    counts: tuple[int, ...]
+    rule: int | None
 
 
 def _is_postgres(alias: str) -> bool:
@@ -548,3 +563,169 @@ class WorkerProcessManager(models.Manager["WorkerProcess"]):
     def retire(self, process_id: uuid.UUID) -> None:
         """Delete this process's row at a clean shutdown, so its leases are reaped at once."""
         self.filter(pk=process_id).delete()
+
+
+_side_connections = threading.local()
+
+
+def _autocommit_connection(alias: str) -> BaseDatabaseWrapper:
+    """The connection to count enqueues on: the thread's own, unless it is inside a
+    transaction on PostgreSQL; then a second connection of this thread, in autocommit.
+
+    Celery publishes at once, not at commit, so the count must commit at once too. Run in
+    the caller's transaction, it would also hold the tenant's hot window row locked until
+    that transaction ends (a whole request under ``ATOMIC_REQUESTS``), serializing every
+    publisher of that tenant. SQLite has one writer anyway and keeps the caller's.
+    """
+    connection = connections[alias]
+    if not connection.in_atomic_block or connection.vendor != "postgresql":
+        return connection
+    side: BaseDatabaseWrapper | None = getattr(_side_connections, alias, None)
+    if side is None:
+        side = connections.create_connection(alias)
+        setattr(_side_connections, alias, side)
+    return side
+
+
+def _forget_side_connection(alias: str) -> None:
+    side: BaseDatabaseWrapper | None = getattr(_side_connections, alias, None)
+    if side is not None:
+        side.close()
+        delattr(_side_connections, alias)
+
+
+class TenantWindowManager(models.Manager["TenantWindow"]):
+    """Enqueue counts per (counting key, tenant), per-second buckets, reroute counts."""
+
+    def record(
+        self,
+        *,
+        key: str,
+        tenant: str,
+        task_name: str,
+        rules: Sequence[tuple[int, int, str]],
+        max_window: int,
+        at: datetime | None = None,
+    ) -> Recorded:
+        """Count one enqueue and pick the rule that reroutes it.
+
+        ``rules`` are ``(per, threshold, queue)`` in declaration order. A rule matches when
+        the count within its last ``per`` seconds (whole seconds of the database clock,
+        both ends included, this enqueue included) is above ``threshold``; the last match
+        wins and its reroute is counted. ``at`` replaces the database clock (tests, replays).
+        One statement on PostgreSQL, committed at once even inside a transaction.
+        """
+        alias = router.db_for_write(self.model)
+        if _is_postgres(alias):
+            params = {
+                "key": key,
+                "tenant": tenant,
+                "task_name": task_name,
+                "at": at,
+                "pers": [per for per, _, _ in rules],
+                "thresholds": [threshold for _, threshold, _ in rules],
+                "queues": [queue for _, _, queue in rules],
+                "max_window": max_window,
+            }
+            connection = _autocommit_connection(alias)
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute(queries()["record_enqueue"], params)
+                    counts, picked = cursor.fetchone()
+            except DatabaseError:
+                if connection is not connections[alias]:
+                    _forget_side_connection(alias)
+                raise
+            return Recorded(tuple(counts), None if picked is None else picked - 1)
+        with transaction.atomic(using=alias):
+            return self._record_portable(key, tenant, task_name, rules, max_window, at)
+
+    def _record_portable(
+        self,
+        key: str,
+        tenant: str,
+        task_name: str,
+        rules: Sequence[tuple[int, int, str]],
+        max_window: int,
+        at: datetime | None,
+    ) -> Recorded:
+        from django_fair_jobs.models import RerouteCount, WindowBucket
+
+        second = int(at.timestamp()) if at is not None else self._database_second()
+        window, _ = self.get_or_create(key=key, tenant=tenant, defaults={"last_second": second})
+        self.filter(pk=window.pk).update(
+            total=F("total") + 1, last_second=Greatest(F("last_second"), second)
+        )
+        window.refresh_from_db(fields=["total", "last_second"])
+        second, total = window.last_second, window.total
+        if not WindowBucket.objects.filter(window=window, second=second).update(
+            cum=Greatest(F("cum"), total)
+        ):
+            WindowBucket.objects.create(window=window, second=second, cum=total)
+        counts = tuple(total - self._cum_before(window.pk, second - per) for per, _, _ in rules)
+        matches = [
+            i
+            for i, (n, (_, threshold, _)) in enumerate(zip(counts, rules, strict=True))
+            if n > threshold
+        ]
+        picked = matches[-1] if matches else None
+        if picked is not None:
+            reroutes, _ = RerouteCount.objects.get_or_create(
+                tenant=tenant, task_name=task_name, queue=rules[picked][2]
+            )
+            RerouteCount.objects.filter(pk=reroutes.pk).update(total=F("total") + 1, last_at=Now())
+        anchor = (
+            WindowBucket.objects.filter(window=window, second__lt=second - max_window)
+            .order_by("-second")
+            .values_list("second", flat=True)
+            .first()
+        )
+        if anchor is not None:
+            WindowBucket.objects.filter(window=window, second__lt=anchor).delete()
+        return Recorded(counts, picked)
+
+    @staticmethod
+    def _cum_before(window_id: int, second: int) -> int:
+        from django_fair_jobs.models import WindowBucket
+
+        cum = (
+            WindowBucket.objects.filter(window_id=window_id, second__lt=second)
+            .order_by("-second")
+            .values_list("cum", flat=True)
+            .first()
+        )
+        return cum or 0
+
+    def _database_second(self) -> int:
+        """The database clock as a Unix second (SQLite: the host's clock, the same one)."""
+        alias = router.db_for_write(self.model)
+        with connections[alias].cursor() as cursor:
+            if _is_postgres(alias):
+                cursor.execute("SELECT floor(extract(epoch FROM now()))::bigint")
+            else:
+                cursor.execute("SELECT CAST(strftime('%s', 'now') AS INTEGER)")
+            return int(cursor.fetchone()[0])
+
+    def current_counts(self, window: TenantWindow, pers: Sequence[int]) -> list[int]:
+        """How many enqueues each window of ``pers`` seconds holds now (for the admin)."""
+        now = self._database_second()
+        return [window.total - self._cum_before(window.pk, now - per) for per in pers]
+
+    def prune(self, *, max_window: int) -> int:
+        """Delete the windows (with their buckets) and reroute counts of tenants idle for
+        longer than ``max_window`` seconds; returns how many windows went."""
+        from django_fair_jobs.models import RerouteCount, WindowBucket
+
+        alias = router.db_for_write(self.model)
+        if _is_postgres(alias):
+            return int(_run(alias, "prune_windows", {"max_window": max_window})[0][0])
+        with transaction.atomic(using=alias):
+            idle = list(
+                self.filter(last_second__lt=self._database_second() - max_window).values_list(
+                    "pk", flat=True
+                )
+            )
+            WindowBucket.objects.filter(window_id__in=idle).delete()
+            self.filter(pk__in=idle).delete()
+            RerouteCount.objects.filter(last_at__lt=_ago(max_window)).delete()
+        return len(idle)

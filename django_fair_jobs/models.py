@@ -4,6 +4,8 @@
 * :class:`SlotLease`: one row per job holding (or reserved) a slot; the fence for release.
 * :class:`ParkedJob`: a job deferred because its tenant was at its limit.
 * :class:`WorkerProcess`: one row per process that runs fair tasks, kept alive by heartbeats.
+* :class:`TenantWindow`, :class:`WindowBucket`: enqueue counts for rerouting rules.
+* :class:`RerouteCount`: how many jobs each rule rerouted, per tenant and task.
 
 The SQL that changes these rows lives in :mod:`django_fair_jobs.managers`.
 """
@@ -21,6 +23,7 @@ from django_fair_jobs.managers import (
     ParkedJobManager,
     SlotLeaseManager,
     TenantQueueSlotManager,
+    TenantWindowManager,
     WorkerProcessManager,
 )
 from django_fair_jobs.tenants import TENANT_MAX_LENGTH
@@ -214,3 +217,78 @@ class ParkedJob(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_name}[{self.task_id}]"
+
+
+class TenantWindow(models.Model):
+    """How many jobs one tenant enqueued under one counting key, for rerouting rules.
+
+    ``key`` is ``task:<task name>`` (the default), ``queue:<queue>`` or ``group:<name>``.
+    ``total`` counts every enqueue ever recorded for the row; the buckets keep, per
+    database-clock second, what ``total`` was after that second's last enqueue, so the
+    count within any window is ``total`` minus the bucket just before the window: two
+    index lookups however many jobs the window holds.
+    """
+
+    key = models.CharField(max_length=255)
+    tenant = models.CharField(max_length=TENANT_MAX_LENGTH)
+    total = models.PositiveBigIntegerField(default=0)
+    last_second = models.BigIntegerField(
+        help_text="Unix second (database clock) of the latest enqueue; never goes back."
+    )
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    objects = TenantWindowManager()
+
+    class Meta:
+        db_table = "fair_jobs_tenantwindow"
+        verbose_name = "tenant window"
+        constraints = [
+            models.UniqueConstraint(fields=["key", "tenant"], name="fair_jobs_window_key_tenant"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} on {self.key}"
+
+
+class WindowBucket(models.Model):
+    """One second of a :class:`TenantWindow`: ``cum`` is the window's ``total`` after the
+    last enqueue of that second. Buckets older than the maximum window are pruned, except
+    the newest of them, which anchors the count of the longest window."""
+
+    window = models.ForeignKey(TenantWindow, on_delete=models.CASCADE, related_name="buckets")
+    second = models.BigIntegerField()
+    cum = models.PositiveBigIntegerField()
+
+    class Meta:
+        db_table = "fair_jobs_windowbucket"
+        verbose_name = "window bucket"
+        constraints = [
+            # Also the index of every lookup: newest bucket of a window before a second.
+            models.UniqueConstraint(fields=["window", "second"], name="fair_jobs_bucket_second"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.window_id} @ {self.second}: {self.cum}"
+
+
+class RerouteCount(models.Model):
+    """How many of a tenant's jobs of one task a rule sent to a slower queue."""
+
+    tenant = models.CharField(max_length=TENANT_MAX_LENGTH)
+    task_name = models.CharField(max_length=255)
+    queue = models.CharField(max_length=255)
+    total = models.PositiveBigIntegerField(default=0)
+    first_at = models.DateTimeField(db_default=Now())
+    last_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "fair_jobs_reroutecount"
+        verbose_name = "reroute count"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "task_name", "queue"], name="fair_jobs_reroute_tenant_task"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} {self.task_name} -> {self.queue}"

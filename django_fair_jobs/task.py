@@ -1,21 +1,24 @@
 """``FairTask``: the Celery task base class that makes a task fair between tenants.
 
-Thin glue: it resolves the tenant at publish time (into the ``fair_tenant`` header) and,
-in the worker, wraps ``run()`` with a slot acquire and release from
-:mod:`django_fair_jobs.slots`.
+Thin glue: at publish it resolves the tenant (into the ``fair_tenant`` header) and lets
+:mod:`django_fair_jobs.windows` count the enqueue and pick the queue; in the worker it
+wraps ``run()`` with a slot acquire and release from :mod:`django_fair_jobs.slots`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from numbers import Real
 from typing import Any
 
 from celery import Task
 from celery.exceptions import Ignore
 
+from django_fair_jobs import windows
 from django_fair_jobs.conf import ON_LIMIT_CHOICES, fair_settings
 from django_fair_jobs.slots import WAKE_HEADER
 from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant
+from django_fair_jobs.windows import Rule, RuleError
 
 
 class FairTaskConfigError(ValueError):
@@ -67,6 +70,20 @@ class FairTask(Task):  # type: ignore[type-arg]
     """Base countdown (seconds) of ``fair_on_limit = "retry"``, jittered by +-50%.
     None: ``FAIR_JOBS_RETRY_COUNTDOWN``."""
 
+    fair_slots: bool = True
+    """False: no tenant slots for this task (rerouting only). Jobs rerouted by a rule with
+    ``max_jobs`` still take a slot, limited by that rule."""
+
+    fair_tenant_queues: Sequence[Mapping[str, Any]] | None = None
+    """Rerouting rules, ``[{"queue": ..., "threshold": N, "per": seconds}, ...]``: a tenant
+    with more than ``threshold`` enqueues of this task within ``per`` seconds has its next
+    jobs published to ``queue`` (the last matching rule wins). See
+    :mod:`django_fair_jobs.windows`."""
+
+    fair_window_scope: str | None = None
+    """What the rules count under: ``"task"``, ``"queue"`` or ``"group:<name>"``.
+    None: ``FAIR_JOBS_WINDOW_SCOPE``."""
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Celery builds a class per decorated function with the decorator's keywords as
         # attributes, so this validates both subclasses and @shared_task(fair_...=...).
@@ -80,8 +97,29 @@ class FairTask(Task):  # type: ignore[type-arg]
         return None
 
     def fair_limit(self) -> int:
-        """The limit brought to a tenant's slot row that has no override."""
+        """The limit brought to a tenant's slot row that has no override: a rerouting
+        rule's ``max_jobs`` for the jobs it rerouted, else the task's."""
+        rule_limit = (self.request.headers or {}).get(windows.MAX_JOBS_HEADER)
+        if rule_limit is not None:
+            return int(rule_limit)
         return self.fair_max_jobs or fair_settings.DEFAULT_MAX_JOBS
+
+    def fair_rules(self) -> tuple[Rule, ...]:
+        """The validated ``fair_tenant_queues`` rules; raises :class:`RuleError`."""
+        raw = self.fair_tenant_queues
+        if not raw:
+            return ()
+        max_window = fair_settings.MAX_THROTTLING_WINDOW
+        cached = self.__dict__.get("_fair_rules")
+        if cached is not None and cached[0] is raw and cached[1] == max_window:
+            rules: tuple[Rule, ...] = cached[2]
+            return rules
+        try:
+            rules = windows.parse_rules(raw, max_window)
+        except RuleError as exc:
+            raise RuleError(f"{self.name}: {exc}") from None
+        self.__dict__["_fair_rules"] = (raw, max_window, rules)
+        return rules
 
     def apply_async(
         self,
@@ -94,11 +132,13 @@ class FairTask(Task):  # type: ignore[type-arg]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        """Publish the job with its tenant in the ``fair_tenant`` header.
+        """Publish the job with its tenant in the ``fair_tenant`` header, counted by the
+        task's rerouting rules and sent to the queue they pick.
 
         An explicit ``fair_tenant=`` option wins over ``fair_tenant(*args, **kwargs)``; a
-        re-publish (retry, wake-up) keeps the header it already carries. Invalid tenants
-        raise :class:`~django_fair_jobs.tenants.TenantError` here, at enqueue.
+        re-publish (retry, wake-up) keeps the headers it already carries, so it is neither
+        counted nor rerouted again. Invalid tenants raise
+        :class:`~django_fair_jobs.tenants.TenantError` here, at enqueue.
         """
         headers = dict(options.get("headers") or {})
         # The wake number marks one specific re-publish of a parked job; a retry or any
@@ -112,6 +152,15 @@ class FairTask(Task):  # type: ignore[type-arg]
             headers[HEADER] = normalize_tenant(explicit)
         elif HEADER not in headers:
             headers[HEADER] = normalize_tenant(self.fair_tenant(*(args or ()), **(kwargs or {})))
+        rules = self.fair_rules()
+        if rules:
+            queue = windows.should_count(self, headers, options.get("queue"), args, kwargs)
+            if queue is not None:
+                if headers[HEADER] is None:
+                    warn_missing_tenant(self.name, published=True)
+                else:
+                    decision = windows.count(self, headers[HEADER], queue, rules)
+                    windows.apply(decision, options, headers)
         options["headers"] = headers
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -141,6 +190,33 @@ class FairTask(Task):  # type: ignore[type-arg]
         )
         return str(queue)
 
+    def _fair_reroute(self, tenant: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Count a job that was published without :meth:`apply_async` (``send_task`` by
+        name) when it is first delivered; True if a rule re-published it elsewhere.
+
+        A redelivery is not counted again. Jobs that went through ``apply_async`` carry the
+        window header and are left alone.
+        """
+        request = self.request
+        if (request.delivery_info or {}).get("redelivered"):
+            return False
+        headers = request.headers if request.headers is not None else {}
+        queue = windows.should_count(self, headers, self._fair_queue(), args, kwargs)
+        if queue is None:
+            return False
+        decision = windows.count(self, tenant, queue, self.fair_rules())
+        options: dict[str, Any] = {}
+        marks: dict[str, Any] = {HEADER: tenant}
+        windows.apply(decision, options, marks)
+        if "queue" not in options:
+            # It stays: a retry or a park of this run is built from these headers.
+            request.headers = {**headers, **marks}
+            return False
+        self.signature_from_request(
+            request, args, kwargs, queue=options["queue"], headers={**headers, **marks}
+        ).apply_async()
+        return True
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the job inside one of its tenant's slots, or defer it.
 
@@ -153,8 +229,12 @@ class FairTask(Task):  # type: ignore[type-arg]
         if request.is_eager or request.id is None:
             return super().__call__(*args, **kwargs)
         tenant = self._fair_request_tenant(args, kwargs)
+        if tenant is not None and self.fair_rules() and self._fair_reroute(tenant, args, kwargs):
+            raise Ignore()
         if tenant is None:
             warn_missing_tenant(self.name)
+            return super().__call__(*args, **kwargs)
+        if not self.fair_slots and windows.MAX_JOBS_HEADER not in (request.headers or {}):
             return super().__call__(*args, **kwargs)
         grant = slots.enter(
             self,

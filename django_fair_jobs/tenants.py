@@ -46,20 +46,27 @@ _last_warned: dict[str, float] = {}
 _warn_lock = threading.Lock()
 
 
-def warn_missing_tenant(task_name: str) -> bool:
-    """Log that ``task_name`` ran without a tenant, at most once per
-    ``FAIR_JOBS_TENANT_WARNING_INTERVAL`` seconds per task. Returns True if logged."""
+def warn_missing_tenant(task_name: str, *, published: bool = False) -> bool:
+    """Log that a ``task_name`` job ran (or, with ``published``, was published) without a
+    tenant, at most once per ``FAIR_JOBS_TENANT_WARNING_INTERVAL`` seconds per task and
+    kind. Returns True if logged."""
     now = time.monotonic()
+    key = f"{task_name} published" if published else task_name
     with _warn_lock:
-        last = _last_warned.get(task_name)
+        last = _last_warned.get(key)
         if last is not None and now - last < fair_settings.TENANT_WARNING_INTERVAL:
             return False
-        _last_warned[task_name] = now
+        _last_warned[key] = now
+    what = (
+        "was published without a tenant, so it is not counted or rerouted by its rules"
+        if published
+        else "ran without a tenant, so without tenant fairness"
+    )
     logger.warning(
-        "Task %s ran without a tenant, so without tenant fairness. Pass fair_tenant= when "
-        "publishing it or define fair_tenant() on the task class. (Logged at most once "
-        "every %s s per task.)",
+        "Task %s %s. Pass fair_tenant= when publishing it or define fair_tenant() on the "
+        "task class. (Logged at most once every %s s per task.)",
         task_name,
+        what,
         fair_settings.TENANT_WARNING_INTERVAL,
     )
     return True

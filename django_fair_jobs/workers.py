@@ -123,6 +123,10 @@ def shutdown() -> None:
     _identity = None
 
 
+_WINDOW_PRUNE_INTERVAL = 60.0
+"""Seconds between two prunes of idle rerouting windows, cluster-wide."""
+
+
 @dataclass(frozen=True)
 class MaintenanceReport:
     """What one maintenance pass did."""
@@ -132,6 +136,7 @@ class MaintenanceReport:
     lost_rewoken: int
     jobs_woken: int
     counters_fixed: int
+    windows_pruned: int = 0
 
 
 def maybe_run_maintenance() -> MaintenanceReport | None:
@@ -158,8 +163,9 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
     ``timeout`` defaults to ``FAIR_JOBS_WORKER_TIMEOUT``. Safe to run from several
     processes at once.
     """
-    from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
+    from django_fair_jobs.models import Maintenance, ParkedJob, SlotLease, TenantQueueSlot
     from django_fair_jobs.slots import wake
+    from django_fair_jobs.windows import prune as prune_windows
 
     if timeout is None:
         timeout = fair_settings.WORKER_TIMEOUT
@@ -169,15 +175,20 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
     woken = 0
     for slot_id in TenantQueueSlot.objects.with_waiting_room():
         woken += wake(slot_id, limit=None)
-    if reaped or woken or lost or fixed:
+    pruned = 0
+    # Idle windows age by the day, not by the beat: a scan a minute is plenty.
+    if Maintenance.objects.claim("windows", interval=_WINDOW_PRUNE_INTERVAL):
+        pruned = prune_windows()
+    if reaped or woken or lost or fixed or pruned:
         logger.info(
             "Maintenance: reaped %s leases on %s slots, re-queued %s lost wake-ups, "
-            "woke %s parked jobs, fixed %s counters",
+            "woke %s parked jobs, fixed %s counters, pruned %s idle windows",
             sum(n for _, n in reaped),
             len(reaped),
             lost,
             woken,
             fixed,
+            pruned,
         )
     return MaintenanceReport(
         leases_reaped=sum(n for _, n in reaped),
@@ -185,4 +196,5 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         lost_rewoken=lost,
         jobs_woken=woken,
         counters_fixed=fixed,
+        windows_pruned=pruned,
     )

@@ -1,0 +1,281 @@
+"""Mechanism B, sliding-window rerouting: a tenant that enqueued more than ``threshold``
+jobs of a task within the last ``per`` seconds has its next ones published to a slower
+queue, and comes back by itself once its rate falls.
+
+A task declares its rules as ``fair_tenant_queues``::
+
+    fair_tenant_queues = [
+        {"queue": "imports_slow", "threshold": 1000, "per": 86400},
+        {"queue": "imports_slower", "threshold": 40, "per": 3600, "max_jobs": 2},
+    ]
+
+Each enqueue is counted once, at publish (:meth:`FairTask.apply_async`, so ``delay()``,
+signatures and canvas too), in one statement that also picks the rule: the LAST rule whose
+count is above its threshold wins. A job published by name (``send_task``) is counted when
+a worker first receives it and, if a rule matches, re-published to the rule's queue.
+
+Not counted and never rerouted: a job published to a queue other than the task's declared
+one, a job without a tenant, and any re-publish of a counted job (a retry, a woken parked
+job), which carries the :data:`HEADER` of its first count.
+
+Exactness: counts are exact to the whole second of the database clock, like the original
+(each rule counts the enqueues of ``[now - per, now]``, both ends included), and exact under
+concurrency (the tenant's row lock serializes enqueues). See :class:`TenantWindow`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from numbers import Real
+from typing import TYPE_CHECKING, Any
+
+from django_fair_jobs.conf import fair_settings
+
+if TYPE_CHECKING:
+    from celery import Task
+
+logger = logging.getLogger("django_fair_jobs.windows")
+
+HEADER = "fair_window"
+"""Message header of a counted job: ``{"counts": [...], "rule": index or None}``. Its
+presence is what keeps a retry or any other re-publish from being counted again."""
+
+MAX_JOBS_HEADER = "fair_max_jobs"
+"""Message header of a job rerouted by a rule with ``max_jobs``: its tenant's slot limit
+on the rule's queue."""
+
+RULE_KEYS = frozenset({"queue", "threshold", "per", "max_jobs"})
+"""The keys a rule may have; ``queue`` and ``threshold`` are required."""
+
+SCOPES = ("task", "queue")
+"""Counting scopes besides ``"group:<name>"``."""
+
+
+class RuleError(ValueError):
+    """A ``fair_tenant_queues`` rule or a ``fair_window_scope`` that cannot work. System
+    checks report it at start-up; publishing such a task raises it."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One validated rerouting rule."""
+
+    queue: str
+    threshold: int
+    per: int
+    """Window length in whole seconds."""
+    max_jobs: int | None = None
+    """If set, the tenant's slot limit for the jobs this rule reroutes."""
+
+
+def _whole(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return None
+    return float(value)
+
+
+def rule_errors(raw: Any, max_window: int) -> list[str]:
+    """Everything wrong with a ``fair_tenant_queues`` value, one message each."""
+    if raw is None:
+        return []
+    if isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Sequence):
+        return ["fair_tenant_queues must be a list of rules (dicts)"]
+    errors: list[str] = []
+    for number, rule in enumerate(raw, start=1):
+        where = f"rule {number}"
+        if not isinstance(rule, Mapping):
+            errors.append(f"{where} is {rule!r}, not a dict")
+            continue
+        unknown = sorted(str(k) for k in set(rule) - RULE_KEYS)
+        if unknown:
+            errors.append(
+                f"{where} has unknown keys {', '.join(unknown)} "
+                f"(allowed: {', '.join(sorted(RULE_KEYS))})"
+            )
+        queue = rule.get("queue")
+        if not isinstance(queue, str) or not queue.strip():
+            errors.append(f"{where}: queue must be a queue name (got {queue!r})")
+        threshold = rule.get("threshold")
+        if not _whole(threshold, 1):
+            errors.append(
+                f"{where}: threshold must be a whole number >= 1, the jobs allowed in the "
+                f"window before rerouting (got {threshold!r})"
+            )
+        if "per" in rule:
+            per = _seconds(rule["per"])
+            if per is None or not (per > 0 and per == int(per)):
+                errors.append(
+                    f"{where}: per must be a whole number of seconds > 0 or a timedelta "
+                    f"(got {rule['per']!r})"
+                )
+            elif int(per) > max_window:
+                errors.append(
+                    f"{where}: per is {int(per)} s, above FAIR_JOBS_MAX_THROTTLING_WINDOW "
+                    f"({max_window} s), so older enqueues would already be pruned; raise "
+                    "the setting or shorten the window"
+                )
+        max_jobs = rule.get("max_jobs")
+        if max_jobs is not None and not _whole(max_jobs, 1):
+            errors.append(f"{where}: max_jobs must be a whole number >= 1 (got {max_jobs!r})")
+    return errors
+
+
+def parse_rules(raw: Any, max_window: int) -> tuple[Rule, ...]:
+    """Validate ``fair_tenant_queues`` and return its rules; raise :class:`RuleError`."""
+    errors = rule_errors(raw, max_window)
+    if errors:
+        raise RuleError("; ".join(errors))
+    rules = []
+    for rule in raw or ():
+        per = _seconds(rule.get("per", max_window))
+        assert per is not None  # rule_errors checked it
+        rules.append(Rule(rule["queue"], rule["threshold"], int(per), rule.get("max_jobs")))
+    return tuple(rules)
+
+
+def scope_error(scope: Any) -> str | None:
+    """Why ``scope`` is not a counting scope, or None if it is one."""
+    if scope in SCOPES:
+        return None
+    if isinstance(scope, str) and scope.startswith("group:") and scope[6:].strip():
+        return None
+    return f'must be "task", "queue" or "group:<name>" (got {scope!r})'
+
+
+def counting_key(task: Task[Any, Any], declared_queue: str) -> str:
+    """The key a task's enqueues are counted under: its name, its declared queue, or the
+    named group (``fair_window_scope``, else ``FAIR_JOBS_WINDOW_SCOPE``)."""
+    scope = getattr(task, "fair_window_scope", None) or fair_settings.WINDOW_SCOPE
+    problem = scope_error(scope)
+    if problem:
+        raise RuleError(f"{task.name}: fair_window_scope {problem}")
+    if scope == "task":
+        return f"task:{task.name}"
+    if scope == "queue":
+        return f"queue:{declared_queue}"
+    return str(scope)
+
+
+def queue_name(queue: Any) -> str:
+    """The name of a queue given as a string or a kombu ``Queue``."""
+    return queue if isinstance(queue, str) else str(queue.name)
+
+
+def declared_queue(task: Task[Any, Any], args: Any, kwargs: Any) -> str:
+    """The queue Celery sends the task to when the caller names none: the task's ``queue``
+    option, else its ``task_routes`` entry, else ``task_default_queue``."""
+    own = getattr(task, "queue", None)
+    if own:
+        return queue_name(own)
+    # Celery passes the task itself as task_type (its stubs say a class).
+    task_type: Any = task
+    route = task.app.amqp.router.route({}, task.name, args or (), kwargs or {}, task_type=task_type)
+    return queue_name(route["queue"])
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What counting one enqueue decided."""
+
+    counts: tuple[int, ...]
+    rule: Rule | None
+    index: int | None
+
+    def header(self) -> dict[str, Any]:
+        """The :data:`HEADER` value that marks the job as counted."""
+        return {"counts": list(self.counts), "rule": self.index}
+
+
+def count(task: Task[Any, Any], tenant: str, queue: str, rules: Sequence[Rule]) -> Decision:
+    """Record one enqueue of ``tenant`` for ``task`` (declared on ``queue``) and pick the
+    rule that reroutes it, in one statement. Logs each reroute at debug level."""
+    from django_fair_jobs.models import TenantWindow
+
+    recorded = TenantWindow.objects.record(
+        key=counting_key(task, queue),
+        tenant=tenant,
+        task_name=task.name,
+        rules=[(rule.per, rule.threshold, rule.queue) for rule in rules],
+        max_window=fair_settings.MAX_THROTTLING_WINDOW,
+    )
+    index = recorded.rule
+    rule = None if index is None else rules[index]
+    if rule is not None:
+        logger.debug(
+            "Rerouted a %s job of tenant %s to %s: %s enqueues in %s s, above %s (rule %s)",
+            task.name,
+            tenant,
+            rule.queue,
+            recorded.counts[index],  # type: ignore[index]
+            rule.per,
+            rule.threshold,
+            index + 1,  # type: ignore[operator]
+        )
+    return Decision(recorded.counts, rule, index)
+
+
+def should_count(
+    task: Task[Any, Any], headers: Mapping[str, Any], queue: Any, args: Any, kwargs: Any
+) -> str | None:
+    """The declared queue if this publish is to be counted, else None: it is not when the
+    job was counted before (a re-publish) or is sent to another queue than the declared
+    one (a caller's choice, which is never second-guessed)."""
+    if HEADER in headers:
+        return None
+    declared = declared_queue(task, args, kwargs)
+    if queue is not None and queue_name(queue) != declared:
+        return None
+    return declared
+
+
+def apply(decision: Decision, options: dict[str, Any], headers: dict[str, Any]) -> None:
+    """Mark the job as counted and, if a rule matched, send it to the rule's queue."""
+    headers[HEADER] = decision.header()
+    rule = decision.rule
+    if rule is None:
+        return
+    options["queue"] = rule.queue
+    # A caller's routing key or exchange would send it elsewhere than the rule's queue.
+    options.pop("routing_key", None)
+    options.pop("exchange", None)
+    if rule.max_jobs is not None:
+        headers[MAX_JOBS_HEADER] = rule.max_jobs
+
+
+def prune() -> int:
+    """Delete the window rows of tenants idle for longer than the maximum window; run by
+    the workers' maintenance pass, so no scheduled job is needed."""
+    from django_fair_jobs.models import TenantWindow
+
+    return TenantWindow.objects.prune(max_window=fair_settings.MAX_THROTTLING_WINDOW)
+
+
+def windows_by_key(app: Any = None) -> dict[str, list[int]]:
+    """For each counting key in use by the app's fair tasks, the window lengths (``per``)
+    its rules count over; the admin shows a tenant's count for each."""
+    from celery import current_app
+
+    from django_fair_jobs.task import FairTask
+
+    found: dict[str, set[int]] = {}
+    max_window = fair_settings.MAX_THROTTLING_WINDOW
+    for task in (app or current_app).tasks.values():
+        if not isinstance(task, FairTask):
+            continue
+        try:
+            rules = task.fair_rules()
+            key = counting_key(task, declared_queue(task, (), {})) if rules else ""
+        except (RuleError, ValueError):
+            continue  # reported by the system checks
+        if rules:
+            found.setdefault(key, set()).update(min(rule.per, max_window) for rule in rules)
+    return {key: sorted(pers) for key, pers in found.items()}
