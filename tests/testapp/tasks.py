@@ -107,3 +107,41 @@ def overruns(self: Any, tenant: str) -> str:
     """Sleeps past its soft time limit: SoftTimeLimitExceeded is raised inside run()."""
     time.sleep(5)
     return "unreachable"
+
+
+_SLOW = [{"queue": "fair_slow", "threshold": 2, "per": 60}]
+
+
+@shared_task(
+    base=TenantFromFirstArg, bind=True, queue="fair", fair_slots=False, fair_tenant_queues=_SLOW
+)
+def rerouted(self: Any, tenant: str, duration: float = 0.05) -> str:
+    """Rerouting only: a tenant's third job within a minute goes to ``fair_slow``."""
+    return _run(self, tenant, duration)
+
+
+@shared_task(
+    base=TenantFromFirstArg,
+    bind=True,
+    queue="fair",
+    fair_slots=False,
+    fair_tenant_queues=[{"queue": "fair_slow", "threshold": 2, "per": 60, "max_jobs": 1}],
+)
+def rerouted_capped(self: Any, tenant: str, duration: float = 0.05) -> str:
+    """Like ``rerouted``, but a tenant runs at most one rerouted job at a time."""
+    return _run(self, tenant, duration)
+
+
+@shared_task(
+    base=TenantFromFirstArg,
+    bind=True,
+    queue="fair",
+    fair_slots=False,
+    max_retries=3,
+    fair_tenant_queues=[{"queue": "fair_slow", "threshold": 1, "per": 60}],
+)
+def rerouted_retries_once(self: Any, tenant: str, duration: float = 0.05) -> str:
+    """Calls self.retry() on its first run: the retry must not be counted again."""
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.1)
+    return _run(self, tenant, duration)

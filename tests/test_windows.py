@@ -1,0 +1,450 @@
+"""Sliding-window rerouting: the FT timeline on the counting statement, publish-time
+routing and its exclusions, exact counts under concurrency, pruning, and real workers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from celery import chain, signals
+from django.db import connection, connections, transaction
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+
+from django_fair_jobs import FairTask
+from django_fair_jobs.checks import check_task_rules
+from django_fair_jobs.managers import Recorded
+from django_fair_jobs.models import RerouteCount, TenantWindow, WindowBucket
+from django_fair_jobs.windows import HEADER, RuleError, parse_rules, prune
+from tests.conftest import Worker, is_postgres, wait_for
+from tests.test_workers import max_overlap, wait_finished
+from tests.testapp import tasks
+from tests.testapp.models import JobRun
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+DAY, HOUR = 86_400, 3_600
+
+
+def record(
+    tenant: str,
+    at: datetime,
+    rules: list[tuple[int, int, str]],
+    key: str = "task:t",
+    max_window: int = DAY,
+) -> Recorded:
+    return TenantWindow.objects.record(
+        key=key, tenant=tenant, task_name="t", rules=rules, max_window=max_window, at=at
+    )
+
+
+def picked(recorded: Recorded, rules: list[tuple[int, int, str]]) -> str:
+    return "default" if recorded.rule is None else rules[recorded.rule][2]
+
+
+# -- the counting statement, on fixed timestamps -------------------------------------------
+
+
+def test_ft09__first_n_stay__job_n_plus_one_is_rerouted() -> None:
+    rules = [(60, 3, "slow")]
+    queues = [picked(record("acme", T0, rules), rules) for _ in range(5)]
+    assert queues == ["default", "default", "default", "slow", "slow"]
+
+
+def test_ft17__decay_timeline__last_matching_rule_wins() -> None:
+    rules = [(DAY, 1, "semislow"), (HOUR, 1, "supaslow")]
+    first, second = record("foo", T0, rules), record("foo", T0, rules)
+    assert (picked(first, rules), first.counts) == ("default", (1, 1))
+    assert (picked(second, rules), second.counts) == ("supaslow", (2, 2))
+    # FT-15: another tenant is independent.
+    assert picked(record("bar", T0, rules), rules) == "default"
+    later = T0 + timedelta(hours=1, seconds=1)
+    third = record("foo", later, rules)
+    assert (picked(third, rules), third.counts) == ("semislow", (3, 1))
+    fourth = record("foo", later + timedelta(days=1, seconds=1), rules)
+    assert (picked(fourth, rules), fourth.counts) == ("default", (1, 1))
+
+
+def test_window__whole_seconds_both_ends_included() -> None:
+    rules = [(10, 100, "slow")]
+    record("acme", T0, rules)
+    assert record("acme", T0 + timedelta(seconds=10.9), rules).counts == (2,)
+    assert record("acme", T0 + timedelta(seconds=11), rules).counts == (2,)
+    assert record("acme", T0 + timedelta(seconds=22), rules).counts == (1,)
+
+
+def test_window__counting_keys_are_independent() -> None:
+    rules = [(60, 1, "slow")]
+    assert record("acme", T0, rules, key="task:a").counts == (1,)
+    assert record("acme", T0, rules, key="task:b").counts == (1,)
+    assert record("acme", T0, rules, key="task:a").counts == (2,)
+
+
+def test_window__clock_going_back_counts_in_the_latest_second() -> None:
+    rules = [(5, 100, "slow")]
+    record("acme", T0 + timedelta(seconds=10), rules)
+    assert record("acme", T0, rules).counts == (2,)
+    window = TenantWindow.objects.get(tenant="acme")
+    assert window.last_second == int((T0 + timedelta(seconds=10)).timestamp())
+
+
+def test_reroutes__counted_per_tenant_task_and_queue() -> None:
+    rules = [(60, 1, "slow")]
+    for _ in range(4):
+        record("acme", T0, rules)
+    row = RerouteCount.objects.get()
+    assert (row.tenant, row.task_name, row.queue, row.total) == ("acme", "t", "slow", 3)
+
+
+def test_buckets__pruned_past_the_max_window_but_one_anchor_kept() -> None:
+    rules = [(100, 1000, "slow")]
+    for second in range(0, 300, 10):
+        record("acme", T0 + timedelta(seconds=second), rules, max_window=100)
+    kept = sorted(WindowBucket.objects.values_list("second", flat=True))
+    newest = int(T0.timestamp()) + 290
+    assert kept[0] < newest - 100 <= kept[1]  # the anchor, then the window itself
+    assert len(kept) == 1 + 11  # seconds 190..290 are in the window
+    # The longest window still counts exactly: 290-190 .. 290, both ends included.
+    assert record("acme", T0 + timedelta(seconds=290), rules, max_window=100).counts == (12,)
+
+
+def test_prune__idle_tenant_leaves_nothing_behind() -> None:
+    rules = [(60, 0, "slow")]
+    record("idle", datetime.now(UTC) - timedelta(days=2), rules)
+    record("active", datetime.now(UTC), rules)
+    assert RerouteCount.objects.count() == 2
+    RerouteCount.objects.filter(tenant="idle").update(last_at=T0)
+    assert prune() == 1
+    assert list(TenantWindow.objects.values_list("tenant", flat=True)) == ["active"]
+    assert not WindowBucket.objects.filter(window__tenant="idle").exists()
+    assert list(RerouteCount.objects.values_list("tenant", flat=True)) == ["active"]
+
+
+def test_concurrent_enqueues__every_count_exact() -> None:
+    """16 threads x 25 enqueues for one tenant in one second: the answers are exactly
+    1..400, each once, so no enqueue was lost or seen twice."""
+    rules = [(DAY, 10_000, "slow")]
+    seen: list[int] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def enqueue() -> None:
+        try:
+            for _ in range(25):
+                n = record("hot", T0, rules).counts[0]
+                with lock:
+                    seen.append(n)
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=enqueue) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert sorted(seen) == list(range(1, 401))
+    assert TenantWindow.objects.get(tenant="hot").total == 400
+
+
+def test_record__statements_do_not_grow_with_the_window__one_on_postgresql() -> None:
+    rules = [(60, 10**6, "a"), (3600, 10**6, "b"), (DAY, 10**6, "c")]
+    for second in range(5):
+        record("acme", T0 + timedelta(seconds=second), rules)
+    with CaptureQueriesContext(connection) as first:
+        record("acme", T0 + timedelta(seconds=5), rules)
+    for second in range(6, 600):
+        record("acme", T0 + timedelta(seconds=second), rules)
+    with CaptureQueriesContext(connection) as later:
+        record("acme", T0 + timedelta(seconds=600), rules)
+    assert len(later) == len(first)
+    if is_postgres():
+        assert len(first) == 1
+
+
+# -- rules and scopes -----------------------------------------------------------------------
+
+
+def test_rules__per_defaults_to_max_window_and_accepts_timedelta() -> None:
+    rules = parse_rules(
+        [{"queue": "a", "threshold": 1}, {"queue": "b", "threshold": 2, "per": timedelta(hours=1)}],
+        DAY,
+    )
+    assert [(r.queue, r.threshold, r.per) for r in rules] == [("a", 1, DAY), ("b", 2, HOUR)]
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ({"queue": "a", "threshold": 1, "pre": 5}, "unknown keys pre"),
+        ({"queue": "a", "threshold": 0}, "threshold must be"),
+        ({"queue": "a", "threshold": 1, "per": 0}, "per must be"),
+        ({"queue": "a", "threshold": 1, "per": 1.5}, "per must be"),
+        ({"queue": "a", "threshold": 1, "per": DAY + 1}, "above FAIR_JOBS_MAX_THROTTLING_WINDOW"),
+        ({"threshold": 1}, "queue must be"),
+        ({"queue": "a", "threshold": 1, "max_jobs": 0}, "max_jobs must be"),
+    ],
+)
+def test_rules__invalid_rule_is_a_clear_error(rule: dict[str, Any], message: str) -> None:
+    with pytest.raises(RuleError, match=message):
+        parse_rules([rule], DAY)
+
+
+@pytest.fixture
+def adhoc_task(celery_app: Any) -> Iterator[Callable[..., Any]]:
+    """Register throwaway fair tasks on the test app; they are removed afterwards."""
+    names: list[str] = []
+
+    def make(name: str, **options: Any) -> Any:
+        names.append(name)
+
+        def run(self: Any, tenant: str) -> None:
+            return None
+
+        return celery_app.task(base=FairTask, bind=True, name=name, **options)(run)
+
+    yield make
+    for name in names:
+        celery_app.tasks.pop(name, None)
+
+
+def check_ids(name: str) -> list[str]:
+    return [m.id for m in check_task_rules() if name in m.msg and m.id]
+
+
+def test_checks__bad_rules_scope_and_unknown_queue(adhoc_task: Callable[..., Any]) -> None:
+    adhoc_task("bad.rule", fair_tenant_queues=[{"queue": "fair", "threshold": -1}])
+    adhoc_task("bad.scope", fair_tenant_queues=[], fair_window_scope="tenant")
+    adhoc_task("bad.queue", fair_tenant_queues=[{"queue": "nowhere", "threshold": 1}])
+    adhoc_task("good.one", queue="fair", fair_tenant_queues=[{"queue": "fair", "threshold": 1}])
+    assert check_ids("bad.rule") == ["fair_jobs.E011"]
+    assert check_ids("bad.scope") == ["fair_jobs.E012"]
+    assert check_ids("bad.queue") == ["fair_jobs.W001"]
+    assert check_ids("good.one") == []
+    with override_settings(FAIR_JOBS_MAX_THROTTLING_WINDOW=30):
+        adhoc_task("long.window", fair_tenant_queues=[{"queue": "fair", "threshold": 1, "per": 60}])
+        assert check_ids("long.window") == ["fair_jobs.E011"]
+
+
+def test_publish__invalid_rules_raise_at_enqueue(adhoc_task: Callable[..., Any]) -> None:
+    task = adhoc_task("bad.publish", fair_tenant_queues=[{"queue": "x", "threshold": 0}])
+    with pytest.raises(RuleError, match=r"bad\.publish: rule 1: threshold"):
+        task.delay("acme")
+
+
+# -- publishing through FairTask, on the real broker ---------------------------------------
+
+
+@pytest.fixture
+def published(broker_env: dict[str, str]) -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """(routing key, headers) of every message published during the test."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def capture(routing_key: str = "", headers: Any = None, **kwargs: Any) -> None:
+        seen.append((routing_key, dict(headers or {})))
+
+    signals.before_task_publish.connect(capture, weak=False)
+    yield seen
+    signals.before_task_publish.disconnect(capture)
+
+
+def queues_of(published: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    return [routing_key for routing_key, _ in published]
+
+
+def window_total(tenant: str) -> int:
+    return sum(TenantWindow.objects.filter(tenant=tenant).values_list("total", flat=True))
+
+
+def test_publish__third_job_in_a_minute_goes_to_the_slow_queue(
+    published: list[tuple[str, dict[str, Any]]],
+) -> None:
+    for _ in range(4):
+        tasks.rerouted.delay("acme")
+    tasks.rerouted.delay("other")
+    assert queues_of(published) == ["fair", "fair", "fair_slow", "fair_slow", "fair"]
+    assert [h[HEADER] for _, h in published[:3]] == [
+        {"counts": [1], "rule": None},
+        {"counts": [2], "rule": None},
+        {"counts": [3], "rule": 0},
+    ]
+    assert RerouteCount.objects.get(tenant="acme").total == 2
+
+
+def test_publish__signatures_and_explicit_tenant_pass_through(
+    published: list[tuple[str, dict[str, Any]]],
+) -> None:
+    tasks.rerouted.s("x").set(fair_tenant="acme").delay()
+    tasks.rerouted.signature(("y",), fair_tenant="acme").apply_async()
+    tasks.rerouted.apply_async(("z",), fair_tenant="acme")
+    assert queues_of(published) == ["fair", "fair", "fair_slow"]
+    assert window_total("acme") == 3
+
+
+def test_publish__caller_chosen_queue_is_neither_counted_nor_rerouted(
+    published: list[tuple[str, dict[str, Any]]],
+) -> None:
+    for _ in range(3):
+        tasks.rerouted.apply_async(("acme",), queue="other")
+    assert queues_of(published) == ["other"] * 3
+    assert window_total("acme") == 0
+    # Naming the declared queue itself is not an override: counted as usual.
+    for _ in range(3):
+        tasks.rerouted.apply_async(("acme",), queue="fair")
+    assert queues_of(published)[3:] == ["fair", "fair", "fair_slow"]
+
+
+def test_publish__counted_job_republished_is_not_counted_again(
+    published: list[tuple[str, dict[str, Any]]],
+) -> None:
+    result = tasks.rerouted.delay("acme")
+    headers = published[0][1]
+    # What a retry or a woken parked job does: the same id, with the headers it had.
+    tasks.rerouted.apply_async(("acme",), task_id=result.id, headers=headers)
+    tasks.rerouted.apply_async(("acme",), task_id=result.id, headers=headers)
+    assert window_total("acme") == 1
+    assert queues_of(published) == ["fair"] * 3
+
+
+def test_publish__no_tenant__not_counted__warned_once(
+    published: list[tuple[str, dict[str, Any]]], caplog: pytest.LogCaptureFixture
+) -> None:
+    from django_fair_jobs import tenants
+
+    tenants._last_warned.clear()
+    with caplog.at_level("WARNING", logger="django_fair_jobs.tenants"):
+        for _ in range(5):
+            tasks.rerouted.delay(None, 0)
+    assert queues_of(published) == ["fair"] * 5
+    assert not TenantWindow.objects.exists()
+    assert caplog.text.count("not counted or rerouted") == 1
+
+
+def test_publish__queue_scope_counts_tasks_together(
+    published: list[tuple[str, dict[str, Any]]],
+) -> None:
+    with override_settings(FAIR_JOBS_WINDOW_SCOPE="queue"):
+        tasks.rerouted.delay("acme")
+        tasks.rerouted_capped.delay("acme")
+        tasks.rerouted.delay("acme")
+    assert queues_of(published) == ["fair", "fair", "fair_slow"]
+    assert list(TenantWindow.objects.values_list("key", "total")) == [("queue:fair", 3)]
+
+
+def test_publish__inside_a_transaction__count_commits_at_once_on_postgresql(
+    published: list[tuple[str, dict[str, Any]]],
+) -> None:
+    """Celery publishes at once, not at commit; on PostgreSQL the count commits at once
+    too, and the tenant's row is not held locked until the caller's transaction ends.
+    SQLite (development) keeps the caller's transaction: the count rolls back with it."""
+    postgres = is_postgres()
+
+    def publish_elsewhere() -> None:
+        tasks.rerouted.delay("acme")
+        connections.close_all()
+
+    def publish_and_roll_back() -> None:
+        with transaction.atomic():
+            tasks.rerouted.delay("acme")
+            if postgres:
+                other = threading.Thread(target=publish_elsewhere)
+                other.start()
+                other.join(10)
+                assert not other.is_alive(), "a second publisher was blocked"
+            raise ZeroDivisionError  # roll the caller's transaction back
+
+    with pytest.raises(ZeroDivisionError):
+        publish_and_roll_back()
+    assert window_total("acme") == (2 if postgres else 0)
+    assert len(published) == (2 if postgres else 1)
+
+
+# -- real workers -----------------------------------------------------------------------------
+
+pytest_workers = pytest.mark.workers
+
+
+@pytest_workers
+def test_worker__retry_of_a_rerouted_job_stays_and_is_not_counted(
+    start_worker: Callable[..., Worker],
+) -> None:
+    start_worker(queues="fair,fair_slow")
+    first = tasks.rerouted_retries_once.delay("acme")
+    second = tasks.rerouted_retries_once.delay("acme")
+    assert second.get(timeout=60) == "acme:done" and first.get(timeout=60) == "acme:done"
+    assert window_total("acme") == 2
+    runs = dict(JobRun.objects.values_list("task_id", "queue"))
+    assert runs == {first.id: "fair", second.id: "fair_slow"}
+
+
+@pytest_workers
+def test_worker__send_task_by_name_counted_at_delivery_and_rerouted(
+    start_worker: Callable[..., Worker], celery_app: Any
+) -> None:
+    start_worker(queues="fair,fair_slow")
+    ids = [celery_app.send_task(tasks.rerouted.name, ("acme",), queue="fair").id for _ in range(4)]
+    wait_finished(ids)
+    queues = sorted(JobRun.objects.filter(task_id__in=ids).values_list("queue", flat=True))
+    assert queues == ["fair", "fair", "fair_slow", "fair_slow"]
+    assert window_total("acme") == 4
+    assert JobRun.objects.count() == 4  # each ran once
+
+
+@pytest_workers
+def test_worker__chain_links_are_counted_as_they_are_published(
+    start_worker: Callable[..., Worker],
+) -> None:
+    start_worker(queues="fair,fair_slow")
+    result = chain(
+        tasks.rerouted.si("acme", 0), tasks.rerouted.si("acme", 0), tasks.rerouted.si("acme", 0)
+    ).delay()
+    result.get(timeout=60)
+    assert window_total("acme") == 3
+    queues = list(JobRun.objects.order_by("started_at").values_list("queue", flat=True))
+    assert queues == ["fair", "fair", "fair_slow"]
+
+
+@pytest_workers
+def test_worker__slow_queue_gets_a_bounded_share_then_full_speed(
+    start_worker: Callable[..., Worker],
+) -> None:
+    """The documented setup: every worker consumes the normal and the slow queue. While
+    normal jobs wait, the greedy tenant's rerouted jobs get at most about half of the
+    starts; once the normal queue is empty, they use every process."""
+    start_worker(queues="fair,fair_slow", concurrency=2)
+    greedy = [tasks.rerouted.delay("greedy", 0.2).id for _ in range(32)]
+    wait_for(lambda: JobRun.objects.filter(tenant="greedy").count() >= 4, 30, "greedy to start")
+    small = [tasks.rerouted.delay(f"small{i}", 0.2).id for i in range(10)]
+    wait_finished(greedy + small, timeout=120)
+    starts = list(JobRun.objects.order_by("started_at", "id").values_list("tenant", "queue"))
+    first_small = next(i for i, (t, _) in enumerate(starts) if t.startswith("small"))
+    last_small = max(i for i, (t, _) in enumerate(starts) if t.startswith("small"))
+    between = starts[first_small : last_small + 1]
+    slow_between = sum(1 for _, q in between if q == "fair_slow")
+    # Round robin between the two queues, give or take one prefetched message per process.
+    assert slow_between <= 10 + 2, starts
+    assert last_small < len(starts) - 10, "small jobs waited for the greedy backlog"
+    slow_runs = [
+        (s, e)
+        for s, e, q in JobRun.objects.values_list("started_at", "finished_at", "queue")
+        if q == "fair_slow"
+    ]
+    assert max_overlap(slow_runs) == 2  # full speed when nothing else waits
+
+
+@pytest_workers
+def test_worker__rule_max_jobs_caps_rerouted_jobs_per_tenant(
+    start_worker: Callable[..., Worker],
+) -> None:
+    start_worker(queues="fair,fair_slow", concurrency=3)
+    ids = [tasks.rerouted_capped.delay("acme", 0.15).id for _ in range(8)]
+    wait_finished(ids)
+    runs = list(JobRun.objects.values_list("started_at", "finished_at", "queue"))
+    assert sorted(q for _, _, q in runs) == ["fair"] * 2 + ["fair_slow"] * 6
+    assert max_overlap([(s, e) for s, e, q in runs if q == "fair_slow"]) == 1
