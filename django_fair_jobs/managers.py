@@ -604,7 +604,6 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
         tenant: str,
         task_name: str,
         rules: Sequence[tuple[int, int, str]],
-        max_window: int,
         at: datetime | None = None,
     ) -> Recorded:
         """Count one enqueue and pick the rule that reroutes it.
@@ -625,7 +624,6 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
                 "pers": [per for per, _, _ in rules],
                 "thresholds": [threshold for _, threshold, _ in rules],
                 "queues": [queue for _, _, queue in rules],
-                "max_window": max_window,
             }
             connection = _autocommit_connection(alias)
             try:
@@ -638,7 +636,7 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
                 raise
             return Recorded(tuple(counts), None if picked is None else picked - 1)
         with transaction.atomic(using=alias):
-            return self._record_portable(key, tenant, task_name, rules, max_window, at)
+            return self._record_portable(key, tenant, task_name, rules, at)
 
     def _record_portable(
         self,
@@ -646,7 +644,6 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
         tenant: str,
         task_name: str,
         rules: Sequence[tuple[int, int, str]],
-        max_window: int,
         at: datetime | None,
     ) -> Recorded:
         from django_fair_jobs.models import RerouteCount, WindowBucket
@@ -674,14 +671,6 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
                 tenant=tenant, task_name=task_name, queue=rules[picked][2]
             )
             RerouteCount.objects.filter(pk=reroutes.pk).update(total=F("total") + 1, last_at=Now())
-        anchor = (
-            WindowBucket.objects.filter(window=window, second__lt=second - max_window)
-            .order_by("-second")
-            .values_list("second", flat=True)
-            .first()
-        )
-        if anchor is not None:
-            WindowBucket.objects.filter(window=window, second__lt=anchor).delete()
         return Recorded(counts, picked)
 
     @staticmethod
@@ -713,19 +702,26 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
 
     def prune(self, *, max_window: int) -> int:
         """Delete the windows (with their buckets) and reroute counts of tenants idle for
-        longer than ``max_window`` seconds; returns how many windows went."""
+        longer than ``max_window`` seconds, and the other windows' buckets that no window
+        reads any more; returns how many windows went."""
         from django_fair_jobs.models import RerouteCount, WindowBucket
 
         alias = router.db_for_write(self.model)
         if _is_postgres(alias):
             return int(_run(alias, "prune_windows", {"max_window": max_window})[0][0])
         with transaction.atomic(using=alias):
-            idle = list(
-                self.filter(last_second__lt=self._database_second() - max_window).values_list(
-                    "pk", flat=True
-                )
-            )
+            cutoff = self._database_second() - max_window
+            idle = list(self.filter(last_second__lt=cutoff).values_list("pk", flat=True))
             WindowBucket.objects.filter(window_id__in=idle).delete()
             self.filter(pk__in=idle).delete()
             RerouteCount.objects.filter(last_at__lt=_ago(max_window)).delete()
+            for window_id in self.values_list("pk", flat=True):
+                anchor = (
+                    WindowBucket.objects.filter(window_id=window_id, second__lt=cutoff)
+                    .order_by("-second")
+                    .values_list("second", flat=True)
+                    .first()
+                )
+                if anchor is not None:
+                    WindowBucket.objects.filter(window_id=window_id, second__lt=anchor).delete()
         return len(idle)

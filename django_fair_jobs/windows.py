@@ -205,7 +205,6 @@ def count(task: Task[Any, Any], tenant: str, queue: str, rules: Sequence[Rule]) 
         tenant=tenant,
         task_name=task.name,
         rules=[(rule.per, rule.threshold, rule.queue) for rule in rules],
-        max_window=fair_settings.MAX_THROTTLING_WINDOW,
     )
     index = recorded.rule
     rule = None if index is None else rules[index]

@@ -187,3 +187,26 @@ def test_parked_jobs_and_processes__cannot_be_deleted(staff: Client, process: uu
         == 403
     )
     assert ParkedJob.objects.exists() and WorkerProcess.objects.filter(pk=process).exists()
+
+
+def test_window_pages__show_current_counts_and_reroutes_read_only(staff: Client) -> None:
+    from django_fair_jobs.models import RerouteCount, TenantWindow
+    from tests.testapp import tasks
+
+    for _ in range(4):
+        TenantWindow.objects.record(
+            key=f"task:{tasks.rerouted.name}",
+            tenant="acme",
+            task_name=tasks.rerouted.name,
+            rules=[(60, 2, "fair_slow")],
+        )
+    page = staff.get("/admin/fair_jobs/tenantwindow/")
+    assert page.status_code == 200
+    # The rerouted task's rule counts over 60 s: all four enqueues are in it now.
+    assert "4 in 60 s" in page.content.decode()
+    reroutes = staff.get("/admin/fair_jobs/reroutecount/")
+    assert reroutes.status_code == 200 and "fair_slow" in reroutes.content.decode()
+    assert RerouteCount.objects.get().total == 2
+    window = TenantWindow.objects.get()
+    assert staff.get(f"/admin/fair_jobs/tenantwindow/{window.pk}/delete/").status_code == 403
+    assert staff.get("/admin/fair_jobs/tenantwindow/add/").status_code == 403

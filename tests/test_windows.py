@@ -35,11 +35,8 @@ def record(
     at: datetime,
     rules: list[tuple[int, int, str]],
     key: str = "task:t",
-    max_window: int = DAY,
 ) -> Recorded:
-    return TenantWindow.objects.record(
-        key=key, tenant=tenant, task_name="t", rules=rules, max_window=max_window, at=at
-    )
+    return TenantWindow.objects.record(key=key, tenant=tenant, task_name="t", rules=rules, at=at)
 
 
 def picked(recorded: Recorded, rules: list[tuple[int, int, str]]) -> str:
@@ -100,16 +97,23 @@ def test_reroutes__counted_per_tenant_task_and_queue() -> None:
     assert (row.tenant, row.task_name, row.queue, row.total) == ("acme", "t", "slow", 3)
 
 
-def test_buckets__pruned_past_the_max_window_but_one_anchor_kept() -> None:
+@override_settings(FAIR_JOBS_MAX_THROTTLING_WINDOW=100)
+def test_prune__old_buckets_go__one_anchor_kept__counts_unchanged() -> None:
     rules = [(100, 1000, "slow")]
-    for second in range(0, 300, 10):
-        record("acme", T0 + timedelta(seconds=second), rules, max_window=100)
+    # Enqueues every 10 s from 305 s ago to 15 s ago; the cutoff is 100 s ago (200 + 5).
+    base = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=305)
+    for offset in range(0, 300, 10):
+        record("acme", base + timedelta(seconds=offset), rules)
+    record("other", base, rules)  # an idle tenant, pruned whole
+    assert prune() == 1
+    first = int(base.timestamp())
     kept = sorted(WindowBucket.objects.values_list("second", flat=True))
-    newest = int(T0.timestamp()) + 290
-    assert kept[0] < newest - 100 <= kept[1]  # the anchor, then the window itself
-    assert len(kept) == 1 + 11  # seconds 190..290 are in the window
-    # The longest window still counts exactly: 290-190 .. 290, both ends included.
-    assert record("acme", T0 + timedelta(seconds=290), rules, max_window=100).counts == (12,)
+    # The anchor (the newest bucket before the cutoff), then the ones after it.
+    assert kept == [first + offset for offset in range(200, 300, 10)]
+    # A window of the maximum length still counts exactly: offsets 210..290 and now.
+    assert TenantWindow.objects.record(
+        key="task:t", tenant="acme", task_name="t", rules=rules
+    ).counts == (10,)
 
 
 def test_prune__idle_tenant_leaves_nothing_behind() -> None:

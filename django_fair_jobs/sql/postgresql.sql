@@ -247,8 +247,7 @@ RETURNING s.id;
 --   Only buckets at least one second old are read, two index probes per rule however
 --   many enqueues the window holds.
 -- * rerouted: one more job sent to the picked rule's queue.
--- * pruned: buckets older than the maximum window, except the newest of them, which is
---   the anchor of a window of exactly the maximum length.
+-- Old buckets are left to prune_windows, which keeps this statement short.
 WITH counter AS (
     INSERT INTO fair_jobs_tenantwindow AS w (key, tenant, total, last_second, created_at)
     VALUES (%(key)s, %(tenant)s, 1,
@@ -278,27 +277,33 @@ WITH counter AS (
     SELECT %(tenant)s, %(task_name)s, queue, 1, now(), now() FROM picked
     ON CONFLICT (tenant, task_name, queue) DO UPDATE
        SET total = rc.total + 1, last_at = now()
-), pruned AS (
-    DELETE FROM fair_jobs_windowbucket AS b
-     USING counter AS c
-     WHERE b.window_id = c.id
-       AND b.second < (SELECT max(x.second) FROM fair_jobs_windowbucket AS x
-                        WHERE x.window_id = c.id
-                          AND x.second < c.last_second - %(max_window)s)
 )
 SELECT (SELECT array_agg(n ORDER BY ord) FROM counts), (SELECT ord FROM picked);
 
 -- name: prune_windows
--- Delete what tenants idle for longer than the maximum window left behind: their window
--- rows with their buckets, and their reroute counts. An enqueue racing the delete either
--- committed first (the row is no longer idle when re-checked, and stays) or waits for the
--- delete and then inserts a fresh row.
+-- Delete what the maximum window no longer needs. Returns how many windows went.
+-- * idle: tenants idle for longer than the maximum window leave nothing behind: their
+--   window rows with their buckets, and their reroute counts. An enqueue racing the delete
+--   either committed first (the row is no longer idle when re-checked, and stays) or waits
+--   for the delete and then inserts a fresh row.
+-- * old: in the other windows, buckets older than the maximum window, except the newest of
+--   them (the anchor), which a window of exactly the maximum length still reads. One index
+--   probe per window finds it; later enqueues only read newer buckets.
 WITH idle AS (
     DELETE FROM fair_jobs_tenantwindow
      WHERE last_second < floor(extract(epoch FROM now()))::bigint - %(max_window)s
     RETURNING id
 ), buckets AS (
     DELETE FROM fair_jobs_windowbucket WHERE window_id IN (SELECT id FROM idle)
+), old AS (
+    DELETE FROM fair_jobs_windowbucket AS b
+     USING fair_jobs_tenantwindow AS w
+     CROSS JOIN LATERAL (
+         SELECT max(x.second) AS anchor FROM fair_jobs_windowbucket AS x
+          WHERE x.window_id = w.id
+            AND x.second < floor(extract(epoch FROM now()))::bigint - %(max_window)s
+     ) AS a
+     WHERE b.window_id = w.id AND b.second < a.anchor
 ), reroutes AS (
     DELETE FROM fair_jobs_reroutecount
      WHERE last_at < now() - make_interval(secs => %(max_window)s)

@@ -1,13 +1,18 @@
 """The benchmark's modes: how the same scenario's jobs are run.
 
 Each mechanism gets a mode of its own as it becomes available, plus the recommended
-combination of all of them. Today the library has one mechanism (tenant slots), which is
-therefore also the recommended combination.
+combination of all of them (today tenant slots and rerouting).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+REROUTE_RULE: dict[str, Any] = {"threshold": 20, "per": 10}
+"""The rerouting rule of the modes that reroute: a tenant's jobs past its 20th within
+10 seconds go to the mode's slow queue. Steady tenants (1 job/s) stay under it; a flood
+crosses it at once."""
 
 
 @dataclass(frozen=True)
@@ -17,11 +22,27 @@ class Mode:
     name: str
     task: str
     description: str
+    reroutes: bool = False
+    """True: the task's rules send a tenant past :data:`REROUTE_RULE` to
+    :meth:`slow_queue`, and the workers consume both queues (the documented setup)."""
 
     def queue(self, run: str) -> str:
         """The Celery queue of this mode's jobs in ``run``: one per mode and run, so that
         neither modes nor benchmark runs ever share a queue."""
         return f"bench.{run}.{self.name}"
+
+    def slow_queue(self, run: str) -> str:
+        """Where the rules of a rerouting mode send a greedy tenant's jobs in ``run``."""
+        return f"{self.queue(run)}.slow"
+
+    def queues(self, run: str) -> list[str]:
+        """Every queue the mode's workers consume in ``run``."""
+        return [self.queue(run), self.slow_queue(run)] if self.reroutes else [self.queue(run)]
+
+    def rules(self, run: str) -> list[dict[str, Any]]:
+        """The ``fair_tenant_queues`` of the mode's task in ``run`` (none if it does not
+        reroute)."""
+        return [{"queue": self.slow_queue(run), **REROUTE_RULE}] if self.reroutes else []
 
 
 MODES: dict[str, Mode] = {
@@ -29,11 +50,23 @@ MODES: dict[str, Mode] = {
     for m in (
         Mode("plain", "bench.plain_job", "plain Celery task (FIFO)"),
         Mode("slots", "bench.slots_job", "FairTask, tenant slots (mechanism A)"),
+        Mode(
+            "reroute",
+            "bench.reroute_job",
+            "FairTask, sliding-window rerouting only (mechanism B)",
+            reroutes=True,
+        ),
+        Mode(
+            "combined",
+            "bench.combined_job",
+            "FairTask, tenant slots and rerouting (the recommended combination)",
+            reroutes=True,
+        ),
     )
 }
 
 REFERENCE = "plain"
 """The mode every ratio's denominator comes from (except the ideal's)."""
 
-RECOMMENDED = "slots"
+RECOMMENDED = "combined"
 """The recommended combination: every mechanism available today."""

@@ -35,8 +35,11 @@ from bench.scenario import Job, Scenario
 from django_fair_jobs.models import (
     Maintenance,
     ParkedJob,
+    RerouteCount,
     SlotLease,
     TenantQueueSlot,
+    TenantWindow,
+    WindowBucket,
     WorkerProcess,
 )
 from example.celery import app
@@ -131,6 +134,9 @@ def clear_library_state() -> None:
     TenantQueueSlot.objects.all().delete()
     WorkerProcess.objects.all().delete()
     Maintenance.objects.all().delete()
+    WindowBucket.objects.all().delete()
+    TenantWindow.objects.all().delete()
+    RerouteCount.objects.all().delete()
 
 
 def library_leftover() -> dict[str, int]:
@@ -210,6 +216,11 @@ def publish(
 ) -> None:
     """Publish ``jobs`` at ``origin + offset``, one thread per tenant, and wait for all."""
     task = app.tasks[mode.task]
+    if mode.reroutes:
+        # Only publishers read the rules; each run has queues of its own, so they are set
+        # here rather than in the task's declaration. The run's queue is the declared one.
+        setattr(task, "fair_tenant_queues", mode.rules(run))  # noqa: B010
+        setattr(task, "queue", queue)  # noqa: B010
     by_tenant: dict[str, list[Job]] = {}
     for job in jobs:
         by_tenant.setdefault(job.tenant, []).append(job)
@@ -260,6 +271,7 @@ def run_mode(
     """Run ``scenario`` in ``mode`` and return its records (see the module docstring)."""
     clear_library_state()
     queue = mode.queue(run)
+    consumed = ",".join(mode.queues(run))
     env = {
         "BENCH_RUN": run,
         "BENCH_MODE": mode.name,
@@ -272,7 +284,7 @@ def run_mode(
     try:
         for i in range(nodes):
             workers.append(
-                WorkerNode(f"bench{i + 1}-{mode.name}-{run}", queue, pool, concurrency,
+                WorkerNode(f"bench{i + 1}-{mode.name}-{run}", consumed, pool, concurrency,
                            log_dir / f"{mode.name}-node{i + 1}.log", env)
             )  # fmt: skip
         for w in workers:
@@ -308,7 +320,8 @@ def run_mode(
     finally:
         for w in workers:
             w.stop()
-        delete_queue(queue)
+        for name in mode.queues(run):
+            delete_queue(name)
     counts = StatementCount.objects.filter(run=run, mode=mode.name)
     pids_counted = set(counts.values_list("pid", flat=True))
     rows = list(

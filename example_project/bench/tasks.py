@@ -70,6 +70,19 @@ def slots_job(**kwargs: Any) -> None:
     work(**kwargs)
 
 
+@shared_task(base=PerTenant, name="bench.reroute_job", ignore_result=True, fair_slots=False)
+def reroute_job(**kwargs: Any) -> None:
+    """The same job as a FairTask that only reroutes (mechanism B); the benchmark sets its
+    rules for each run (see ``bench.modes``)."""
+    work(**kwargs)
+
+
+@shared_task(base=PerTenant, name="bench.combined_job", ignore_result=True)
+def combined_job(**kwargs: Any) -> None:
+    """The same job with tenant slots and rerouting: the recommended combination."""
+    work(**kwargs)
+
+
 def _save_count(**_: Any) -> None:
     run, mode = os.environ.get("BENCH_RUN"), os.environ.get("BENCH_MODE")
     if run and mode:

@@ -44,5 +44,6 @@ class Command(BaseCommand):
             f"Reaped {report.leases_reaped} lease(s) on {report.slots_reaped} slot(s) "
             f"(timeout {timeout or fair_settings.WORKER_TIMEOUT} s); woke "
             f"{report.jobs_woken} parked job(s); re-queued {report.lost_rewoken} lost "
-            f"wake-up(s); fixed {report.counters_fixed} counter(s)."
+            f"wake-up(s); fixed {report.counters_fixed} counter(s); pruned "
+            f"{report.windows_pruned} idle rerouting window(s)."
         )
