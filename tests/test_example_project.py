@@ -66,11 +66,12 @@ def test_fairbench__runs_every_mode_through_real_workers_and_cleans_up(tmp_path:
     out = tmp_path / "out"
     result = run_manage(tmp_path, "fairbench", str(scenario), "--output", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "| plain |" in result.stdout and "| slots |" in result.stdout
-    assert "Headline (slots): small-tenant p95 wait" in result.stdout
+    for mode in ("plain", "slots", "reroute", "combined"):
+        assert f"| {mode} |" in result.stdout
+    assert "Headline (combined): small-tenant p95 wait" in result.stdout
     report = json.loads((out / "tiny.json").read_text())
     assert report["scenario"]["tenant_limit"] == 1  # half of 1 node x 2
-    for mode in ("plain", "slots"):
+    for mode in ("plain", "slots", "reroute", "combined"):
         s = report["summaries"][mode]
         assert (s["jobs"], s["completed"], s["lost"], s["run_twice"]) == (18, 18, 0, 0)
         assert report["modes"][mode]["leftover"] == {
@@ -80,6 +81,7 @@ def test_fairbench__runs_every_mode_through_real_workers_and_cleans_up(tmp_path:
     assert report["summaries"]["slots"]["peak_jobs"] == 1
     assert report["summaries"]["plain"]["statements_per_job"] == 0
     assert report["summaries"]["slots"]["statements_per_job"] >= 2  # acquire + release
+    assert report["summaries"]["reroute"]["statements_per_job"] >= 1  # one count per publish
     assert (out / "tiny.png").read_bytes()[:4] == b"\x89PNG"
     # Nothing left behind: records, library rows, worker processes.
     with connection.cursor() as cursor:
@@ -105,7 +107,7 @@ def test_fairbench__rejects_unknown_scenarios_and_modes(tmp_path: Path) -> None:
     assert "Unknown scenario 'nope'" in result.stderr and "flood" in result.stderr
     result = run_manage(tmp_path, "fairbench", "demo", "--modes", "plain,fast")
     assert result.returncode != 0
-    assert "Unknown mode(s) fast; available: plain, slots" in result.stderr
+    assert "Unknown mode(s) fast; available: plain, slots, reroute, combined" in result.stderr
 
 
 def test_bench_reroute__flat_window_check_passes_and_cleans_up(tmp_path: Path) -> None:
