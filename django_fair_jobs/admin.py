@@ -153,8 +153,9 @@ class TenantQueueSlotAdmin(_SlotAdmin):
 
 
 @admin.register(ParkedJob)
-class ParkedJobAdmin(_ParkedAdmin):
-    """Jobs waiting for a slot, oldest first (read-only)."""
+class ParkedJobAdmin(_ReadOnly, _ParkedAdmin):
+    """Jobs waiting for a slot, oldest first (read-only). Deleting a parked row would lose
+    the job silently; revoke it with Celery instead."""
 
     list_display = ("task_id", "task_name", "tenant", "queue", "parked_at", "woken_at")
     list_filter = ("slot__queue", "task_name")
@@ -170,20 +171,11 @@ class ParkedJobAdmin(_ParkedAdmin):
     def queue(self, obj: ParkedJob) -> str:
         return obj.slot.queue
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # Deleting a parked row would lose the job silently; revoke it with Celery instead.
-        return False
-
 
 @admin.register(WorkerProcess)
-class WorkerProcessAdmin(_ProcessAdmin):
-    """Processes that run fair tasks and their heartbeats (read-only)."""
+class WorkerProcessAdmin(_ReadOnly, _ProcessAdmin):
+    """Processes that run fair tasks and their heartbeats (read-only). A live worker deleted
+    here would have its leases reaped while its jobs run; the reaper removes dead ones."""
 
     list_display = ("node", "hostname", "pid", "started_at", "last_heartbeat_at", "lease_count")
     search_fields = ("node", "hostname")
@@ -195,17 +187,6 @@ class WorkerProcessAdmin(_ProcessAdmin):
     @admin.display(description="leases", ordering="n_leases")
     def lease_count(self, obj: WorkerProcess) -> int:
         return int(getattr(obj, "n_leases", 0))
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # A live worker deleted here would have its leases reaped while its jobs run;
-        # dead workers are removed by the reaper.
-        return False
 
 
 @admin.register(TenantWindow)
@@ -220,8 +201,9 @@ class TenantWindowAdmin(_ReadOnly, _WindowAdmin):
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
         from django_fair_jobs.windows import windows_by_key
 
-        # Computed once per page: which windows each key's rules count over.
+        # Computed once per page: which windows each key's rules count over, and when.
         self._windows = windows_by_key()
+        self._now = TenantWindow.objects.database_second()
         return super().changelist_view(request, extra_context)
 
     @admin.display(description="enqueues in window (now)")
@@ -229,7 +211,7 @@ class TenantWindowAdmin(_ReadOnly, _WindowAdmin):
         pers = getattr(self, "_windows", {}).get(obj.key) or []
         if not pers:
             return "no task counts under this key now"
-        counts = TenantWindow.objects.current_counts(obj, pers)
+        counts = TenantWindow.objects.current_counts(obj, pers, getattr(self, "_now", None))
         return ", ".join(f"{n} in {per} s" for per, n in zip(pers, counts, strict=True))
 
     @admin.display(description="last enqueue (UTC)", ordering="last_second")

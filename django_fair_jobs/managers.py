@@ -648,7 +648,7 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
     ) -> Recorded:
         from django_fair_jobs.models import RerouteCount, WindowBucket
 
-        second = int(at.timestamp()) if at is not None else self._database_second()
+        second = int(at.timestamp()) if at is not None else self.database_second()
         window, _ = self.get_or_create(key=key, tenant=tenant, defaults={"last_second": second})
         self.filter(pk=window.pk).update(
             total=F("total") + 1, last_second=Greatest(F("last_second"), second)
@@ -685,7 +685,7 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
         )
         return cum or 0
 
-    def _database_second(self) -> int:
+    def database_second(self) -> int:
         """The database clock as a Unix second (SQLite: the host's clock, the same one)."""
         alias = router.db_for_write(self.model)
         with connections[alias].cursor() as cursor:
@@ -695,9 +695,12 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
                 cursor.execute("SELECT CAST(strftime('%s', 'now') AS INTEGER)")
             return int(cursor.fetchone()[0])
 
-    def current_counts(self, window: TenantWindow, pers: Sequence[int]) -> list[int]:
-        """How many enqueues each window of ``pers`` seconds holds now (for the admin)."""
-        now = self._database_second()
+    def current_counts(
+        self, window: TenantWindow, pers: Sequence[int], now: int | None = None
+    ) -> list[int]:
+        """How many enqueues each window of ``pers`` seconds holds at Unix second ``now``
+        (default: the database clock's), for the admin."""
+        now = self.database_second() if now is None else now
         return [window.total - self._cum_before(window.pk, now - per) for per in pers]
 
     def prune(self, *, max_window: int) -> int:
@@ -710,7 +713,7 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
         if _is_postgres(alias):
             return int(_run(alias, "prune_windows", {"max_window": max_window})[0][0])
         with transaction.atomic(using=alias):
-            cutoff = self._database_second() - max_window
+            cutoff = self.database_second() - max_window
             idle = list(self.filter(last_second__lt=cutoff).values_list("pk", flat=True))
             WindowBucket.objects.filter(window_id__in=idle).delete()
             self.filter(pk__in=idle).delete()
