@@ -1,5 +1,5 @@
-"""The admin: an operations console for tenant slots, leases, parked jobs, workers, and
-the rerouting windows and reroute counts."""
+"""The admin: an operations console for tenant slots, queue limits, leases, parked jobs,
+workers, and the rerouting windows and reroute counts."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from django.http import HttpRequest
 
 from django_fair_jobs.models import (
     ParkedJob,
+    QueueLimit,
     RerouteCount,
     SlotLease,
     TenantQueueSlot,
@@ -26,9 +27,11 @@ if TYPE_CHECKING:
     _ProcessAdmin = admin.ModelAdmin[WorkerProcess]
     _WindowAdmin = admin.ModelAdmin[TenantWindow]
     _RerouteAdmin = admin.ModelAdmin[RerouteCount]
+    _QueueAdmin = admin.ModelAdmin[QueueLimit]
 else:
     _LeaseInline = admin.TabularInline
     _SlotAdmin = _ParkedAdmin = _ProcessAdmin = _WindowAdmin = _RerouteAdmin = admin.ModelAdmin
+    _QueueAdmin = admin.ModelAdmin
 
 
 class _ReadOnly:
@@ -141,15 +144,93 @@ class TenantQueueSlotAdmin(_SlotAdmin):
 
     @admin.action(description="Release the leases of dead workers now", permissions=["change"])
     def reap_dead_workers(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
-        from django_fair_jobs.workers import run_maintenance
+        _reap(self, request)
 
-        report = run_maintenance()
-        self.message_user(
-            request,
-            f"Reaped {report.leases_reaped} lease(s) of dead workers; woke {report.jobs_woken} "
-            "parked job(s). Live workers are never reaped.",
-            messages.SUCCESS,
+
+@admin.register(QueueLimit)
+class QueueLimitAdmin(_QueueAdmin):
+    """Queue limits, editable at runtime: ``max_jobs`` across the cluster, ``max_jobs per
+    worker`` on each node (empty: none; 0: paused). A change applies at once and wakes the
+    jobs it lets start; it survives restarts (settings only seed queues with no row)."""
+
+    list_display = (
+        "queue",
+        "max_jobs",
+        "max_jobs_per_worker",
+        "current_jobs",
+        "running_by_node",
+        "waiting",
+        "oldest_waiting",
+        "deferred_total",
+        "updated_at",
+    )
+    list_editable = ("max_jobs", "max_jobs_per_worker")
+    search_fields = ("queue",)
+    ordering = ("queue",)
+    fields = ("queue", "max_jobs", "max_jobs_per_worker", "current_jobs", "parked_jobs")
+    readonly_fields = ("current_jobs", "parked_jobs")
+    actions = ("pause_queues", "reap_dead_workers")
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        from django_fair_jobs.limits import queue_status
+
+        # One pass for the page: node names and oldest waits, by queue.
+        self._status = {q["queue"]: q for q in queue_status()}
+        return super().changelist_view(request, extra_context)
+
+    def _of(self, obj: QueueLimit) -> dict[str, Any]:
+        status: dict[str, Any] = getattr(self, "_status", {}).get(obj.queue, {})
+        return status
+
+    @admin.display(description="running by node")
+    def running_by_node(self, obj: QueueLimit) -> str:
+        by_node = self._of(obj).get("running_by_node") or {}
+        return ", ".join(f"{node}: {n}" for node, n in by_node.items()) or "-"
+
+    @admin.display(description="parked", ordering="parked_jobs")
+    def waiting(self, obj: QueueLimit) -> int:
+        return int(self._of(obj).get("parked", obj.parked_jobs))
+
+    @admin.display(description="oldest parked (s)")
+    def oldest_waiting(self, obj: QueueLimit) -> str:
+        age = self._of(obj).get("oldest_parked_seconds")
+        return "-" if age is None else f"{age:g}"
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        # Leases and parked jobs point at the row: the queue name is fixed once it exists.
+        base = tuple(self.readonly_fields)
+        return (*base, "queue") if obj is not None else base
+
+    def save_model(self, request: HttpRequest, obj: QueueLimit, form: Any, change: bool) -> None:
+        # Only the limits are written (the counters belong to the workers), then the jobs
+        # the new limits let start are woken.
+        from django_fair_jobs.limits import set_limits
+
+        row = set_limits(
+            obj.queue, max_jobs=obj.max_jobs, max_jobs_per_worker=obj.max_jobs_per_worker
         )
+        obj.pk = row.pk
+
+    @admin.action(description="Pause selected queues (limit 0)", permissions=["change"])
+    def pause_queues(self, request: HttpRequest, queryset: QuerySet[QueueLimit]) -> None:
+        count = queryset.update(max_jobs=0)
+        self.message_user(request, f"Paused {count} queue(s); running jobs finish, new ones park.")
+
+    @admin.action(description="Release the leases of dead workers now", permissions=["change"])
+    def reap_dead_workers(self, request: HttpRequest, queryset: QuerySet[QueueLimit]) -> None:
+        _reap(self, request)
+
+
+def _reap(model_admin: Any, request: HttpRequest) -> None:
+    from django_fair_jobs.workers import run_maintenance
+
+    report = run_maintenance()
+    model_admin.message_user(
+        request,
+        f"Reaped {report.leases_reaped} lease(s) of dead workers; woke {report.jobs_woken} "
+        "parked job(s). Live workers are never reaped.",
+        messages.SUCCESS,
+    )
 
 
 @admin.register(ParkedJob)
@@ -160,16 +241,17 @@ class ParkedJobAdmin(_ReadOnly, _ParkedAdmin):
     list_display = ("task_id", "task_name", "tenant", "queue", "parked_at", "woken_at")
     list_filter = ("slot__queue", "task_name")
     search_fields = ("task_id", "slot__tenant")
-    list_select_related = ("slot",)
+    list_select_related = ("slot", "queue_limit")
     ordering = ("id",)
 
     @admin.display(ordering="slot__tenant")
     def tenant(self, obj: ParkedJob) -> str:
-        return obj.slot.tenant
+        return "-" if obj.slot is None else obj.slot.tenant
 
-    @admin.display(ordering="slot__queue")
+    @admin.display()
     def queue(self, obj: ParkedJob) -> str:
-        return obj.slot.queue
+        waiting_on = obj.slot or obj.queue_limit
+        return "-" if waiting_on is None else waiting_on.queue
 
 
 @admin.register(WorkerProcess)
@@ -177,7 +259,15 @@ class WorkerProcessAdmin(_ReadOnly, _ProcessAdmin):
     """Processes that run fair tasks and their heartbeats (read-only). A live worker deleted
     here would have its leases reaped while its jobs run; the reaper removes dead ones."""
 
-    list_display = ("node", "hostname", "pid", "started_at", "last_heartbeat_at", "lease_count")
+    list_display = (
+        "node",
+        "node_id",
+        "hostname",
+        "pid",
+        "started_at",
+        "last_heartbeat_at",
+        "lease_count",
+    )
     search_fields = ("node", "hostname")
     ordering = ("node", "pid")
 

@@ -16,6 +16,9 @@ Ids are stable:
 * ``fair_jobs.E011`` a task's ``fair_tenant_queues`` rule is invalid (unknown key, missing
   queue, threshold < 1, ``per`` not > 0 or above the maximum window, bad ``max_jobs``).
 * ``fair_jobs.E012`` a task's ``fair_window_scope`` is invalid.
+* ``fair_jobs.E013`` ``FAIR_JOBS_QUEUE_LIMITS`` or ``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` is not
+  a mapping of queue names to whole numbers >= 0.
+* ``fair_jobs.E014`` ``FAIR_JOBS_LIMIT_PLAIN_TASKS`` is not True or False.
 * ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
   (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
   worker consumes it.
@@ -42,6 +45,17 @@ def _number(value: Any, minimum: float, strict: bool) -> bool:
     return number > minimum if strict else number >= minimum
 
 
+def _queue_limits(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(queue, str)
+        and queue
+        and isinstance(limit, int)
+        and not isinstance(limit, bool)
+        and limit >= 0
+        for queue, limit in value.items()
+    )
+
+
 _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     (
         "DEFAULT_MAX_JOBS",
@@ -60,6 +74,19 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
         "a whole number of seconds >= 1 (default 86400)",
     ),
+    (
+        "QUEUE_LIMITS",
+        "fair_jobs.E013",
+        lambda v: _queue_limits(v),
+        'a dict of queue names to whole numbers >= 0, e.g. {"webhooks": 2} (0 pauses)',
+    ),
+    (
+        "QUEUE_PROCESS_LIMITS",
+        "fair_jobs.E013",
+        lambda v: _queue_limits(v),
+        'a dict of queue names to whole numbers >= 0, e.g. {"webhooks": 1} (0 pauses)',
+    ),
+    ("LIMIT_PLAIN_TASKS", "fair_jobs.E014", lambda v: isinstance(v, bool), "True or False"),
     (
         "WINDOW_SCOPE",
         "fair_jobs.E010",

@@ -25,6 +25,31 @@ ON_LIMIT_CHOICES: tuple[str, ...] = ("park", "retry")
 _env = environ.Env()
 
 
+def _json_object(raw: str) -> dict[str, Any]:
+    """Parse an environment value like ``{"webhooks": 2}`` (JSON)."""
+    import json
+
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
+
+
+def _boolean(raw: str) -> bool:
+    """Parse an environment value the way django-environ does (true/1/yes/on)."""
+    lowered = raw.lower()
+    if lowered in ("true", "1", "yes", "on", "y", "t"):
+        return True
+    if lowered in ("false", "0", "no", "off", "n", "f", ""):
+        return False
+    raise ValueError("expected true or false")
+
+
+# Named for the error message of Settings._get ("... is not a valid JSON object").
+_json_object.__name__ = "JSON object"
+_boolean.__name__ = "boolean"
+
+
 class Settings:
     """The library's settings, each a property with its type and default.
 
@@ -105,6 +130,30 @@ class Settings:
         task's declared queue together) or ``"group:<name>"`` (all tasks naming that
         group). Default ``"task"``."""
         value: str = self._get("WINDOW_SCOPE", "task", str)
+        return value
+
+    @property
+    def QUEUE_LIMITS(self) -> dict[str, int]:
+        """Jobs at most running at once per queue across the cluster, e.g.
+        ``{"webhooks": 2}``; 0 pauses the queue. Seeds the stored limits of queues that have
+        none (runtime changes in the admin or ``fair_jobs_limit`` win). Default ``{}``."""
+        value: dict[str, int] = self._get("QUEUE_LIMITS", {}, _json_object)
+        return value
+
+    @property
+    def QUEUE_PROCESS_LIMITS(self) -> dict[str, int]:
+        """Jobs at most running at once per queue on one worker node (a ``celery worker``
+        instance, whatever its pool and concurrency), e.g. ``{"webhooks": 1}``. Seeds like
+        ``QUEUE_LIMITS``. Default ``{}``."""
+        value: dict[str, int] = self._get("QUEUE_PROCESS_LIMITS", {}, _json_object)
+        return value
+
+    @property
+    def LIMIT_PLAIN_TASKS(self) -> bool:
+        """True: queue limits also apply to tasks that are not ``FairTask``, by a hook the
+        worker installs at start-up (no change to the tasks). Default False: only
+        ``FairTask`` jobs are limited and counted."""
+        value: bool = self._get("LIMIT_PLAIN_TASKS", False, _boolean)
         return value
 
 

@@ -17,7 +17,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from django.db import DatabaseError, IntegrityError, connections, models, router, transaction
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from django_fair_jobs.models import (  # noqa: F401
         Maintenance,
         ParkedJob,
+        QueueLimit,
         SlotLease,
         TenantQueueSlot,
         TenantWindow,
@@ -47,11 +48,13 @@ AcquireStatus = Literal["held", "full", "duplicate", "stale"]
 
 @dataclass(frozen=True)
 class Grant:
-    """Proof that a job holds a slot: what :meth:`TenantQueueSlotManager.release` needs."""
+    """Proof that a job holds its slots: its tenant slot (``slot_id``), its place in a
+    limited queue (``queue_limit_id``), or both; what a release needs."""
 
-    slot_id: int
+    slot_id: int | None
     task_id: str
     token: uuid.UUID
+    queue_limit_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,12 +69,37 @@ class Acquisition:
 
 @dataclass(frozen=True)
 class Woken:
-    """A parked job that was given a slot and must now be re-published."""
+    """A parked job that was given a slot (or, in a queue's line, its turn) and must now
+    be re-published. ``slot_id`` is the tenant slot or the queue row it was woken on."""
 
     slot_id: int
     task_id: str
     signature: str
     wake: int
+
+
+LimitedStatus = Literal[
+    "held", "full", "queue_full", "unlimited", "new_tenant", "duplicate", "reserved", "stale"
+]
+
+
+@dataclass(frozen=True)
+class LimitedAcquisition:
+    """The answer of an acquire on a limited queue: see ``acquire_limited`` in
+    ``sql/postgresql.sql`` for the statuses. ``grant`` is set when ``"held"``."""
+
+    status: LimitedStatus
+    grant: Grant | None = None
+
+
+@dataclass(frozen=True)
+class Reaped:
+    """What a reap gave back: leases deleted, and per tenant slot and per queue row how
+    many of them it held."""
+
+    leases: int = 0
+    slots: tuple[tuple[int, int], ...] = ()
+    queues: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +121,19 @@ def _run(alias: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]
     with connections[alias].cursor() as cursor:
         cursor.execute(queries()[name], params)
         return list(cursor.fetchall())
+
+
+def database_now(alias: str = "default") -> datetime:
+    """The database clock (aware), for ages shown to operators. SQLite has no clock of its
+    own: there it is the host's, the one every process of the host reads."""
+
+    with connections[alias].cursor() as cursor:
+        if _is_postgres(alias):
+            cursor.execute("SELECT now()")
+            value: datetime = cursor.fetchone()[0]
+            return value
+        cursor.execute("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
+        return datetime.fromisoformat(cursor.fetchone()[0]).replace(tzinfo=UTC)
 
 
 def _savepoint_if_needed(alias: str) -> Any:
@@ -308,8 +349,11 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         redelivery): a stale holder releases nothing.
         """
         alias = self._alias()
+        slot_id = grant.slot_id
+        if slot_id is None:
+            return None
         params: dict[str, Any] = {
-            "slot_id": grant.slot_id,
+            "slot_id": slot_id,
             "task_id": grant.task_id,
             "token": grant.token,
         }
@@ -324,10 +368,10 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
             ).delete()
             if not deleted:
                 return None
-            self.filter(pk=grant.slot_id, current_jobs__gt=0).update(
+            self.filter(pk=slot_id, current_jobs__gt=0).update(
                 current_jobs=F("current_jobs") - 1, updated_at=Now()
             )
-            parked: int = self.filter(pk=grant.slot_id).values_list("parked_jobs", flat=True)[0]
+            parked: int = self.filter(pk=slot_id).values_list("parked_jobs", flat=True)[0]
         return parked
 
     def wake_one(self, slot_id: int) -> Woken | None:
@@ -388,7 +432,7 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         from django_fair_jobs.models import ParkedJob
 
         rows = (
-            ParkedJob.objects.filter(woken_at__isnull=True)
+            ParkedJob.objects.filter(woken_at__isnull=True, queue_limit__isnull=True)
             .filter(slot__current_jobs__lt=Coalesce(F("slot__max_jobs"), F("default_max_jobs")))
             .values_list("slot_id", flat=True)
             .distinct()
@@ -404,7 +448,9 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         from django_fair_jobs.models import ParkedJob
 
         waiting = models.Subquery(
-            ParkedJob.objects.filter(slot_id=models.OuterRef("pk"), woken_at__isnull=True)
+            ParkedJob.objects.filter(
+                slot_id=models.OuterRef("pk"), woken_at__isnull=True, queue_limit__isnull=True
+            )
             .order_by()
             .values("slot_id")
             .annotate(n=models.Count("pk"))
@@ -425,58 +471,93 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
 class SlotLeaseManager(models.Manager["SlotLease"]):
     """Leases: reaping the leases of dead holders and dropping those of revoked jobs."""
 
-    def reap(self, *, timeout: float) -> list[tuple[int, int]]:
+    def reap(self, *, timeout: float) -> Reaped:
         """Delete leases whose holder is dead (or whose reservation expired) and give their
-        slots back; delete dead process rows. Returns ``[(slot_id, leases_reaped)]``."""
+        tenant slots and queue places back, on every queue; delete dead process rows."""
         alias = router.db_for_write(self.model)
-        if _is_postgres(alias):
-            return [(row[0], row[1]) for row in _run(alias, "reap", {"timeout": timeout})]
-        return self._reap_portable(alias, timeout)
+        if not _is_postgres(alias):
+            return self._reap_portable(alias, timeout)
+        leases, slots, queues = 0, [], []
+        for kind, row_id, n in _run(alias, "reap", {"timeout": timeout}):
+            if kind == "leases":
+                leases = n
+            elif kind == "slot":
+                slots.append((row_id, n))
+            elif kind == "queue":
+                queues.append((row_id, n))
+        return Reaped(leases, tuple(sorted(slots)), tuple(sorted(queues)))
 
-    def _reap_portable(self, alias: str, timeout: float) -> list[tuple[int, int]]:
-        from django_fair_jobs.models import TenantQueueSlot, WorkerProcess
+    def _reap_portable(self, alias: str, timeout: float) -> Reaped:
+        from django_fair_jobs.models import WorkerProcess
 
         with transaction.atomic(using=alias):
             live = WorkerProcess.objects.filter(last_heartbeat_at__gte=_ago(timeout)).values("pk")
-            stale = self.filter(
-                Q(process__isnull=True, acquired_at__lt=_ago(timeout))
-                | (
-                    Q(process__isnull=False, acquired_at__lt=_ago(timeout))
-                    & ~Q(process_id__in=live)
+            stale = list(
+                self.filter(
+                    Q(process__isnull=True, acquired_at__lt=_ago(timeout))
+                    | (
+                        Q(process__isnull=False, acquired_at__lt=_ago(timeout))
+                        & ~Q(process_id__in=live)
+                    )
                 )
             )
-            counts: dict[int, int] = {}
-            for slot_id in stale.values_list("slot_id", flat=True):
-                counts[slot_id] = counts.get(slot_id, 0) + 1
-            stale.delete()
+            slots, queues = _give_back(stale)
             WorkerProcess.objects.filter(last_heartbeat_at__lt=_ago(timeout)).delete()
-            for slot_id, n in counts.items():
-                TenantQueueSlot.objects.filter(pk=slot_id).update(
-                    current_jobs=Greatest(F("current_jobs") - n, 0), updated_at=Now()
-                )
-        return sorted(counts.items())
+        return Reaped(len(stale), tuple(sorted(slots.items())), tuple(sorted(queues.items())))
 
-    def drop_for_task(self, task_id: str, *, running: bool) -> list[int]:
-        """Drop the leases of a revoked ``task_id`` and give the slots back.
+    def drop_for_task(self, task_id: str, *, running: bool) -> tuple[list[int], list[int]]:
+        """Drop the leases of a revoked ``task_id`` and give their slots back.
 
         Reservations (no process) always go. Leases of a running copy go only with
         ``running=True`` (the job was terminated): revoking or expiring a duplicate copy
-        must not free the slot of the copy that runs. Returns the ids of the slots freed.
+        must not free the slot of the copy that runs. Returns the ids of the tenant slots
+        and of the queue rows freed.
         """
-        from django_fair_jobs.models import TenantQueueSlot
-
-        freed: list[int] = []
-        leases = self.select_for_update().filter(task_id=task_id)
-        if not running:
-            leases = leases.filter(process__isnull=True)
         with transaction.atomic(using=router.db_for_write(self.model)):
-            for lease in leases:
-                lease.delete()
-                TenantQueueSlot.objects.filter(pk=lease.slot_id, current_jobs__gt=0).update(
-                    current_jobs=F("current_jobs") - 1, updated_at=Now()
-                )
-                freed.append(lease.slot_id)
-        return freed
+            leases = self.select_for_update().filter(task_id=task_id)
+            if not running:
+                leases = leases.filter(process__isnull=True)
+            slots, queues = _give_back(list(leases))
+        return sorted(slots), sorted(queues)
+
+
+def _give_back(leases: Sequence[SlotLease]) -> tuple[dict[int, int], dict[int, int]]:
+    """Delete ``leases`` and take them off their tenant slots' and queue rows' counters,
+    inside the caller's transaction (the ORM path of reap and revoke). Queue rows are
+    locked before tenant rows, the order of every statement. Returns ``{row id: leases}``
+    for the tenant slots and the queue rows."""
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+
+    slots: dict[int, int] = {}
+    queues: dict[int, dict[str, int]] = {}
+    for lease in leases:
+        if lease.queue_limit_id is not None:
+            nodes = queues.setdefault(lease.queue_limit_id, {})
+            node = str(lease.node_id or "")
+            nodes[node] = nodes.get(node, 0) + 1
+        if lease.slot_id is not None:
+            slots[lease.slot_id] = slots.get(lease.slot_id, 0) + 1
+    if not leases:
+        return {}, {}
+    leases[0].__class__.objects.filter(pk__in=[lease.pk for lease in leases]).delete()
+    for row in QueueLimit.objects.select_for_update().filter(pk__in=sorted(queues)).order_by("pk"):
+        running = dict(row.running)
+        for node, n in queues[row.pk].items():
+            left = int(running.get(node, 0)) - n
+            if left > 0:
+                running[node] = left
+            else:
+                running.pop(node, None)
+        QueueLimit.objects.filter(pk=row.pk).update(
+            current_jobs=Greatest(F("current_jobs") - sum(queues[row.pk].values()), 0),
+            running=running,
+            updated_at=Now(),
+        )
+    for slot_id, n in slots.items():
+        TenantQueueSlot.objects.filter(pk=slot_id).update(
+            current_jobs=Greatest(F("current_jobs") - n, 0), updated_at=Now()
+        )
+    return slots, {queue_id: sum(nodes.values()) for queue_id, nodes in queues.items()}
 
 
 class ParkedJobManager(models.Manager["ParkedJob"]):
@@ -490,34 +571,418 @@ class ParkedJobManager(models.Manager["ParkedJob"]):
         alias = router.db_for_write(self.model)
         if _is_postgres(alias):
             return len(_run(alias, "rewake_lost", {"timeout": timeout}))
-        from django_fair_jobs.models import SlotLease, TenantQueueSlot
+        from django_fair_jobs.models import QueueLimit, SlotLease, TenantQueueSlot
 
         with transaction.atomic(using=alias):
             leased = SlotLease.objects.filter(
                 slot_id=models.OuterRef("slot_id"), task_id=models.OuterRef("task_id")
             )
-            lost = self.filter(woken_at__lt=_ago(timeout)).exclude(models.Exists(leased))
-            counts: dict[int, int] = {}
-            for slot_id in lost.values_list("slot_id", flat=True):
-                counts[slot_id] = counts.get(slot_id, 0) + 1
+            lost = self.filter(woken_at__lt=_ago(timeout)).filter(
+                Q(queue_limit__isnull=False) | ~models.Exists(leased)
+            )
+            slots: dict[int, int] = {}
+            queues: dict[int, int] = {}
+            for slot_id, queue_id in lost.values_list("slot_id", "queue_limit_id"):
+                if queue_id is not None:
+                    queues[queue_id] = queues.get(queue_id, 0) + 1
+                else:
+                    slots[slot_id] = slots.get(slot_id, 0) + 1
             lost.update(woken_at=None)
-            for slot_id, n in counts.items():
+            for queue_id, n in sorted(queues.items()):
+                QueueLimit.objects.filter(pk=queue_id).update(parked_jobs=F("parked_jobs") + n)
+            for slot_id, n in slots.items():
                 TenantQueueSlot.objects.filter(pk=slot_id).update(parked_jobs=F("parked_jobs") + n)
-        return len(counts)
+        return len(slots) + len(queues)
 
     def forget(self, task_id: str) -> None:
         """Delete the parked row of ``task_id`` (a revoked job), fixing the counter."""
-        from django_fair_jobs.models import TenantQueueSlot
+        from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
         with transaction.atomic(using=router.db_for_write(self.model)):
             job = self.select_for_update().filter(task_id=task_id).first()
             if job is None:
                 return
             job.delete()
-            if job.woken_at is None:
-                TenantQueueSlot.objects.filter(pk=job.slot_id, parked_jobs__gt=0).update(
-                    parked_jobs=F("parked_jobs") - 1
+            if job.woken_at is not None:
+                return
+            if job.queue_limit_id is not None:
+                waiting_on: models.QuerySet[Any] = QueueLimit.objects.filter(pk=job.queue_limit_id)
+            else:
+                waiting_on = TenantQueueSlot.objects.filter(pk=job.slot_id or 0)
+            waiting_on.filter(parked_jobs__gt=0).update(parked_jobs=F("parked_jobs") - 1)
+
+
+UNCHANGED: Any = object()
+"""Marks a limit left as it is by :meth:`QueueLimitManager.set_limits`."""
+
+
+class QueueLimitManager(models.Manager["QueueLimit"]):
+    """Queue limits: the stored limits, and acquire, park, release and wake on a limited
+    queue, each one statement on PostgreSQL (the ``*_limited`` and ``wake_queue`` blocks of
+    ``sql/postgresql.sql``)."""
+
+    def _alias(self) -> str:
+        return router.db_for_write(self.model)
+
+    def limits(self) -> dict[str, tuple[int | None, int | None]]:
+        """``{queue: (max_jobs, max_jobs_per_worker)}`` of every queue with a limit set."""
+        rows = self.filter(Q(max_jobs__isnull=False) | Q(max_jobs_per_worker__isnull=False))
+        return {
+            queue: (max_jobs, per_worker)
+            for queue, max_jobs, per_worker in rows.values_list(
+                "queue", "max_jobs", "max_jobs_per_worker"
+            )
+        }
+
+    def seed(self, max_jobs: dict[str, int], per_worker: dict[str, int]) -> list[str]:
+        """Store the settings' limits of every queue that has no row yet; a stored row
+        (changed at runtime, or cleared) is kept as it is. Returns the queues seeded."""
+        wanted = set(max_jobs) | set(per_worker)
+        stored = set(self.filter(queue__in=wanted).values_list("queue", flat=True))
+        missing = sorted(wanted - stored)
+        self.bulk_create(
+            [
+                self.model(queue=q, max_jobs=max_jobs.get(q), max_jobs_per_worker=per_worker.get(q))
+                for q in missing
+            ],
+            ignore_conflicts=True,
+        )
+        return missing
+
+    def set_limits(
+        self, queue: str, *, max_jobs: Any = UNCHANGED, max_jobs_per_worker: Any = UNCHANGED
+    ) -> QueueLimit:
+        """Store new limits for ``queue`` (None: no limit; 0: paused); a limit not given is
+        left as it is. Only the limit columns are written, never the counters."""
+        fields: dict[str, Any] = {}
+        if max_jobs is not UNCHANGED:
+            fields["max_jobs"] = max_jobs
+        if max_jobs_per_worker is not UNCHANGED:
+            fields["max_jobs_per_worker"] = max_jobs_per_worker
+        with transaction.atomic(using=self._alias()):
+            row, _ = self.get_or_create(queue=queue)
+            if fields:
+                self.filter(pk=row.pk).update(**fields, updated_at=Now())
+                row.refresh_from_db()
+        return row
+
+    def count_deferral(self, queue: str) -> None:
+        """Count a deferral that did not park (``fair_on_limit = "retry"``)."""
+        self.filter(queue=queue).update(deferred_total=F("deferred_total") + 1)
+
+    def try_acquire(
+        self,
+        *,
+        queue: str,
+        tenant: str | None,
+        limit: int,
+        task_id: str,
+        process_id: uuid.UUID,
+        node_id: uuid.UUID,
+        woken: bool = False,
+    ) -> LimitedAcquisition:
+        """Take a place in ``queue`` (within its cluster and per-node limits, counted on
+        ``node_id``) and, with a ``tenant``, one of its slots (``limit`` when the slot row
+        has no override): both or neither. Creates the tenant's slot row on first use."""
+        from django_fair_jobs.models import TenantQueueSlot
+
+        token = uuid.uuid4()
+        alias = self._alias()
+        for _ in range(2):
+            if _is_postgres(alias):
+                params: dict[str, Any] = {
+                    "queue": queue,
+                    "tenant": tenant,
+                    "limit": limit,
+                    "task_id": task_id,
+                    "token": token,
+                    "process_id": process_id,
+                    "node": str(node_id),
+                    "woken": woken,
+                }
+                try:
+                    with _savepoint_if_needed(alias):
+                        ((status, queue_id, slot_id, in_line, on_slot),) = _run(
+                            alias, "acquire_limited", params
+                        )
+                except IntegrityError:
+                    return LimitedAcquisition("duplicate")
+            else:
+                status, queue_id, slot_id, in_line, on_slot = self._acquire_portable(
+                    queue, tenant, limit, task_id, token, process_id, node_id, woken
                 )
+            if status != "new_tenant":
+                break
+            TenantQueueSlot.objects.bulk_create(
+                [TenantQueueSlot(tenant=str(tenant), queue=queue, default_max_jobs=limit)],
+                ignore_conflicts=True,
+            )
+        if status != "held":
+            return LimitedAcquisition(status)
+        # A duplicate delivery started while its parked row was still waiting.
+        if in_line:
+            self.filter(pk=queue_id, parked_jobs__gt=0).update(parked_jobs=F("parked_jobs") - 1)
+        if on_slot:
+            TenantQueueSlot.objects.filter(pk=slot_id, parked_jobs__gt=0).update(
+                parked_jobs=F("parked_jobs") - 1
+            )
+        return LimitedAcquisition("held", Grant(slot_id, task_id, token, queue_id))
+
+    def _acquire_portable(
+        self,
+        queue: str,
+        tenant: str | None,
+        limit: int,
+        task_id: str,
+        token: uuid.UUID,
+        process_id: uuid.UUID,
+        node_id: uuid.UUID,
+        woken: bool,
+    ) -> tuple[LimitedStatus, int | None, int | None, int, int]:
+        from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
+
+        node = str(node_id)
+        with transaction.atomic(using=self._alias()):
+            row = self.select_for_update().filter(queue=queue).first()
+            if row is None:
+                return "unlimited", None, None, 0, 0
+            slot = (
+                None
+                if tenant is None
+                else TenantQueueSlot.objects.select_for_update()
+                .filter(tenant=tenant, queue=queue)
+                .first()
+            )
+            mine = Q(queue_limit=row) | Q(slot=slot) if slot is not None else Q(queue_limit=row)
+            existing = list(SlotLease.objects.filter(mine, task_id=task_id))
+            if any(lease.process_id is None and lease.queue_limit_id is None for lease in existing):
+                return "reserved", None, None, 0, 0
+            if existing:
+                return "duplicate", None, None, 0, 0
+            if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
+                return "stale", None, None, 0, 0
+            if tenant is not None and slot is None:
+                return "new_tenant", None, None, 0, 0
+            if _queue_blocked(row, node):
+                return "queue_full", None, None, 0, 0
+            if slot is not None and slot.current_jobs >= _slot_limit(slot, limit):
+                return "full", None, None, 0, 0
+            running = {**row.running, node: int(row.running.get(node, 0)) + 1}
+            self.filter(pk=row.pk).update(
+                current_jobs=F("current_jobs") + 1, running=running, updated_at=Now()
+            )
+            if slot is not None:
+                TenantQueueSlot.objects.filter(pk=slot.pk).update(
+                    current_jobs=F("current_jobs") + 1, default_max_jobs=limit, updated_at=Now()
+                )
+            SlotLease.objects.create(
+                slot=slot, queue_limit=row, node_id=node_id, task_id=task_id, token=token,
+                process_id=process_id,
+            )  # fmt: skip
+            parked = ParkedJob.objects.filter(task_id=task_id).first()
+            in_line = on_slot = 0
+            if parked is not None:
+                parked.delete()
+                if parked.woken_at is None:
+                    in_line = int(parked.queue_limit_id is not None)
+                    on_slot = int(parked.queue_limit_id is None)
+        return "held", row.pk, None if slot is None else slot.pk, in_line, on_slot
+
+    def try_park(
+        self,
+        *,
+        queue: str,
+        tenant: str | None,
+        limit: int,
+        task_id: str,
+        task_name: str,
+        signature: str,
+        node_id: uuid.UUID,
+        woken: bool = False,
+    ) -> ParkOutcome:
+        """Park a job of a limited queue in the queue's line if it is still blocked (by the
+        queue, the per-worker limit on ``node_id``, or its tenant); same outcomes as
+        :meth:`TenantQueueSlotManager.try_park`."""
+        alias = self._alias()
+        if _is_postgres(alias):
+            params: dict[str, Any] = {
+                "queue": queue,
+                "tenant": tenant,
+                "limit": limit,
+                "task_id": task_id,
+                "task_name": task_name,
+                "signature": signature,
+                "node": str(node_id),
+                "woken": woken,
+            }
+            ((outcome,),) = _run(alias, "park_limited", params)
+            return outcome  # type: ignore[no-any-return]
+        return self._park_portable(
+            queue, tenant, limit, task_id, task_name, signature, str(node_id), woken
+        )
+
+    def _park_portable(
+        self,
+        queue: str,
+        tenant: str | None,
+        limit: int,
+        task_id: str,
+        task_name: str,
+        signature: str,
+        node: str,
+        woken: bool,
+    ) -> ParkOutcome:
+        from django_fair_jobs.models import ParkedJob, TenantQueueSlot
+
+        with transaction.atomic(using=self._alias()):
+            if ParkedJob.objects.filter(task_id=task_id, woken_at__isnull=True).exists():
+                return "already_parked"
+            if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
+                return "stale"
+            row = self.select_for_update().filter(queue=queue).first()
+            slot = (
+                None
+                if tenant is None
+                else TenantQueueSlot.objects.filter(tenant=tenant, queue=queue).first()
+            )
+            tenant_full = slot is not None and slot.current_jobs >= _slot_limit(slot, limit)
+            if row is None or not (_queue_blocked(row, node) or tenant_full):
+                return "room"
+            self.filter(pk=row.pk).update(
+                parked_jobs=F("parked_jobs") + 1,
+                deferred_total=F("deferred_total") + 1,
+                updated_at=Now(),
+            )
+            ParkedJob.objects.update_or_create(
+                task_id=task_id,
+                defaults={
+                    "slot": slot,
+                    "queue_limit": row,
+                    "task_name": task_name,
+                    "signature": signature,
+                    "default_max_jobs": limit,
+                    "woken_at": None,
+                },
+            )
+        return "parked"
+
+    def release(self, grant: Grant) -> tuple[int, int | None] | None:
+        """Give back ``grant``'s place in its queue and its tenant slot, only if its lease
+        is still the holder's. Returns the ``parked_jobs`` of the queue row and of the
+        tenant slot (None without one) after the release, or None if the lease was gone."""
+        alias = self._alias()
+        params: dict[str, Any] = {
+            "queue_limit_id": grant.queue_limit_id,
+            "task_id": grant.task_id,
+            "token": grant.token,
+        }
+        if _is_postgres(alias):
+            rows = _run(alias, "release_limited", params)
+            if not rows:
+                return None
+            in_line, on_slot = rows[0]
+            return int(in_line or 0), on_slot
+        from django_fair_jobs.models import SlotLease, TenantQueueSlot
+
+        with transaction.atomic(using=alias):
+            lease = SlotLease.objects.filter(
+                queue_limit_id=grant.queue_limit_id, task_id=grant.task_id, token=grant.token
+            ).first()
+            if lease is None:
+                return None
+            _give_back([lease])
+            in_line = self.filter(pk=grant.queue_limit_id or 0).values_list(
+                "parked_jobs", flat=True
+            )
+            on_slot = TenantQueueSlot.objects.filter(pk=grant.slot_id or 0).values_list(
+                "parked_jobs", flat=True
+            )
+            return (in_line.first() or 0), on_slot.first()
+
+    def wake_one(self, queue_limit_id: int) -> Woken | None:
+        """Mark the oldest job of the queue's line that can start now as woken; the caller
+        re-publishes it. No place is reserved (see ``wake_queue``)."""
+        alias = self._alias()
+        if _is_postgres(alias):
+            rows = _run(alias, "wake_queue", {"queue_limit_id": queue_limit_id})
+            return Woken(queue_limit_id, *rows[0]) if rows else None
+        from django_fair_jobs.models import ParkedJob, TenantQueueSlot
+
+        with transaction.atomic(using=alias):
+            row = self.select_for_update().filter(pk=queue_limit_id).first()
+            if row is None or row.max_jobs_per_worker == 0:
+                return None
+            if row.max_jobs is not None and row.current_jobs >= row.max_jobs:
+                return None
+            slot_room = TenantQueueSlot.objects.filter(
+                pk=models.OuterRef("slot_id"),
+                current_jobs__lt=Coalesce(F("max_jobs"), models.OuterRef("default_max_jobs")),
+            )
+            job = (
+                ParkedJob.objects.filter(queue_limit_id=queue_limit_id, woken_at__isnull=True)
+                .filter(Q(slot__isnull=True) | models.Exists(slot_room))
+                .order_by("id")
+                .first()
+            )
+            if job is None:
+                return None
+            self.filter(pk=queue_limit_id).update(parked_jobs=Greatest(F("parked_jobs") - 1, 0))
+            ParkedJob.objects.filter(pk=job.pk).update(
+                woken_at=Now(), wake_count=F("wake_count") + 1
+            )
+        return Woken(queue_limit_id, job.task_id, job.signature, job.wake_count + 1)
+
+    def with_waiting_room(self, live_nodes: int) -> list[tuple[int, int]]:
+        """Queues with jobs waiting in line and room to start some (missed wake-ups, a
+        reap, a raised limit): ``[(queue row id, jobs to wake)]``. Without a cluster-wide
+        limit the room is the per-worker limit times ``live_nodes``."""
+        wanted: list[tuple[int, int]] = []
+        for row in self.filter(parked_jobs__gt=0):
+            if row.max_jobs_per_worker == 0:
+                continue
+            caps = [] if row.max_jobs is None else [row.max_jobs]
+            if row.max_jobs_per_worker is not None:
+                caps.append(row.max_jobs_per_worker * max(live_nodes, 1))
+            room = (min(caps) if caps else row.parked_jobs) - row.current_jobs
+            if room > 0:
+                wanted.append((row.pk, min(room, row.parked_jobs)))
+        return wanted
+
+    def reconcile_parked(self) -> int:
+        """Repair ``parked_jobs`` where it disagrees with the rows waiting in the queue's
+        line; returns how many rows were fixed (each under its row lock)."""
+        from django_fair_jobs.models import ParkedJob
+
+        waiting = models.Subquery(
+            ParkedJob.objects.filter(queue_limit_id=models.OuterRef("pk"), woken_at__isnull=True)
+            .order_by()
+            .values("queue_limit_id")
+            .annotate(n=models.Count("pk"))
+            .values("n")
+        )
+        suspects = list(
+            self.annotate(waiting=Coalesce(waiting, 0))
+            .exclude(parked_jobs=F("waiting"))
+            .values_list("pk", flat=True)
+        )
+        for queue_id in suspects:
+            with transaction.atomic(using=self._alias()):
+                list(self.select_for_update().filter(pk=queue_id).values_list("pk"))
+                self.filter(pk=queue_id).update(parked_jobs=Coalesce(waiting, 0))
+        return len(suspects)
+
+
+def _queue_blocked(row: QueueLimit, node: str) -> bool:
+    """True if ``row``'s queue is at its cluster-wide limit, or at its per-worker limit on
+    ``node`` (the ORM path's copy of the SQL verdict)."""
+    if row.max_jobs is not None and row.current_jobs >= row.max_jobs:
+        return True
+    on_node = int(row.running.get(node, 0))
+    return row.max_jobs_per_worker is not None and on_node >= row.max_jobs_per_worker
+
+
+def _slot_limit(slot: TenantQueueSlot, limit: int) -> int:
+    return limit if slot.max_jobs is None else slot.max_jobs
 
 
 class MaintenanceManager(models.Manager["Maintenance"]):
@@ -543,18 +1008,33 @@ class MaintenanceManager(models.Manager["Maintenance"]):
 class WorkerProcessManager(models.Manager["WorkerProcess"]):
     """Worker process rows and their heartbeats (database clock only)."""
 
-    def register(self, *, process_id: uuid.UUID, node: str, hostname: str, pid: int) -> None:
+    def register(
+        self,
+        *,
+        process_id: uuid.UUID,
+        node: str,
+        hostname: str,
+        pid: int,
+        node_id: uuid.UUID | None = None,
+    ) -> None:
         """Insert this process's row, or refresh it if it exists (re-registration after a
-        stall during which it was reaped)."""
+        stall during which it was reaped). ``node_id``: the worker node's identity (a new
+        one if not given)."""
         self.update_or_create(
             pk=process_id,
             defaults={
                 "node": node,
+                "node_id": node_id or uuid.uuid4(),
                 "hostname": hostname,
                 "pid": pid,
                 "last_heartbeat_at": Now(),
             },
         )
+
+    def live_nodes(self, timeout: float) -> int:
+        """How many worker nodes have a process that beat within ``timeout`` seconds."""
+        live = self.filter(last_heartbeat_at__gte=_ago(timeout))
+        return live.values("node_id").distinct().count()
 
     def beat(self, process_id: uuid.UUID) -> bool:
         """Refresh the heartbeat; False if the row is gone (this process was reaped)."""

@@ -6,6 +6,7 @@
 * :class:`WorkerProcess`: one row per process that runs fair tasks, kept alive by heartbeats.
 * :class:`TenantWindow`, :class:`WindowBucket`: enqueue counts for rerouting rules.
 * :class:`RerouteCount`: how many jobs each rule rerouted, per tenant and task.
+* :class:`QueueLimit`: one row per limited queue: its limits and counters.
 
 The SQL that changes these rows lives in :mod:`django_fair_jobs.managers`.
 """
@@ -21,6 +22,7 @@ from django.db.models.functions import Now
 from django_fair_jobs.managers import (
     MaintenanceManager,
     ParkedJobManager,
+    QueueLimitManager,
     SlotLeaseManager,
     TenantQueueSlotManager,
     TenantWindowManager,
@@ -99,6 +101,11 @@ class WorkerProcess(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     node = models.CharField(max_length=255, help_text="Celery node name, e.g. celery@host.")
+    node_id = models.UUIDField(
+        default=uuid.uuid4,
+        help_text="Identity of the worker node (one `celery worker` start): shared by the "
+        "node's processes, new at every restart. Per-worker queue limits count by it.",
+    )
     hostname = models.CharField(max_length=255)
     pid = models.PositiveIntegerField()
     started_at = models.DateTimeField(db_default=Now())
@@ -132,17 +139,89 @@ class Maintenance(models.Model):
         return f"{self.name} at {self.last_run_at}"
 
 
-class SlotLease(models.Model):
-    """One job's hold on one slot: the holder's fence for release.
+class QueueLimit(models.Model):
+    """The limits of one queue and the jobs running from it, cluster-wide and per node.
 
-    ``token`` changes every time the lease is (re)claimed, and release deletes the lease
-    only with the holder's token, so a stale holder whose lease was reaped or taken over
-    by a redelivery cannot release a second time. A lease with no ``process`` is a
-    reservation made for a woken parked job that is on its way through the broker.
+    ``max_jobs`` caps the queue across every worker node, ``max_jobs_per_worker`` on each
+    node; empty means no cap, 0 pauses the queue. Both are edited at runtime (admin,
+    ``manage.py fair_jobs_limit``) and seeded from ``FAIR_JOBS_QUEUE_LIMITS`` and
+    ``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` only for queues that have no row. The counters are
+    changed only by the statements of :class:`~django_fair_jobs.managers.QueueLimitManager`:
+    ``current_jobs`` and ``running`` (jobs per node id) always match the leases that name
+    this row.
+    """
+
+    queue = models.CharField(max_length=255, unique=True)
+    max_jobs = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
+        help_text="Jobs of this queue that may run at once across the cluster. "
+        "Empty: no cluster-wide limit. 0 pauses the queue.",
+    )
+    max_jobs_per_worker = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
+        help_text="Jobs of this queue that may run at once on one worker node (a `celery "
+        "worker` instance, whatever its pool and concurrency). Empty: no per-worker limit.",
+    )
+    current_jobs = models.PositiveIntegerField(default=0, editable=False)
+    running = models.JSONField(
+        default=dict,
+        editable=False,
+        help_text="Jobs running per worker node id; kept on this row so that one row lock "
+        "covers both limits.",
+    )
+    parked_jobs = models.PositiveIntegerField(
+        default=0,
+        editable=False,
+        help_text="Jobs parked on this queue and not yet woken (kept on the row, so that a "
+        "release sees a concurrent park under the row lock).",
+    )
+    deferred_total = models.PositiveBigIntegerField(
+        default=0, editable=False, help_text="Jobs ever parked because the queue was at a limit."
+    )
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+    updated_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    objects = QueueLimitManager()
+
+    class Meta:
+        db_table = "fair_jobs_queuelimit"
+        verbose_name = "queue limit"
+
+    def __str__(self) -> str:
+        return self.queue
+
+    @property
+    def limited(self) -> bool:
+        """True if either limit is set (a row with both empty is stored as unlimited)."""
+        return self.max_jobs is not None or self.max_jobs_per_worker is not None
+
+
+class SlotLease(models.Model):
+    """One job's hold on its slots: the holder's fence for release.
+
+    A lease holds a tenant slot (``slot``), a place in a limited queue (``queue_limit``,
+    counted on node ``node_id``), or both: a job takes both or neither, in one statement,
+    and gives both back together. ``token`` changes every time the lease is (re)claimed,
+    and release deletes the lease only with the holder's token, so a stale holder whose
+    lease was reaped or taken over by a redelivery cannot release a second time. A lease
+    with no ``process`` is a reservation made for a woken parked job that is on its way
+    through the broker.
     """
 
     # PROTECT: deleting a slot that has holders or waiters would lose slots or jobs.
-    slot = models.ForeignKey(TenantQueueSlot, on_delete=models.PROTECT, related_name="leases")
+    slot = models.ForeignKey(
+        TenantQueueSlot, on_delete=models.PROTECT, related_name="leases", null=True, blank=True
+    )
+    queue_limit = models.ForeignKey(
+        QueueLimit, on_delete=models.PROTECT, related_name="leases", null=True, blank=True
+    )
+    node_id = models.UUIDField(
+        null=True, blank=True, help_text="The node whose count in queue_limit.running this is."
+    )
     task_id = models.CharField(max_length=255)
     token = models.UUIDField(default=uuid.uuid4)
     process = models.ForeignKey(
@@ -164,17 +243,23 @@ class SlotLease(models.Model):
         verbose_name = "slot lease"
         constraints = [
             models.UniqueConstraint(fields=["slot", "task_id"], name="fair_jobs_lease_slot_task"),
+            # A job without a tenant slot holds one place per queue, too.
+            models.UniqueConstraint(
+                fields=["queue_limit", "task_id"],
+                name="fair_jobs_lease_queue_task",
+                condition=models.Q(slot__isnull=True),
+            ),
         ]
         # No secondary index: the table holds only running jobs, so the reaper's and the
         # revoke path's scans are short, and every index would be one more write on the
         # hot path of acquire.
 
     def __str__(self) -> str:
-        return f"{self.task_id} on {self.slot_id}"
+        return f"{self.task_id} on {self.slot_id or self.queue_limit_id}"
 
 
 class ParkedJob(models.Model):
-    """A job deferred because its tenant was at its limit, waiting for a free slot.
+    """A job deferred because its tenant or its queue was at a limit, waiting for a slot.
 
     ``signature`` is the Celery signature that re-publishes the job unchanged (same task
     id, arguments, headers, links and retry count), serialized with kombu's JSON.
@@ -183,7 +268,18 @@ class ParkedJob(models.Model):
     row (or a newer ``wake_count``) and is dropped instead of running twice.
     """
 
-    slot = models.ForeignKey(TenantQueueSlot, on_delete=models.PROTECT, related_name="parked")
+    slot = models.ForeignKey(
+        TenantQueueSlot, on_delete=models.PROTECT, related_name="parked", null=True, blank=True
+    )
+    queue_limit = models.ForeignKey(
+        QueueLimit,
+        on_delete=models.PROTECT,
+        related_name="parked",
+        null=True,
+        blank=True,
+        help_text="Set when the job waits in its limited queue's line (for the queue, its "
+        "node or its tenant); empty when it waits on its tenant slot alone.",
+    )
     task_id = models.CharField(max_length=255, unique=True)
     task_name = models.CharField(max_length=255)
     signature = models.TextField()
@@ -207,6 +303,11 @@ class ParkedJob(models.Model):
                 fields=["slot", "id"],
                 name="fair_jobs_parked_waiting",
                 condition=models.Q(woken_at__isnull=True),
+            ),
+            models.Index(
+                fields=["queue_limit", "id"],
+                name="fair_jobs_parked_queue",
+                condition=models.Q(woken_at__isnull=True, queue_limit__isnull=False),
             ),
             models.Index(
                 fields=["woken_at"],

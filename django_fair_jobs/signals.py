@@ -5,17 +5,63 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.signals import task_revoked, worker_init, worker_process_shutdown, worker_shutdown
+from celery.signals import (
+    task_revoked,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 
 logger = logging.getLogger("django_fair_jobs.signals")
 
 
 @worker_init.connect
-def _on_worker_init(**kwargs: Any) -> None:
-    # Refuse to start on invalid settings instead of misbehaving at the first job.
+def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
+    # Refuse to start on invalid settings instead of misbehaving at the first job. Then,
+    # in the main process before the pool forks: the node's identity, the settings' queue
+    # limits for queues that have none stored, and the plain-task hook if asked for.
+    from django.db import connections
+
+    from django_fair_jobs import limits
     from django_fair_jobs.checks import fail_fast_on_bad_settings
+    from django_fair_jobs.conf import fair_settings
+    from django_fair_jobs.workers import start_node
 
     fail_fast_on_bad_settings()
+    start_node(getattr(sender, "hostname", None))
+    try:
+        limits.seed()
+    except Exception:
+        logger.exception("Could not seed the queue limits from settings; will retry at first use")
+    finally:
+        # A prefork child must not inherit this process's database connection.
+        connections.close_all()
+    if fair_settings.LIMIT_PLAIN_TASKS:
+        app = getattr(sender, "app", None)
+        wrapped = limits.install(app)
+        logger.info("Queue limits apply to %s plain tasks", len(wrapped))
+
+
+@worker_process_init.connect
+def _on_process_init(**kwargs: Any) -> None:
+    # A prefork child starts: it beats (and reaps) from now on.
+    from django_fair_jobs.workers import start_process
+
+    start_process()
+
+
+@worker_ready.connect
+def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
+    # The solo and threads pools run tasks in the main process, which beats from now on.
+    # A prefork parent runs no task and does not register: the children it forks later
+    # must not inherit a live database connection.
+    from django_fair_jobs.workers import start_process
+
+    pool = getattr(sender, "pool", None)
+    if pool is not None and type(pool).__module__ != "celery.concurrency.prefork":
+        start_process()
 
 
 @worker_process_shutdown.connect

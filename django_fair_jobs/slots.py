@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from celery import current_app
@@ -26,7 +27,7 @@ from django.db import DatabaseError
 from kombu.utils.json import dumps, loads
 
 from django_fair_jobs.conf import fair_settings
-from django_fair_jobs.managers import Acquisition, Grant, Woken
+from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition, Woken
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -49,10 +50,19 @@ _pending_releases: list[Grant] = []
 _pending_lock = threading.Lock()
 
 
+def request_queue(task: Task[Any, Any]) -> str:
+    """The queue the current job of ``task`` was delivered from: the delivery's routing
+    key (the queue's name with Celery's default direct exchanges), else the task's
+    declared queue, else ``task_default_queue``."""
+    info = task.request.delivery_info or {}
+    queue = info.get("routing_key") or getattr(task, "queue", None)
+    return str(queue or task.app.conf.task_default_queue)
+
+
 def enter(
     task: Task[Any, Any],
     *,
-    tenant: str,
+    tenant: str | None,
     queue: str,
     limit: int,
     on_limit: str,
@@ -62,10 +72,14 @@ def enter(
 ) -> Grant | None:
     """Take a slot for the current job of ``task``, or deal with the delivery.
 
+    On a limited queue (:mod:`django_fair_jobs.limits`) the job takes its place in the
+    queue and, with a ``tenant``, its tenant slot, both or neither; elsewhere its tenant
+    slot alone (a job without a tenant on an unlimited queue gets an empty grant).
+
     Returns a :class:`Grant` when the job may run. None means the message must be
-    acknowledged without running: the job was parked or rescheduled (its tenant is at its
-    limit), postponed (a duplicate delivery, or the database is unreachable), or dropped (a
-    stale copy of a woken job). No path loses the job.
+    acknowledged without running: the job was parked or rescheduled (its tenant or its
+    queue is at its limit), postponed (a duplicate delivery, or the database is
+    unreachable), or dropped (a stale copy of a woken job). No path loses the job.
     """
     request = task.request
     woken = WAKE_HEADER in (request.headers or {})
@@ -76,7 +90,7 @@ def enter(
         )  # fmt: skip
         if acquired.grant is not None:
             return acquired.grant
-        if acquired.status != "full":
+        if acquired.status not in ("full", "queue_full"):
             refuse(task, acquired.status, args, kwargs, woken=woken)
             return None
         return defer(
@@ -96,13 +110,22 @@ def enter(
 
 
 def acquire(
-    *, tenant: str, queue: str, task_id: str, limit: int, node: str | None, woken: bool
-) -> Acquisition:
-    """Take a slot of ``tenant`` on ``queue`` for ``task_id`` (``woken``: the message is a
-    re-published parked job)."""
+    *, tenant: str | None, queue: str, task_id: str, limit: int, node: str | None, woken: bool
+) -> Acquisition | LimitedAcquisition:
+    """Take the slots of ``task_id`` on ``queue``: its place in the queue if the queue is
+    limited, and ``tenant``'s slot (``woken``: the message is a re-published parked job)."""
+    from django_fair_jobs import limits
     from django_fair_jobs.models import TenantQueueSlot
     from django_fair_jobs.workers import current_process_id
 
+    if limits.is_limited(queue):
+        acquired = limits.acquire(
+            queue=queue, tenant=tenant, limit=limit, task_id=task_id, node=node, woken=woken
+        )
+        if acquired.status != "unlimited":
+            return acquired
+    if tenant is None:
+        return Acquisition("held", Grant(None, task_id, uuid.uuid4()))
     return TenantQueueSlot.objects.try_acquire(
         tenant=tenant,
         queue=queue,
@@ -166,7 +189,7 @@ def refuse(
 def defer(
     task: Task[Any, Any],
     *,
-    tenant: str,
+    tenant: str | None,
     queue: str,
     limit: int,
     on_limit: str,
@@ -175,12 +198,13 @@ def defer(
     kwargs: dict[str, Any],
     woken: bool,
 ) -> Grant | None:
-    """Defer the current job of ``task`` because its tenant is at its limit.
+    """Defer the current job of ``task`` because its tenant or its queue is at a limit.
 
     Returns a :class:`Grant` if a slot freed while parking (run the job now), else None
     (the job is parked or rescheduled; acknowledge the message without running it).
     """
-    from django_fair_jobs.models import TenantQueueSlot
+    from django_fair_jobs import limits
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
     request = task.request
     deferrals = int((request.headers or {}).get(DEFERRALS_HEADER) or 0) + 1
@@ -192,7 +216,10 @@ def defer(
         sig = task.signature_from_request(
             request, args, kwargs, countdown=countdown, headers=headers
         )
-        TenantQueueSlot.objects.count_deferral(tenant=tenant, queue=queue)
+        if limits.is_limited(queue):
+            QueueLimit.objects.count_deferral(queue)
+        elif tenant is not None:
+            TenantQueueSlot.objects.count_deferral(tenant=tenant, queue=queue)
         sig.apply_async()
         logger.debug(
             "Deferred %s[%s]: tenant %r at its limit on %s; retrying in %.1f s",
@@ -201,15 +228,16 @@ def defer(
         return None
     signature = dumps(dict(task.signature_from_request(request, args, kwargs, headers=headers)))
     for _ in range(_PARK_ATTEMPTS):
-        outcome = TenantQueueSlot.objects.try_park(
-            tenant=tenant,
-            queue=queue,
-            task_id=str(request.id),
-            task_name=task.name,
-            limit=limit,
-            signature=signature,
-            woken=woken,
-        )
+        if limits.is_limited(queue) or tenant is None:
+            outcome = limits.park(
+                queue=queue, tenant=tenant, limit=limit, task_id=str(request.id),
+                task_name=task.name, signature=signature, woken=woken,
+            )  # fmt: skip
+        else:
+            outcome = TenantQueueSlot.objects.try_park(
+                tenant=tenant, queue=queue, task_id=str(request.id), task_name=task.name,
+                limit=limit, signature=signature, woken=woken,
+            )  # fmt: skip
         if outcome == "stale":
             refuse(task, outcome, args, kwargs, woken=woken)
             return None
@@ -225,7 +253,7 @@ def defer(
         )  # fmt: skip
         if again.grant is not None:
             return again.grant
-        if again.status != "full":
+        if again.status not in ("full", "queue_full"):
             refuse(task, again.status, args, kwargs, woken=woken)
             return None
     postpone(
@@ -236,36 +264,42 @@ def defer(
 
 
 def release(grant: Grant, app: Celery | None = None) -> None:
-    """Give back ``grant``'s slot and wake the parked jobs that can now run.
+    """Give back ``grant``'s slots and wake the parked jobs that can now run.
 
     Never raises: a job that succeeded stays a success. A failed release is kept and
     retried by this process's heartbeat (no slot is lost); a failed wake-up is left to the
     maintenance sweep.
     """
-    from django_fair_jobs.models import TenantQueueSlot
+    from django_fair_jobs.limits import wake_line
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
+    if grant.slot_id is None and grant.queue_limit_id is None:
+        return  # the job held nothing (no tenant, no queue limit)
+    in_line: int | None = 0
     try:
-        parked = TenantQueueSlot.objects.release(grant)
+        if grant.queue_limit_id is not None:
+            released = QueueLimit.objects.release(grant)
+            in_line, parked = released if released is not None else (None, None)
+        else:
+            parked = TenantQueueSlot.objects.release(grant)
     except Exception:
-        logger.exception(
-            "Could not release slot %s of %s; will retry", grant.slot_id, grant.task_id
-        )
+        logger.exception("Could not release the slots of %s; will retry", grant.task_id)
         with _pending_lock:
             _pending_releases.append(grant)
         return
-    if parked is None:
+    if in_line is None or (grant.queue_limit_id is None and parked is None):
         logger.info(
-            "Lease of %s on slot %s was gone at release (reaped or taken over); nothing released",
+            "Lease of %s was gone at release (reaped or taken over); nothing released",
             grant.task_id,
-            grant.slot_id,
         )
         return
-    if parked > 0:
-        try:
+    try:
+        if in_line and grant.queue_limit_id is not None:
+            wake_line(grant.queue_limit_id, limit=1, app=app)
+        if parked and grant.slot_id is not None:
             wake(grant.slot_id, limit=1, app=app)
-        except Exception:
-            logger.exception("Could not wake a parked job of slot %s; the sweep will",
-                             grant.slot_id)  # fmt: skip
+    except Exception:
+        logger.exception("Could not wake a parked job after %s; the sweep will", grant.task_id)
 
 
 def retry_pending_releases() -> int:
@@ -321,8 +355,12 @@ def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) ->
     A revoke without terminate (or an expired duplicate copy) leaves a running copy's
     lease alone: that copy still runs and releases it.
     """
+    from django_fair_jobs.limits import wake_line
     from django_fair_jobs.models import ParkedJob, SlotLease
 
     ParkedJob.objects.forget(task_id)
-    for slot_id in SlotLease.objects.drop_for_task(task_id, running=terminated):
+    slots, queues = SlotLease.objects.drop_for_task(task_id, running=terminated)
+    for queue_limit_id in queues:
+        wake_line(queue_limit_id, limit=1, app=app)
+    for slot_id in slots:
         wake(slot_id, limit=1, app=app)

@@ -2,7 +2,9 @@
 
 Thin glue: at publish it resolves the tenant (into the ``fair_tenant`` header) and lets
 :mod:`django_fair_jobs.windows` count the enqueue and pick the queue; in the worker it
-wraps ``run()`` with a slot acquire and release from :mod:`django_fair_jobs.slots`.
+wraps ``run()`` with a slot acquire and release from :mod:`django_fair_jobs.slots`, which
+takes the tenant slot and, on a limited queue (:mod:`django_fair_jobs.limits`), the
+queue's place together.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Ignore
 
-from django_fair_jobs import windows
+from django_fair_jobs import limits, slots, windows
 from django_fair_jobs.conf import ON_LIMIT_CHOICES, fair_settings
 from django_fair_jobs.slots import WAKE_HEADER
 from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant
@@ -181,15 +183,6 @@ class FairTask(Task):  # type: ignore[type-arg]
             return fair_settings.RETRY_COUNTDOWN
         return float(self.fair_retry_countdown)
 
-    def _fair_queue(self) -> str:
-        info = self.request.delivery_info or {}
-        queue = (
-            info.get("routing_key")
-            or getattr(self, "queue", None)
-            or self.app.conf.task_default_queue
-        )
-        return str(queue)
-
     def _fair_reroute(self, tenant: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Count a job that was published without :meth:`apply_async` (``send_task`` by
         name) when it is first delivered; True if a rule re-published it elsewhere.
@@ -201,7 +194,7 @@ class FairTask(Task):  # type: ignore[type-arg]
         if (request.delivery_info or {}).get("redelivered"):
             return False
         headers = request.headers if request.headers is not None else {}
-        queue = windows.should_count(self, headers, self._fair_queue(), args, kwargs)
+        queue = windows.should_count(self, headers, slots.request_queue(self), args, kwargs)
         if queue is None:
             return False
         decision = windows.count(self, tenant, queue, self.fair_rules())
@@ -223,8 +216,6 @@ class FairTask(Task):  # type: ignore[type-arg]
         Eager calls (``apply()``, ``task_always_eager``) run unthrottled: there is no
         message to park and the caller waits for the result.
         """
-        from django_fair_jobs import slots
-
         request = self.request
         if request.is_eager or request.id is None:
             return super().__call__(*args, **kwargs)
@@ -233,13 +224,15 @@ class FairTask(Task):  # type: ignore[type-arg]
             raise Ignore()
         if tenant is None:
             warn_missing_tenant(self.name)
-            return super().__call__(*args, **kwargs)
-        if not self.fair_slots and windows.MAX_JOBS_HEADER not in (request.headers or {}):
+        elif not self.fair_slots and windows.MAX_JOBS_HEADER not in (request.headers or {}):
+            tenant = None  # rerouting only: no tenant slot
+        queue = slots.request_queue(self)
+        if tenant is None and not limits.is_limited(queue):
             return super().__call__(*args, **kwargs)
         grant = slots.enter(
             self,
             tenant=tenant,
-            queue=self._fair_queue(),
+            queue=queue,
             limit=self.fair_limit(),
             on_limit=self.fair_on_limit or fair_settings.ON_LIMIT,
             retry_countdown=self._fair_retry_countdown(),

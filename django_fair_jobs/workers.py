@@ -10,7 +10,10 @@ is needed, and the pass runs at most once per interval across the cluster, whoev
 it; ``manage.py fair_jobs_reap`` runs the same maintenance by hand, at once.
 
 Registration is lazy and keyed by pid, so a prefork child registers itself after the fork
-and never shares its parent's identity.
+and never shares its parent's identity. The node's identity (:func:`current_node_id`) is
+made once per ``celery worker`` start, in the main process before the pool forks, so all
+of a node's processes share it and a restarted node gets a new one; per-worker queue
+limits count by it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,37 @@ class _Identity:
 
 _identity: _Identity | None = None
 _lock = threading.Lock()
+_node_id: uuid.UUID | None = None
+_node_name: str | None = None
+
+
+def start_node(name: str | None = None) -> uuid.UUID:
+    """Give this worker node a new identity (and remember its Celery node name); called at
+    ``worker_init``, before the pool starts, so that prefork children inherit both."""
+    global _node_id, _node_name
+    _node_id, _node_name = uuid.uuid4(), name
+    return _node_id
+
+
+def start_process() -> None:
+    """Register this pool process and start its heartbeat now, not at its first fair job:
+    every process of a node then reaps dead workers on every queue, whatever it runs.
+    Called when a prefork child starts, or when a solo or threads worker is ready; a
+    database error is logged and registration is left to the first job."""
+    try:
+        current_process_id()
+    except Exception:
+        logger.exception("Could not register this worker process; will retry at the first job")
+
+
+def current_node_id() -> uuid.UUID:
+    """This process's worker node identity (made on first use outside a worker)."""
+    global _node_id
+    if _node_id is None:
+        with _lock:
+            if _node_id is None:
+                _node_id = uuid.uuid4()
+    return _node_id
 
 
 def current_process_id(node: str | None = None) -> uuid.UUID:
@@ -50,7 +84,7 @@ def current_process_id(node: str | None = None) -> uuid.UUID:
         return ident.process_id
     with _lock:
         if _identity is None or _identity.pid != os.getpid():
-            _identity = _register(node or f"celery@{socket.gethostname()}")
+            _identity = _register(node or _node_name or f"celery@{socket.gethostname()}")
         return _identity.process_id
 
 
@@ -59,8 +93,9 @@ def _register(node: str) -> _Identity:
 
     ident = _Identity(process_id=uuid.uuid4(), pid=os.getpid(), node=node)
     WorkerProcess.objects.register(
-        process_id=ident.process_id, node=node, hostname=socket.gethostname(), pid=ident.pid
-    )
+        process_id=ident.process_id, node=node, hostname=socket.gethostname(), pid=ident.pid,
+        node_id=current_node_id(),
+    )  # fmt: skip
     ident.thread = threading.Thread(
         target=_heartbeat_loop, args=(ident,), name="fair-jobs-heartbeat", daemon=True
     )
@@ -90,6 +125,7 @@ def _heartbeat_loop(ident: _Identity) -> None:
                         node=ident.node,
                         hostname=socket.gethostname(),
                         pid=ident.pid,
+                        node_id=current_node_id(),
                     )
                 retry_pending_releases()
                 maybe_run_maintenance()
@@ -133,6 +169,7 @@ class MaintenanceReport:
 
     leases_reaped: int
     slots_reaped: int
+    queues_reaped: int
     lost_rewoken: int
     jobs_woken: int
     counters_fixed: int
@@ -158,12 +195,20 @@ def maybe_run_maintenance() -> MaintenanceReport | None:
 
 
 def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
-    """Reap dead holders, return lost wake-ups to line, and wake jobs that have room.
+    """Reap dead holders on every queue, return lost wake-ups to line, and wake jobs that
+    have room (on tenant slots and in limited queues' lines).
 
     ``timeout`` defaults to ``FAIR_JOBS_WORKER_TIMEOUT``. Safe to run from several
     processes at once.
     """
-    from django_fair_jobs.models import Maintenance, ParkedJob, SlotLease, TenantQueueSlot
+    from django_fair_jobs.limits import wake_waiting
+    from django_fair_jobs.models import (
+        Maintenance,
+        ParkedJob,
+        QueueLimit,
+        SlotLease,
+        TenantQueueSlot,
+    )
     from django_fair_jobs.slots import wake
     from django_fair_jobs.windows import prune as prune_windows
 
@@ -171,30 +216,28 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         timeout = fair_settings.WORKER_TIMEOUT
     reaped = SlotLease.objects.reap(timeout=timeout)
     lost = ParkedJob.objects.rewake_lost(timeout=timeout)
-    fixed = TenantQueueSlot.objects.reconcile_parked()
-    woken = 0
+    fixed = TenantQueueSlot.objects.reconcile_parked() + QueueLimit.objects.reconcile_parked()
+    woken = wake_waiting()
     for slot_id in TenantQueueSlot.objects.with_waiting_room():
         woken += wake(slot_id, limit=None)
     pruned = 0
     # Idle windows age by the day, not by the beat: a scan a minute is plenty.
     if Maintenance.objects.claim("windows", interval=_WINDOW_PRUNE_INTERVAL):
         pruned = prune_windows()
-    if reaped or woken or lost or fixed or pruned:
-        logger.info(
-            "Maintenance: reaped %s leases on %s slots, re-queued %s lost wake-ups, "
-            "woke %s parked jobs, fixed %s counters, pruned %s idle windows",
-            sum(n for _, n in reaped),
-            len(reaped),
-            lost,
-            woken,
-            fixed,
-            pruned,
-        )
-    return MaintenanceReport(
-        leases_reaped=sum(n for _, n in reaped),
-        slots_reaped=len(reaped),
+    report = MaintenanceReport(
+        leases_reaped=reaped.leases,
+        slots_reaped=len(reaped.slots),
+        queues_reaped=len(reaped.queues),
         lost_rewoken=lost,
         jobs_woken=woken,
         counters_fixed=fixed,
         windows_pruned=pruned,
     )
+    if reaped.leases or woken or lost or fixed or pruned:
+        logger.info(
+            "Maintenance: reaped %s leases on %s tenant slots and %s queues, re-queued %s "
+            "lost wake-ups, woke %s parked jobs, fixed %s counters, pruned %s idle windows",
+            report.leases_reaped, report.slots_reaped, report.queues_reaped, lost, woken,
+            fixed, pruned,
+        )  # fmt: skip
+    return report

@@ -157,7 +157,7 @@ def test_reap_command__prints_report(
     WorkerProcess.objects.update(last_heartbeat_at="2000-01-01T00:00:00Z")
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
     call_command("fair_jobs_reap")
-    assert "Reaped 1 lease(s) on 1 slot(s)" in capsys.readouterr().out
+    assert "Reaped 1 lease(s) on 1 tenant slot(s) and 0 queue(s)" in capsys.readouterr().out
     assert TenantQueueSlot.objects.get().current_jobs == 0
 
 
@@ -210,3 +210,35 @@ def test_window_pages__show_current_counts_and_reroutes_read_only(staff: Client)
     window = TenantWindow.objects.get()
     assert staff.get(f"/admin/fair_jobs/tenantwindow/{window.pk}/delete/").status_code == 403
     assert staff.get("/admin/fair_jobs/tenantwindow/add/").status_code == 403
+
+
+def test_queue_limits__listed_with_running_by_node_and_edited_without_touching_counters(
+    staff: Client, process: uuid.UUID
+) -> None:
+    from django_fair_jobs import limits
+    from django_fair_jobs.models import QueueLimit
+    from django_fair_jobs.workers import current_node_id
+
+    limits.set_limits("hooks", max_jobs=1)
+    WorkerProcess.objects.filter(pk=process).update(node_id=current_node_id())
+    got = QueueLimit.objects.try_acquire(
+        queue="hooks", tenant=None, limit=1, task_id="j1", process_id=process,
+        node_id=current_node_id(),
+    )  # fmt: skip
+    assert got.status == "held"
+    page = staff.get("/admin/fair_jobs/queuelimit/")
+    assert page.status_code == 200
+    assert b"n@h: 1" in page.content
+    row = QueueLimit.objects.get()
+    response = staff.post(
+        f"/admin/fair_jobs/queuelimit/{row.pk}/change/",
+        {"max_jobs": "0", "max_jobs_per_worker": "2"},
+    )
+    assert response.status_code == 302, response.content
+    row.refresh_from_db()
+    assert (row.max_jobs, row.max_jobs_per_worker, row.current_jobs) == (0, 2, 1)
+    bad = staff.post(f"/admin/fair_jobs/queuelimit/{row.pk}/change/", {"max_jobs": "-1"})
+    assert bad.status_code == 200 and b"greater than or equal to 0" in bad.content
+    added = staff.post("/admin/fair_jobs/queuelimit/add/", {"queue": "email", "max_jobs": "3"})
+    assert added.status_code == 302
+    assert QueueLimit.objects.get(queue="email").max_jobs == 3

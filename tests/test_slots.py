@@ -32,6 +32,11 @@ def acquire(
     ).grant
 
 
+def _slot(grant: Grant | None) -> int:
+    assert grant is not None and grant.slot_id is not None
+    return grant.slot_id
+
+
 def status(process: uuid.UUID, task_id: str, limit: int = 2) -> str:
     return TenantQueueSlot.objects.try_acquire(
         tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
@@ -142,7 +147,7 @@ def test_release__stale_holder_after_reap__does_not_free_second_slot(process: uu
     assert stale is not None
     WorkerProcess.objects.filter(pk=process).delete()  # presumed dead...
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")  # ...for the whole timeout
-    assert SlotLease.objects.reap(timeout=60) == [(stale.slot_id, 1)]
+    assert SlotLease.objects.reap(timeout=60).slots == ((stale.slot_id, 1),)
     other = uuid.uuid4()
     WorkerProcess.objects.register(process_id=other, node="b@host", hostname="host", pid=2)
     successor = acquire(other, "j2", limit=1)
@@ -155,7 +160,7 @@ def test_release__stale_holder_after_reap__does_not_free_second_slot(process: uu
 
 def test_reap__live_process__keeps_its_leases(process: uuid.UUID) -> None:
     assert acquire(process, "j1") is not None
-    assert SlotLease.objects.reap(timeout=60) == []
+    assert SlotLease.objects.reap(timeout=60).leases == 0
     assert slot().current_jobs == 1
 
 
@@ -181,7 +186,7 @@ def test_release__with_parked__wake_hands_slot_to_oldest(process: uuid.UUID) -> 
     assert park("j2", limit=1) == "parked"
     assert park("j3", limit=1) == "parked"
     assert TenantQueueSlot.objects.release(holder) == 2
-    woken = TenantQueueSlot.objects.wake_one(holder.slot_id)
+    woken = TenantQueueSlot.objects.wake_one(_slot(holder))
     assert woken is not None and woken.task_id == "j2"
     row = slot()
     assert (row.current_jobs, row.parked_jobs) == (1, 1)
@@ -204,11 +209,11 @@ def test_reap__unclaimed_reservation__frees_slot_and_rewake_requeues(process: uu
     assert holder is not None
     assert park("j2", limit=1) == "parked"
     TenantQueueSlot.objects.release(holder)
-    assert TenantQueueSlot.objects.wake_one(holder.slot_id) is not None
+    assert TenantQueueSlot.objects.wake_one(_slot(holder)) is not None
     # The re-published message is lost; time passes beyond the timeout.
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
     ParkedJob.objects.update(woken_at="2000-01-01T00:00:00Z")
-    assert SlotLease.objects.reap(timeout=60) == [(holder.slot_id, 1)]
+    assert SlotLease.objects.reap(timeout=60).slots == ((holder.slot_id, 1),)
     assert ParkedJob.objects.rewake_lost(timeout=60) == 1
     row = slot()
     assert (row.current_jobs, row.parked_jobs) == (0, 1)
@@ -235,7 +240,7 @@ def test_woken_copies__first_to_start_runs_later_ones_are_stale(process: uuid.UU
     assert holder is not None
     assert park("j2", limit=1) == "parked"
     TenantQueueSlot.objects.release(holder)
-    first = TenantQueueSlot.objects.wake_one(holder.slot_id)
+    first = TenantQueueSlot.objects.wake_one(_slot(holder))
     assert first is not None and first.wake == 1
     # Its message is slow (a long broker backlog): the reservation expires, the job is
     # woken again and a second copy is published.
@@ -243,7 +248,7 @@ def test_woken_copies__first_to_start_runs_later_ones_are_stale(process: uuid.UU
     ParkedJob.objects.update(woken_at="2000-01-01T00:00:00Z")
     SlotLease.objects.reap(timeout=60)
     ParkedJob.objects.rewake_lost(timeout=60)
-    second = TenantQueueSlot.objects.wake_one(holder.slot_id)
+    second = TenantQueueSlot.objects.wake_one(_slot(holder))
     assert second is not None and second.wake == 2
     # The old copy arrives first: it may still run (its row exists) and claims the slot.
     assert woken_status(process, "j2") == "held"
@@ -263,7 +268,7 @@ def test_woken_copy__second_copy_while_first_runs__duplicate(process: uuid.UUID)
     assert holder is not None
     assert park("j2", limit=1) == "parked"
     TenantQueueSlot.objects.release(holder)
-    assert TenantQueueSlot.objects.wake_one(holder.slot_id) is not None
+    assert TenantQueueSlot.objects.wake_one(_slot(holder)) is not None
     assert woken_status(process, "j2") == "held"
     assert woken_status(process, "j2") == "duplicate"  # dropped: it is a woken copy
 
@@ -291,7 +296,7 @@ def test_woken_copy__redelivered_after_its_worker_died__claims_the_dead_lease(
     assert holder is not None
     assert park("j2", limit=1) == "parked"
     TenantQueueSlot.objects.release(holder)
-    assert TenantQueueSlot.objects.wake_one(holder.slot_id) is not None
+    assert TenantQueueSlot.objects.wake_one(_slot(holder)) is not None
     assert woken_status(process, "j2") == "held"  # its row is gone now
     WorkerProcess.objects.filter(pk=process).update(last_heartbeat_at="2000-01-01T00:00:00Z")
     # The broker redelivers the same woken message (acks_late) to a new process: the job
@@ -320,7 +325,7 @@ def test_wake__picks_a_job_with_room_under_its_own_limit(process: uuid.UUID) -> 
     assert released is not None
     TenantQueueSlot.objects.release(released)
     # 2 run: no room for a1 (limit 1), room for b4 (limit 3); a1 must not block b4.
-    assert wake_all(released.slot_id) == ["b4"]
+    assert wake_all(_slot(released)) == ["b4"]
     assert ParkedJob.objects.get(task_id="a1").woken_at is None
 
 
@@ -333,12 +338,12 @@ def test_wake__skips_a_job_whose_copy_is_running(process: uuid.UUID) -> None:
     )
     assert park("k", limit=2) == "parked"
     TenantQueueSlot.objects.release(holder)
-    assert wake_all(holder.slot_id) == ["k"]
+    assert wake_all(_slot(holder)) == ["k"]
 
 
 def test_reap__spares_a_lease_claimed_within_the_timeout(process: uuid.UUID) -> None:
     newcomer = uuid.uuid4()  # a process whose row this reaper's view does not have yet
     assert acquire(newcomer, "j1") is not None
-    assert SlotLease.objects.reap(timeout=60) == []
+    assert SlotLease.objects.reap(timeout=60).leases == 0
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
-    assert SlotLease.objects.reap(timeout=60) == [(slot().pk, 1)]
+    assert SlotLease.objects.reap(timeout=60).slots == ((slot().pk, 1),)

@@ -145,3 +145,29 @@ def rerouted_retries_once(self: Any, tenant: str, duration: float = 0.05) -> str
     if self.request.retries == 0:
         raise self.retry(countdown=0.1)
     return _run(self, tenant, duration)
+
+
+@shared_task(bind=True, queue="limited")
+def plain_job(self: Any, tenant: str, duration: float = 0.05) -> str:
+    """A plain Celery task (no FairTask): limited only through the worker's hook."""
+    return _run(self, tenant, duration)
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="limited", fair_max_jobs=2)
+def fair_limited(self: Any, tenant: str, duration: float = 0.05) -> str:
+    """A fair task on a limited queue: its tenant slot and its queue place go together."""
+    return _run(self, tenant, duration)
+
+
+@shared_task(bind=True, queue="limited")
+def plain_spin(self: Any, tenant: str, seconds: float) -> str:
+    """CPU-bound plain task: the heartbeat of its process must keep beating meanwhile."""
+    run = JobRun.objects.create(
+        task_id=self.request.id, tenant=tenant, pid=__import__("os").getpid(), started_at=Now()
+    )
+    deadline = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < deadline:
+        n += sum(i * i for i in range(1000))
+    JobRun.objects.filter(pk=run.pk).update(finished_at=Now())
+    return f"{tenant}:done"

@@ -41,7 +41,8 @@ class Command(BaseCommand):
             )
         report = run_maintenance(timeout)
         self.stdout.write(
-            f"Reaped {report.leases_reaped} lease(s) on {report.slots_reaped} slot(s) "
+            f"Reaped {report.leases_reaped} lease(s) on {report.slots_reaped} tenant slot(s) "
+            f"and {report.queues_reaped} queue(s) "
             f"(timeout {timeout or fair_settings.WORKER_TIMEOUT} s); woke "
             f"{report.jobs_woken} parked job(s); re-queued {report.lost_rewoken} lost "
             f"wake-up(s); fixed {report.counters_fixed} counter(s); pruned "

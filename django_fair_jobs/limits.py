@@ -1,0 +1,324 @@
+"""Mechanism D, queue concurrency limits: at most N jobs of a queue at once across the
+cluster (``max_jobs``) and P on each worker node (``max_jobs_per_worker``); 0 pauses.
+
+Limits are :class:`~django_fair_jobs.models.QueueLimit` rows, edited at runtime in the
+admin or with ``manage.py fair_jobs_limit``; ``FAIR_JOBS_QUEUE_LIMITS`` and
+``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` only seed the queues that have no row. A job of a
+limited queue takes its place in the queue and its tenant slot (if it has a tenant) in
+one statement, both or neither; a blocked job is parked in the queue's line and woken
+when a place frees, through the same slot, lease and reaping machinery as tenant slots
+(:mod:`django_fair_jobs.slots`). A queue without a limit costs nothing: each process
+keeps the set of limited queues and re-reads it at most once a second.
+
+Plain Celery tasks are limited too with ``FAIR_JOBS_LIMIT_PLAIN_TASKS = True``: the worker
+wraps every task that is not a ``FairTask`` at start-up (:func:`install`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery import current_app
+
+from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.managers import UNCHANGED
+
+if TYPE_CHECKING:
+    from celery import Celery, Task
+
+    from django_fair_jobs.managers import LimitedAcquisition
+    from django_fair_jobs.models import QueueLimit
+
+logger = logging.getLogger("django_fair_jobs.limits")
+
+REFRESH_SECONDS = 1.0
+"""How often a process re-reads which queues are limited. A limit set on a queue that had
+none applies within this time; changes to a limited queue's values apply at once (every
+acquire reads them under the row lock)."""
+
+
+class LimitError(ValueError):
+    """A queue limit that cannot be stored (not a whole number >= 0, or no queue name)."""
+
+
+class _Cache:
+    def __init__(self) -> None:
+        self.pid = -1
+        self.loaded_at = 0.0
+        self.queues: frozenset[str] = frozenset()
+        self.lock = threading.Lock()
+
+
+_cache = _Cache()
+
+
+def limited_queues(*, refresh: bool = False) -> frozenset[str]:
+    """The queues that have a limit, as this process last read them (at most
+    ``REFRESH_SECONDS`` ago). The first read of a process seeds the settings' limits."""
+    now = time.monotonic()
+    if not refresh and _cache.pid == os.getpid() and now - _cache.loaded_at < REFRESH_SECONDS:
+        return _cache.queues
+    from django_fair_jobs.models import QueueLimit
+
+    with _cache.lock:
+        if _cache.pid != os.getpid():
+            seed()
+        _cache.queues = frozenset(QueueLimit.objects.limits())
+        _cache.loaded_at, _cache.pid = now, os.getpid()
+        return _cache.queues
+
+
+def is_limited(queue: str) -> bool:
+    """True if ``queue`` has a cluster-wide or per-worker limit (0 included)."""
+    return queue in limited_queues()
+
+
+def validate(value: Any, what: str) -> int | None:
+    """Return ``value`` as a limit (None: no limit), or raise :class:`LimitError`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LimitError(
+            f"{what} must be a whole number >= 0 (0 pauses the queue) or None for no limit; "
+            f"got {value!r}."
+        )
+    return value
+
+
+def seed() -> list[str]:
+    """Store ``FAIR_JOBS_QUEUE_LIMITS`` and ``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` for the
+    queues that have no stored limits (runtime changes survive restarts). Returns the
+    queues seeded."""
+    from django_fair_jobs.models import QueueLimit
+
+    seeded = QueueLimit.objects.seed(
+        dict(fair_settings.QUEUE_LIMITS), dict(fair_settings.QUEUE_PROCESS_LIMITS)
+    )
+    if seeded:
+        logger.info("Queue limits seeded from settings for %s", ", ".join(seeded))
+    return seeded
+
+
+def set_limits(
+    queue: str,
+    *,
+    max_jobs: Any = UNCHANGED,
+    max_jobs_per_worker: Any = UNCHANGED,
+    app: Celery | None = None,
+) -> QueueLimit:
+    """Store limits for ``queue`` (None: no limit; 0: paused; a limit not given is left as
+    it is) and wake the parked jobs that the new limits let start, at once."""
+    from django_fair_jobs.models import QueueLimit
+
+    if not queue or not isinstance(queue, str):
+        raise LimitError("A queue limit needs a queue name.")
+    for name, value in (("max_jobs", max_jobs), ("max_jobs_per_worker", max_jobs_per_worker)):
+        if value is not UNCHANGED:
+            validate(value, name)
+    row = QueueLimit.objects.set_limits(
+        queue, max_jobs=max_jobs, max_jobs_per_worker=max_jobs_per_worker
+    )
+    wake_waiting(queue_ids={row.pk}, app=app)
+    _cache.loaded_at = 0.0  # this process sees the change at once
+    return row
+
+
+def reset(queues: list[str] | None = None, app: Celery | None = None) -> list[QueueLimit]:
+    """Make the stored limits of ``queues`` (default: every stored or configured queue)
+    what the settings say; a queue the settings do not name gets no limit."""
+    from django_fair_jobs.models import QueueLimit
+
+    max_jobs, per_worker = fair_settings.QUEUE_LIMITS, fair_settings.QUEUE_PROCESS_LIMITS
+    names = queues or sorted(
+        set(QueueLimit.objects.values_list("queue", flat=True)) | set(max_jobs) | set(per_worker)
+    )
+    return [
+        set_limits(
+            name,
+            app=app,
+            max_jobs=max_jobs.get(name),
+            max_jobs_per_worker=per_worker.get(name),
+        )
+        for name in names
+    ]
+
+
+def acquire(
+    *,
+    queue: str,
+    tenant: str | None,
+    limit: int,
+    task_id: str,
+    node: str | None,
+    woken: bool,
+) -> LimitedAcquisition:
+    """Take a place in ``queue`` and, with a ``tenant``, its slot, for ``task_id``."""
+    from django_fair_jobs.models import QueueLimit, SlotLease
+    from django_fair_jobs.workers import current_node_id, current_process_id
+
+    process_id, node_id = current_process_id(node), current_node_id()
+    for _ in range(2):
+        acquired = QueueLimit.objects.try_acquire(
+            queue=queue, tenant=tenant, limit=limit, task_id=task_id,
+            process_id=process_id, node_id=node_id, woken=woken,
+        )  # fmt: skip
+        if acquired.status != "reserved":
+            return acquired
+        # A tenant slot reserved for this job before its queue was limited: give it back
+        # and take both together.
+        for slot_id in SlotLease.objects.drop_for_task(task_id, running=False)[0]:
+            from django_fair_jobs.slots import wake
+
+            wake(slot_id, limit=1)
+    return acquired
+
+
+def park(
+    *,
+    queue: str,
+    tenant: str | None,
+    limit: int,
+    task_id: str,
+    task_name: str,
+    signature: str,
+    woken: bool,
+) -> str:
+    """Park a job in ``queue``'s line if it is still blocked; see ``park_limited``."""
+    from django_fair_jobs.models import QueueLimit
+    from django_fair_jobs.workers import current_node_id
+
+    return QueueLimit.objects.try_park(
+        queue=queue, tenant=tenant, limit=limit, task_id=task_id, task_name=task_name,
+        signature=signature, node_id=current_node_id(), woken=woken,
+    )  # fmt: skip
+
+
+def wake_line(queue_limit_id: int, limit: int = 1, app: Celery | None = None) -> int:
+    """Wake up to ``limit`` jobs of a queue's line that can start now; returns how many."""
+    from django_fair_jobs.models import QueueLimit
+    from django_fair_jobs.slots import publish
+
+    woken = 0
+    while woken < limit:
+        job = QueueLimit.objects.wake_one(queue_limit_id)
+        if job is None:
+            break
+        publish(job, app=app)
+        woken += 1
+    return woken
+
+
+def wake_waiting(queue_ids: set[int] | None = None, app: Celery | None = None) -> int:
+    """Wake as many parked jobs as the queues have room for (all queues, or ``queue_ids``):
+    after a limit is raised, a reap, or a missed wake-up. Returns how many were woken."""
+    from django_fair_jobs.models import QueueLimit, WorkerProcess
+
+    live_nodes = WorkerProcess.objects.live_nodes(fair_settings.WORKER_TIMEOUT)
+    woken = 0
+    for queue_id, room in QueueLimit.objects.with_waiting_room(live_nodes):
+        if queue_ids is None or queue_id in queue_ids:
+            woken += wake_line(queue_id, limit=room, app=app)
+    return woken
+
+
+def install(app: Celery | None = None) -> list[str]:
+    """Apply queue limits to every task of ``app`` that is not a ``FairTask`` (those are
+    limited already), without changing the tasks: each one's ``run`` is wrapped so that a
+    job from a limited queue takes its place first, or is parked.
+
+    Called by the worker at start-up when ``FAIR_JOBS_LIMIT_PLAIN_TASKS`` is True, before
+    any pool process exists, so every process runs the wrapped tasks. Returns the names
+    of the tasks wrapped.
+    """
+    from django_fair_jobs.task import FairTask
+
+    celery_app = app or current_app
+    wrapped: list[str] = []
+    for name, task in sorted(celery_app.tasks.items()):
+        if isinstance(task, FairTask) or name.startswith("celery.") or _is_wrapped(task):
+            continue
+        task.run = _limited_run(task, task.run)  # type: ignore[method-assign]
+        # A tracer built earlier keeps the old run; the next job builds a new one.
+        task.__trace__ = None
+        wrapped.append(name)
+    return wrapped
+
+
+def _is_wrapped(task: Task[Any, Any]) -> bool:
+    return bool(getattr(task.run, "_fair_limited", False))
+
+
+def _limited_run(task: Task[Any, Any], run: Any) -> Any:
+    @functools.wraps(run)
+    def limited_run(*args: Any, **kwargs: Any) -> Any:
+        from celery.exceptions import Ignore
+
+        from django_fair_jobs import slots
+
+        request = task.request
+        if request.is_eager or request.id is None:
+            return run(*args, **kwargs)
+        queue = slots.request_queue(task)
+        if not is_limited(queue):
+            return run(*args, **kwargs)
+        grant = slots.enter(
+            task, tenant=None, queue=queue, limit=fair_settings.DEFAULT_MAX_JOBS,
+            on_limit=fair_settings.ON_LIMIT, retry_countdown=fair_settings.RETRY_COUNTDOWN,
+            args=args, kwargs=kwargs,
+        )  # fmt: skip
+        if grant is None:
+            raise Ignore()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            slots.release(grant, app=task.app)
+
+    limited_run._fair_limited = True  # type: ignore[attr-defined]
+    return limited_run
+
+
+def queue_status() -> list[dict[str, Any]]:
+    """Per stored queue: its limits, jobs running (in all and per worker node name), jobs
+    parked in its line and the age of the oldest, in seconds of the database clock."""
+    from django.db.models import Count, Min, Q
+
+    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.models import QueueLimit, WorkerProcess
+
+    now = database_now()
+    names = {
+        str(node_id): node for node_id, node in WorkerProcess.objects.values_list("node_id", "node")
+    }
+    waiting = Q(parked__woken_at__isnull=True)
+    rows = QueueLimit.objects.order_by("queue").annotate(
+        parked_count=Count("parked", filter=waiting),
+        oldest=Min("parked__parked_at", filter=waiting),
+    )
+    status = []
+    for row in rows:
+        by_node: dict[str, int] = {}
+        for node_id, n in sorted(row.running.items()):
+            name = names.get(node_id, f"gone node {node_id[:8]}")
+            by_node[name] = by_node.get(name, 0) + int(n)
+        oldest = row.oldest
+        status.append(
+            {
+                "queue": row.queue,
+                "max_jobs": row.max_jobs,
+                "max_jobs_per_worker": row.max_jobs_per_worker,
+                "paused": row.max_jobs == 0 or row.max_jobs_per_worker == 0,
+                "running": row.current_jobs,
+                "running_by_node": by_node,
+                "parked": row.parked_count,
+                "oldest_parked_seconds": None
+                if oldest is None
+                else round(max((now - oldest).total_seconds(), 0.0), 1),
+                "deferred_total": row.deferred_total,
+            }
+        )
+    return status
