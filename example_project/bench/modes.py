@@ -1,7 +1,8 @@
 """The benchmark's modes: how the same scenario's jobs are run.
 
 Each mechanism gets a mode of its own as it becomes available, plus the recommended
-combination of all of them (today tenant slots and rerouting).
+combination of all of them (today tenant slots, rerouting and a queue limit on the slow
+queue).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ class Mode:
     """True: the task's rules send a tenant past :data:`REROUTE_RULE` to
     :meth:`slow_queue`, and the workers consume both queues (the documented setup)."""
 
+    caps_slow_queue: bool = False
+    """True: the slow queue gets a queue limit of a quarter of the workers
+    (:func:`slow_queue_limit`), so rerouted jobs of every tenant together never take more."""
+
     def queue(self, run: str) -> str:
         """The Celery queue of this mode's jobs in ``run``: one per mode and run, so that
         neither modes nor benchmark runs ever share a queue."""
@@ -45,6 +50,12 @@ class Mode:
         return [{"queue": self.slow_queue(run), **REROUTE_RULE}] if self.reroutes else []
 
 
+def slow_queue_limit(workers: int) -> int:
+    """The queue limit of the slow queue in the modes that cap it: a quarter of the
+    workers (at least 1), leaving the rest to the tenants that stay under the rule."""
+    return max(1, workers // 4)
+
+
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
@@ -57,10 +68,18 @@ MODES: dict[str, Mode] = {
             reroutes=True,
         ),
         Mode(
+            "queue-limits",
+            "bench.queue_limits_job",
+            "FairTask, rerouting to a slow queue capped by a queue limit (mechanisms B + D)",
+            reroutes=True,
+            caps_slow_queue=True,
+        ),
+        Mode(
             "combined",
             "bench.combined_job",
-            "FairTask, tenant slots and rerouting (the recommended combination)",
+            "FairTask, tenant slots, rerouting and the capped slow queue (all mechanisms)",
             reroutes=True,
+            caps_slow_queue=True,
         ),
     )
 }

@@ -30,11 +30,13 @@ import bench.tasks  # noqa: F401  (registers the benchmark's tasks in the publis
 from bench import statements
 from bench.metrics import Record
 from bench.models import JobRecord, StatementCount
-from bench.modes import Mode
+from bench.modes import Mode, slow_queue_limit
 from bench.scenario import Job, Scenario
+from django_fair_jobs.limits import set_limits
 from django_fair_jobs.models import (
     Maintenance,
     ParkedJob,
+    QueueLimit,
     RerouteCount,
     SlotLease,
     TenantQueueSlot,
@@ -131,6 +133,7 @@ def clear_library_state() -> None:
     """Delete every row of the library's tables, so each mode starts from nothing."""
     SlotLease.objects.all().delete()
     ParkedJob.objects.all().delete()
+    QueueLimit.objects.all().delete()
     TenantQueueSlot.objects.all().delete()
     WorkerProcess.objects.all().delete()
     Maintenance.objects.all().delete()
@@ -146,6 +149,7 @@ def library_leftover() -> dict[str, int]:
         "parked": ParkedJob.objects.filter(woken_at__isnull=True).count(),
         "parked_rows": ParkedJob.objects.count(),
         "slot_jobs": sum(TenantQueueSlot.objects.values_list("current_jobs", flat=True)),
+        "queue_jobs": sum(QueueLimit.objects.values_list("current_jobs", flat=True)),
     }
 
 
@@ -277,6 +281,8 @@ def run_mode(
         "BENCH_MODE": mode.name,
         "FAIR_JOBS_DEFAULT_MAX_JOBS": str(tenant_limit),
     }
+    if mode.caps_slow_queue:
+        set_limits(mode.slow_queue(run), max_jobs=slow_queue_limit(nodes * concurrency))
     workers: list[WorkerNode] = []
     errors: list[BaseException] = []
     timed_out = False

@@ -77,9 +77,16 @@ def reroute_job(**kwargs: Any) -> None:
     work(**kwargs)
 
 
+@shared_task(base=PerTenant, name="bench.queue_limits_job", ignore_result=True, fair_slots=False)
+def queue_limits_job(**kwargs: Any) -> None:
+    """Rerouting only, to a slow queue the benchmark caps with a queue limit (mechanism D)."""
+    work(**kwargs)
+
+
 @shared_task(base=PerTenant, name="bench.combined_job", ignore_result=True)
 def combined_job(**kwargs: Any) -> None:
-    """The same job with tenant slots and rerouting: the recommended combination."""
+    """The same job with tenant slots, rerouting and the capped slow queue: the
+    recommended combination."""
     work(**kwargs)
 
 

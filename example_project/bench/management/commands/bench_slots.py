@@ -194,7 +194,7 @@ class Command(BaseCommand):
             tenant="hot", queue="bench", task_id="seed", limit=1_000_000, process_id=pid,
             timeout=60,
         ).grant  # fmt: skip
-        assert grant is not None
+        assert grant is not None and grant.slot_id is not None
         TenantQueueSlot.objects.release(grant)
         script = _library_pair_script(pid, grant.slot_id)
         raw = _pgbench(RAW_PAIR, clients, seconds)
