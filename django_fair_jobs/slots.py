@@ -341,7 +341,12 @@ def publish(job: Woken, app: Celery | None = None) -> None:
         # The header is for a publisher without the task class (send_task); FairTask's
         # apply_async takes the number from the fair_wake option.
         sig.options["headers"] = {**(sig.options.get("headers") or {}), WAKE_HEADER: job.wake}
-        sig.apply_async(fair_wake=job.wake)
+        from django_fair_jobs.task import FairTask
+
+        if isinstance(celery_app.tasks.get(sig.task), FairTask):
+            sig.apply_async(fair_wake=job.wake)
+        else:
+            sig.apply_async()  # a plain task (queue limits) knows no fair_* option
     except Exception:
         logger.exception("Could not re-publish woken job %s; the sweep will retry it", job.task_id)
         return
