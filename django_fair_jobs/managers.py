@@ -329,6 +329,7 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                 task_id=task_id,
                 defaults={
                     "slot": slot,
+                    "queue_limit": None,
                     "task_name": task_name,
                     "signature": signature,
                     "default_max_jobs": limit,

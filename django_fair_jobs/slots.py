@@ -82,7 +82,11 @@ def enter(
     unreachable), or dropped (a stale copy of a woken job). No path loses the job.
     """
     request = task.request
-    woken = WAKE_HEADER in (request.headers or {})
+    # A redelivery (its holder died before acknowledging) is a fresh start, even of a
+    # woken job: its parked row went when it first started, so as a woken copy it would
+    # be dropped as stale and the job lost.
+    redelivered = bool((request.delivery_info or {}).get("redelivered"))
+    woken = WAKE_HEADER in (request.headers or {}) and not redelivered
     try:
         acquired = acquire(
             tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
@@ -115,7 +119,7 @@ def acquire(
     """Take the slots of ``task_id`` on ``queue``: its place in the queue if the queue is
     limited, and ``tenant``'s slot (``woken``: the message is a re-published parked job)."""
     from django_fair_jobs import limits
-    from django_fair_jobs.models import TenantQueueSlot
+    from django_fair_jobs.models import ParkedJob, TenantQueueSlot
     from django_fair_jobs.workers import current_process_id
 
     if limits.is_limited(queue):
@@ -125,6 +129,10 @@ def acquire(
         if acquired.status != "unlimited":
             return acquired
     if tenant is None:
+        # No slot to take. A woken job (its queue's limit was cleared while it waited)
+        # takes its parked row with it; a copy that finds none was started already.
+        if woken and not ParkedJob.objects.filter(task_id=task_id).delete()[0]:
+            return Acquisition("stale")
         return Acquisition("held", Grant(None, task_id, uuid.uuid4()))
     return TenantQueueSlot.objects.try_acquire(
         tenant=tenant,
@@ -343,7 +351,7 @@ def publish(job: Woken, app: Celery | None = None) -> None:
         sig.options["headers"] = {**(sig.options.get("headers") or {}), WAKE_HEADER: job.wake}
         from django_fair_jobs.task import FairTask
 
-        if isinstance(celery_app.tasks.get(sig.task), FairTask):
+        if isinstance(celery_app.tasks.get(sig.task or ""), FairTask):
             sig.apply_async(fair_wake=job.wake)
         else:
             sig.apply_async()  # a plain task (queue limits) knows no fair_* option

@@ -239,3 +239,18 @@ def test_busy_worker__cpu_bound_job__heartbeat_not_starved_never_over_admitted(
     assert stalest < settings.FAIR_JOBS_WORKER_TIMEOUT
     wait_finished([follower.id], timeout=30)
     assert max_overlap(runs([spin.id, follower.id])) == 1
+
+
+def test_limit_cleared_while_jobs_wait__each_runs_once(
+    start_worker: Callable[..., Worker], settings: Any
+) -> None:
+    limits.set_limits("limited", max_jobs=0)
+    start_worker("a", concurrency=2, queues="limited", extra_env=PLAIN)
+    ids = [tasks.plain_job.delay("c", 0.01).id for _ in range(2)]
+    wait_for(lambda: QueueLimit.objects.get(queue="limited").parked_jobs == 2, 20, "2 parked")
+    call_command("fair_jobs_limit", "limited", "--clear")
+    wait_finished(ids, timeout=20)
+    # Past the timeout a woken row left behind would be woken (and run) again.
+    time.sleep(settings.FAIR_JOBS_WORKER_TIMEOUT + 2 * settings.FAIR_JOBS_HEARTBEAT_INTERVAL)
+    assert not ParkedJob.objects.exists()
+    assert JobRun.objects.filter(task_id__in=ids).count() == 2

@@ -101,8 +101,9 @@ WITH waiting AS (
             wake_count)
     SELECT id, %(task_id)s, %(task_name)s, %(signature)s, %(limit)s, now(), NULL, 0 FROM slot
     ON CONFLICT (task_id) DO UPDATE
-       SET woken_at = NULL, slot_id = EXCLUDED.slot_id, signature = EXCLUDED.signature,
-           task_name = EXCLUDED.task_name, default_max_jobs = EXCLUDED.default_max_jobs
+       SET woken_at = NULL, slot_id = EXCLUDED.slot_id, queue_limit_id = NULL,
+           signature = EXCLUDED.signature, task_name = EXCLUDED.task_name,
+           default_max_jobs = EXCLUDED.default_max_jobs
     RETURNING p.id
 )
 SELECT CASE WHEN EXISTS (SELECT 1 FROM parked) THEN 'parked'
