@@ -448,25 +448,8 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         """
         from django_fair_jobs.models import ParkedJob
 
-        waiting = models.Subquery(
-            ParkedJob.objects.filter(
-                slot_id=models.OuterRef("pk"), woken_at__isnull=True, queue_limit__isnull=True
-            )
-            .order_by()
-            .values("slot_id")
-            .annotate(n=models.Count("pk"))
-            .values("n")
-        )
-        suspects = list(
-            self.annotate(waiting=Coalesce(waiting, 0))
-            .exclude(parked_jobs=F("waiting"))
-            .values_list("pk", flat=True)
-        )
-        for slot_id in suspects:
-            with transaction.atomic(using=self._alias()):
-                list(self.select_for_update().filter(pk=slot_id).values_list("pk"))
-                self.filter(pk=slot_id).update(parked_jobs=Coalesce(waiting, 0))
-        return len(suspects)
+        waiting = ParkedJob.objects.filter(woken_at__isnull=True, queue_limit__isnull=True)
+        return _reconcile_parked(self, waiting, "slot_id")
 
 
 class SlotLeaseManager(models.Manager["SlotLease"]):
@@ -954,23 +937,32 @@ class QueueLimitManager(models.Manager["QueueLimit"]):
         line; returns how many rows were fixed (each under its row lock)."""
         from django_fair_jobs.models import ParkedJob
 
-        waiting = models.Subquery(
-            ParkedJob.objects.filter(queue_limit_id=models.OuterRef("pk"), woken_at__isnull=True)
-            .order_by()
-            .values("queue_limit_id")
-            .annotate(n=models.Count("pk"))
-            .values("n")
-        )
-        suspects = list(
-            self.annotate(waiting=Coalesce(waiting, 0))
-            .exclude(parked_jobs=F("waiting"))
-            .values_list("pk", flat=True)
-        )
-        for queue_id in suspects:
-            with transaction.atomic(using=self._alias()):
-                list(self.select_for_update().filter(pk=queue_id).values_list("pk"))
-                self.filter(pk=queue_id).update(parked_jobs=Coalesce(waiting, 0))
-        return len(suspects)
+        waiting = ParkedJob.objects.filter(woken_at__isnull=True)
+        return _reconcile_parked(self, waiting, "queue_limit_id")
+
+
+def _reconcile_parked(manager: Any, waiting: models.QuerySet[ParkedJob], key: str) -> int:
+    """Set ``parked_jobs`` of the rows of ``manager`` (tenant slots or queue rows) that
+    disagree with their ``waiting`` parked rows (linked by ``key``); returns how many.
+    Each row is fixed under its row lock, so parks and wakes (which update the row) cannot
+    interleave with the count."""
+    count = models.Subquery(
+        waiting.filter(**{key: models.OuterRef("pk")})
+        .order_by()
+        .values(key)
+        .annotate(n=models.Count("pk"))
+        .values("n")
+    )
+    suspects = list(
+        manager.annotate(waiting=Coalesce(count, 0))
+        .exclude(parked_jobs=F("waiting"))
+        .values_list("pk", flat=True)
+    )
+    for pk in suspects:
+        with transaction.atomic(using=manager._alias()):
+            list(manager.select_for_update().filter(pk=pk).values_list("pk"))
+            manager.filter(pk=pk).update(parked_jobs=Coalesce(count, 0))
+    return len(suspects)
 
 
 def _queue_blocked(row: QueueLimit, node: str) -> bool:
