@@ -264,7 +264,9 @@ def _limited_run(task: Task[Any, Any], run: Any) -> Any:
         if request.is_eager or request.id is None:
             return run(*args, **kwargs)
         queue = slots.request_queue(task)
-        if not is_limited(queue):
+        # A woken copy goes through enter() even if the limit is gone, to consume its
+        # parked row (or be dropped as a stale copy).
+        if not is_limited(queue) and not slots.is_woken(task):
             return run(*args, **kwargs)
         grant = slots.enter(
             task, tenant=None, queue=queue, limit=fair_settings.DEFAULT_MAX_JOBS,

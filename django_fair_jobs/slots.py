@@ -59,6 +59,16 @@ def request_queue(task: Task[Any, Any]) -> str:
     return str(queue or task.app.conf.task_default_queue)
 
 
+def is_woken(task: Task[Any, Any]) -> bool:
+    """True if the current job of ``task`` is a woken parked job's copy: such a copy runs
+    only while its parked row exists, and consumes it. A redelivery (its holder died
+    before acknowledging) is a fresh start instead: the parked row went when the job first
+    started, so as a woken copy it would be dropped as stale and the job lost."""
+    request = task.request
+    redelivered = bool((request.delivery_info or {}).get("redelivered"))
+    return WAKE_HEADER in (request.headers or {}) and not redelivered
+
+
 def enter(
     task: Task[Any, Any],
     *,
@@ -82,11 +92,7 @@ def enter(
     unreachable), or dropped (a stale copy of a woken job). No path loses the job.
     """
     request = task.request
-    # A redelivery (its holder died before acknowledging) is a fresh start, even of a
-    # woken job: its parked row went when it first started, so as a woken copy it would
-    # be dropped as stale and the job lost.
-    redelivered = bool((request.delivery_info or {}).get("redelivered"))
-    woken = WAKE_HEADER in (request.headers or {}) and not redelivered
+    woken = is_woken(task)
     try:
         acquired = acquire(
             tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,

@@ -227,7 +227,7 @@ class FairTask(Task):  # type: ignore[type-arg]
         elif not self.fair_slots and windows.MAX_JOBS_HEADER not in (request.headers or {}):
             tenant = None  # rerouting only: no tenant slot
         queue = slots.request_queue(self)
-        if tenant is None and not limits.is_limited(queue):
+        if tenant is None and not limits.is_limited(queue) and not slots.is_woken(self):
             return super().__call__(*args, **kwargs)
         grant = slots.enter(
             self,

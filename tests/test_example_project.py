@@ -77,11 +77,12 @@ def test_fairbench__runs_every_mode_through_real_workers_and_cleans_up(tmp_path:
         assert report["modes"][mode]["leftover"] == {
             "leases": 0, "parked": 0, "parked_rows": 0, "slot_jobs": 0, "queue_jobs": 0
         }  # fmt: skip
-    # The limit held, by the jobs' own records; plain Celery counts no library statements.
+    # The limit held, by the jobs' own records. Plain Celery jobs send no library statement:
+    # what plain workers count is every process's heartbeat and maintenance.
     assert report["summaries"]["slots"]["peak_jobs"] == 1
-    assert report["summaries"]["plain"]["statements_per_job"] == 0
-    assert report["summaries"]["slots"]["statements_per_job"] >= 2  # acquire + release
-    assert report["summaries"]["reroute"]["statements_per_job"] >= 1  # one count per publish
+    per_job = {mode: s["statements_per_job"] for mode, s in report["summaries"].items()}
+    assert per_job["slots"] - per_job["plain"] >= 2  # acquire + release
+    assert per_job["reroute"] - per_job["plain"] >= 1  # one count per publish
     assert (out / "tiny.png").read_bytes()[:4] == b"\x89PNG"
     # Nothing left behind: records, library rows, worker processes.
     with connection.cursor() as cursor:

@@ -273,3 +273,32 @@ def test_status_command__lists_limits_running_by_node_and_parked(
     assert queue["running"] == 1 and queue["parked"] == 1
     assert queue["running_by_node"] == {"a@host": 1}
     assert queue["oldest_parked_seconds"] is not None
+
+
+@pytest.mark.parametrize("redelivered", [False, True])
+def test_woken_copy__dropped_when_stale__started_afresh_when_redelivered(
+    redelivered: bool,
+) -> None:
+    # A woken copy whose parked row is gone was started by another copy: dropped. But a
+    # redelivery (its holder died before acknowledging) must run, or the job is lost.
+    from celery.exceptions import Ignore
+
+    from django_fair_jobs.slots import WAKE_HEADER
+    from tests.testapp import tasks
+
+    task = tasks.no_tenant
+    task.push_request(
+        id=f"woken-{redelivered}",
+        headers={WAKE_HEADER: 1},
+        delivery_info={"routing_key": "fair", "redelivered": redelivered},
+        hostname="t@h",
+        is_eager=False,
+    )
+    try:
+        if redelivered:
+            assert task(21) == 42
+        else:
+            with pytest.raises(Ignore):
+                task(21)
+    finally:
+        task.pop_request()

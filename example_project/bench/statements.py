@@ -1,9 +1,10 @@
 """Count the SQL statements a process sends to the library's tables.
 
 Installed in every process of the example project (see ``BenchConfig.ready``). The count
-covers everything the library does for a job: acquire, park, release, wake, heartbeats and
+covers everything the library does: acquire, park, release, wake, heartbeats and
 maintenance. The jobs' own records go to other tables and are not counted, so a plain
-Celery task counts 0.
+Celery task adds nothing; plain workers count only the heartbeat and maintenance that every
+worker process runs (a few statements per process per heartbeat interval).
 """
 
 from __future__ import annotations
