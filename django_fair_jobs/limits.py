@@ -74,8 +74,22 @@ def limited_queues(*, refresh: bool = False) -> frozenset[str]:
 
 
 def is_limited(queue: str) -> bool:
-    """True if ``queue`` has a cluster-wide or per-worker limit (0 included)."""
-    return queue in limited_queues()
+    """True if ``queue`` has a cluster-wide or per-worker limit (0 included), or is still
+    draining jobs taken under one.
+
+    If the database cannot be read, the last set read stands; a process that never read
+    it answers True, so the job goes through the slot path, which postpones it through the
+    broker until the database is back (a limit is never skipped for want of a read)."""
+    from django.db import DatabaseError
+
+    try:
+        return queue in limited_queues()
+    except DatabaseError:
+        logger.warning("Could not read the queue limits; using the last ones read")
+        if _cache.pid != os.getpid():
+            return True
+        _cache.loaded_at = time.monotonic()  # retry after REFRESH_SECONDS, not per job
+        return queue in _cache.queues
 
 
 def validate(value: Any, what: str) -> int | None:

@@ -403,9 +403,9 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
             running = SlotLease.objects.filter(slot_id=slot_id, task_id=models.OuterRef("task_id"))
             # Same choice as the PostgreSQL statement: the oldest job with room under its own
             # limit whose task holds no lease on the slot.
-            candidates = ParkedJob.objects.filter(slot_id=slot_id, woken_at__isnull=True).exclude(
-                models.Exists(running)
-            )
+            candidates = ParkedJob.objects.filter(
+                slot_id=slot_id, woken_at__isnull=True, queue_limit__isnull=True
+            ).exclude(models.Exists(running))
             if slot["max_jobs"] is None:
                 candidates = candidates.filter(default_max_jobs__gt=slot["current_jobs"])
             elif slot["current_jobs"] >= slot["max_jobs"]:
@@ -582,18 +582,24 @@ class ParkedJobManager(models.Manager["ParkedJob"]):
         """Delete the parked row of ``task_id`` (a revoked job), fixing the counter."""
         from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
+        found = self.filter(task_id=task_id).values_list("queue_limit_id", "slot_id").first()
+        if found is None:
+            return
+        queue_id, slot_id = found
+        waiting_on: models.QuerySet[Any] = (
+            QueueLimit.objects.filter(pk=queue_id)
+            if queue_id is not None
+            else TenantQueueSlot.objects.filter(pk=slot_id or 0)
+        )
         with transaction.atomic(using=router.db_for_write(self.model)):
+            # The counter's row first, then the parked row: the order of park and wake.
+            list(waiting_on.select_for_update().values_list("pk"))
             job = self.select_for_update().filter(task_id=task_id).first()
             if job is None:
                 return
             job.delete()
-            if job.woken_at is not None:
-                return
-            if job.queue_limit_id is not None:
-                waiting_on: models.QuerySet[Any] = QueueLimit.objects.filter(pk=job.queue_limit_id)
-            else:
-                waiting_on = TenantQueueSlot.objects.filter(pk=job.slot_id or 0)
-            waiting_on.filter(parked_jobs__gt=0).update(parked_jobs=F("parked_jobs") - 1)
+            if job.woken_at is None:
+                waiting_on.filter(parked_jobs__gt=0).update(parked_jobs=F("parked_jobs") - 1)
 
 
 UNCHANGED: Any = object()
@@ -609,8 +615,15 @@ class QueueLimitManager(models.Manager["QueueLimit"]):
         return router.db_for_write(self.model)
 
     def limits(self) -> dict[str, tuple[int | None, int | None]]:
-        """``{queue: (max_jobs, max_jobs_per_worker)}`` of every queue with a limit set."""
-        rows = self.filter(Q(max_jobs__isnull=False) | Q(max_jobs_per_worker__isnull=False))
+        """``{queue: (max_jobs, max_jobs_per_worker)}`` of every queue with a limit set, or
+        still draining (jobs holding a place or waiting in line after its limit was
+        cleared: they must be given back and woken through the queue's row)."""
+        rows = self.filter(
+            Q(max_jobs__isnull=False)
+            | Q(max_jobs_per_worker__isnull=False)
+            | Q(current_jobs__gt=0)
+            | Q(parked_jobs__gt=0)
+        )
         return {
             queue: (max_jobs, per_worker)
             for queue, max_jobs, per_worker in rows.values_list(
@@ -927,7 +940,8 @@ class QueueLimitManager(models.Manager["QueueLimit"]):
             caps = [] if row.max_jobs is None else [row.max_jobs]
             if row.max_jobs_per_worker is not None:
                 caps.append(row.max_jobs_per_worker * max(live_nodes, 1))
-            room = (min(caps) if caps else row.parked_jobs) - row.current_jobs
+            # Without a cap (a limit just cleared) every waiting job may start at once.
+            room = min(caps) - row.current_jobs if caps else row.parked_jobs
             if room > 0:
                 wanted.append((row.pk, min(room, row.parked_jobs)))
         return wanted

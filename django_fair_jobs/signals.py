@@ -46,10 +46,14 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
 
 @worker_process_init.connect
 def _on_process_init(**kwargs: Any) -> None:
-    # A prefork child starts: it beats (and reaps) from now on.
+    # A prefork child starts: it beats (and reaps) from now on. It registers from a thread
+    # of its own, whose database connection is its own: the main thread may still hold a
+    # connection inherited from the parent until Celery's Django fixup drops it.
+    import threading
+
     from django_fair_jobs.workers import start_process
 
-    start_process()
+    threading.Thread(target=start_process, name="fair-jobs-register", daemon=True).start()
 
 
 @worker_ready.connect
@@ -93,3 +97,9 @@ def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: An
         forget_task(str(task_id), terminated=bool(terminated))
     except Exception:
         logger.exception("Could not drop the slots of revoked job %s", task_id)
+    finally:
+        # In prefork this runs in the parent: pool processes forked later must not
+        # inherit its database connection.
+        from django.db import connections
+
+        connections.close_all()

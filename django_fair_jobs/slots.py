@@ -165,10 +165,20 @@ def postpone(
     logger.warning(
         "%s[%s]: %s; re-published to run in %.1f s", task.name, request.id, reason, countdown
     )
-    # A woken copy stays marked as one, so that it still cannot run after another copy.
-    wake = (request.headers or {}).get(WAKE_HEADER)
-    options = {} if wake is None else {"fair_wake": wake}
-    task.signature_from_request(request, args, kwargs, countdown=countdown).apply_async(**options)
+    # A woken copy stays marked as one, so that it still cannot run after another copy. A
+    # redelivery is a fresh start (see is_woken) and must come back as one: unmarked.
+    headers = dict(request.headers or {})
+    wake = headers.pop(WAKE_HEADER, None) if is_woken(task) else None
+    headers.pop(WAKE_HEADER, None)
+    sig = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
+    if wake is not None:
+        sig.options["headers"] = {**headers, WAKE_HEADER: wake}
+    from django_fair_jobs.task import FairTask
+
+    if wake is not None and isinstance(task, FairTask):
+        sig.apply_async(fair_wake=wake)
+    else:
+        sig.apply_async()
 
 
 def refuse(

@@ -64,6 +64,9 @@ def start_process() -> None:
         current_process_id()
     except Exception:
         logger.exception("Could not register this worker process; will retry at the first job")
+    finally:
+        # The heartbeat thread has its own connection; this thread's is not needed again.
+        connections.close_all()
 
 
 def current_node_id() -> uuid.UUID:

@@ -302,3 +302,77 @@ def test_woken_copy__dropped_when_stale__started_afresh_when_redelivered(
                 task(21)
     finally:
         task.pop_request()
+
+
+def test_limit_cleared_while_jobs_run__waiting_jobs_woken_at_once__queue_drains_on_its_row(
+    take: Take, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limits.set_limits("hooks", max_jobs=1)
+    _, running = take("j1")
+    assert park("j2") == "parked"
+    woken: list[str] = []
+    monkeypatch.setattr(
+        "django_fair_jobs.slots.publish", lambda job, app=None: woken.append(job.task_id)
+    )
+    limits.set_limits("hooks", max_jobs=None)
+    assert woken == ["j2"]  # not left waiting for j1 to finish
+    # j1 still holds a place: the queue stays on the limited path until it is given back.
+    assert "hooks" in limits.limited_queues(refresh=True)
+    assert QueueLimit.objects.release(running) is not None  # type: ignore[arg-type]
+    assert "hooks" not in limits.limited_queues(refresh=True)
+
+
+def test_tenant_wake__never_takes_a_job_waiting_in_a_queue_line(take: Take) -> None:
+    limits.set_limits("hooks", max_jobs=1)
+    take("j1", tenant="acme", limit=1)
+    assert park("j2", tenant="acme", limit=1) == "parked"
+    slot = TenantQueueSlot.objects.get(tenant="acme", queue="hooks")
+    TenantQueueSlot.objects.filter(pk=slot.pk).update(max_jobs=5)
+    assert TenantQueueSlot.objects.wake_one(slot.pk) is None
+    assert ParkedJob.objects.get().woken_at is None
+
+
+def test_is_limited__database_down_before_any_read__takes_the_slot_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django.db import OperationalError
+
+    def down(**kwargs: object) -> frozenset[str]:
+        raise OperationalError("down")
+
+    monkeypatch.setattr(limits, "limited_queues", down)
+    monkeypatch.setattr(limits._cache, "pid", -1)
+    assert limits.is_limited("anything") is True
+
+
+@pytest.mark.parametrize("redelivered", [False, True])
+def test_postpone__keeps_the_wake_mark_only_on_a_woken_copy(
+    redelivered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery.canvas import Signature
+
+    from django_fair_jobs import slots
+    from tests.testapp import tasks
+
+    sent: list[tuple[dict[str, object], dict[str, object]]] = []
+    monkeypatch.setattr(
+        Signature, "apply_async", lambda self, **kw: sent.append((dict(self.options), kw))
+    )
+    task = tasks.limited1
+    task.push_request(
+        id="p1",
+        headers={slots.WAKE_HEADER: 3, "fair_tenant": "acme"},
+        delivery_info={"routing_key": "fair", "redelivered": redelivered},
+        is_eager=False,
+    )
+    try:
+        slots.postpone(task, ("acme",), {}, countdown=1, reason="test")
+    finally:
+        task.pop_request()
+    ((options, kwargs),) = sent
+    headers = options.get("headers") or {}
+    assert isinstance(headers, dict)
+    if redelivered:
+        assert slots.WAKE_HEADER not in headers and "fair_wake" not in kwargs
+    else:
+        assert headers[slots.WAKE_HEADER] == 3 and kwargs == {"fair_wake": 3}
