@@ -311,10 +311,9 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         from django_fair_jobs.models import ParkedJob
 
         with transaction.atomic(using=self._alias()):
-            if ParkedJob.objects.filter(task_id=task_id, woken_at__isnull=True).exists():
-                return "already_parked"
-            if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
-                return "stale"
+            refused = _park_refused(task_id, woken)
+            if refused is not None:
+                return refused
             updated = self.filter(
                 tenant=tenant, queue=queue, current_jobs__gte=Coalesce(F("max_jobs"), limit)
             ).update(
@@ -832,10 +831,9 @@ class QueueLimitManager(models.Manager["QueueLimit"]):
         from django_fair_jobs.models import ParkedJob, TenantQueueSlot
 
         with transaction.atomic(using=self._alias()):
-            if ParkedJob.objects.filter(task_id=task_id, woken_at__isnull=True).exists():
-                return "already_parked"
-            if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
-                return "stale"
+            refused = _park_refused(task_id, woken)
+            if refused is not None:
+                return refused
             row = self.select_for_update().filter(queue=queue).first()
             slot = (
                 None
@@ -977,6 +975,18 @@ def _reconcile_parked(manager: Any, waiting: models.QuerySet[ParkedJob], key: st
             list(manager.select_for_update().filter(pk=pk).values_list("pk"))
             manager.filter(pk=pk).update(parked_jobs=Coalesce(count, 0))
     return len(suspects)
+
+
+def _park_refused(task_id: str, woken: bool) -> ParkOutcome | None:
+    """The ORM path's answer before any park: the job is already waiting (a duplicate
+    delivery), or it is a woken copy whose parked row another copy took; else None."""
+    from django_fair_jobs.models import ParkedJob
+
+    if ParkedJob.objects.filter(task_id=task_id, woken_at__isnull=True).exists():
+        return "already_parked"
+    if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
+        return "stale"
+    return None
 
 
 def _queue_blocked(row: QueueLimit, node: str) -> bool:
