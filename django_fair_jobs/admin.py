@@ -11,6 +11,8 @@ from django.http import HttpRequest
 
 from django_fair_jobs.models import (
     ParkedJob,
+    PlannedJob,
+    PlannerTenant,
     QueueLimit,
     RerouteCount,
     SlotLease,
@@ -28,10 +30,12 @@ if TYPE_CHECKING:
     _WindowAdmin = admin.ModelAdmin[TenantWindow]
     _RerouteAdmin = admin.ModelAdmin[RerouteCount]
     _QueueAdmin = admin.ModelAdmin[QueueLimit]
+    _PlannedAdmin = admin.ModelAdmin[PlannedJob]
+    _PlannerTenantAdmin = admin.ModelAdmin[PlannerTenant]
 else:
     _LeaseInline = admin.TabularInline
     _SlotAdmin = _ParkedAdmin = _ProcessAdmin = _WindowAdmin = _RerouteAdmin = admin.ModelAdmin
-    _QueueAdmin = admin.ModelAdmin
+    _QueueAdmin = _PlannedAdmin = _PlannerTenantAdmin = admin.ModelAdmin
 
 
 class _ReadOnly:
@@ -319,3 +323,63 @@ class RerouteCountAdmin(_ReadOnly, _RerouteAdmin):
     list_filter = ("queue", "task_name")
     search_fields = ("tenant",)
     ordering = ("-last_at",)
+
+
+@admin.register(PlannedJob)
+class PlannedJobAdmin(_ReadOnly, _PlannedAdmin):
+    """Jobs in the planners' virtual queues (not promoted yet) and promoted ones that have
+    not started (read-only; revoke a job with Celery to drop it)."""
+
+    list_display = ("task_id", "task_name", "tenant", "queue", "enqueued_at", "promoted_at")
+    list_filter = ("task_name", "queue")
+    search_fields = ("task_id", "tenant")
+    ordering = ("id",)
+
+
+@admin.register(PlannerTenant)
+class PlannerTenantAdmin(_PlannerTenantAdmin):
+    """Each tenant's backlog in each planner: jobs pending and the oldest's age; pause or
+    resume a tenant's promotion."""
+
+    list_display = ("tenant", "task_name", "pending", "oldest_pending", "paused",
+                    "promoted_total", "pass_value")  # fmt: skip
+    list_filter = ("task_name", "paused")
+    search_fields = ("tenant",)
+    ordering = ("task_name", "tenant")
+    fields = readonly_fields = ("task_name", "tenant", "paused", "promoted_total", "pass_value")
+    actions = ("pause_promotion", "resume_promotion")
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        from django_fair_jobs.planner import status
+
+        # One pass for the page: every tenant's backlog, by task.
+        self._backlog = {
+            (plan["task"], t["tenant"]): t for plan in status() for t in plan["tenants"]
+        }
+        return super().changelist_view(request, extra_context)
+
+    def _of(self, obj: PlannerTenant) -> dict[str, Any]:
+        found: dict[str, Any] = getattr(self, "_backlog", {}).get((obj.task_name, obj.tenant), {})
+        return found
+
+    @admin.display(description="pending")
+    def pending(self, obj: PlannerTenant) -> int:
+        return int(self._of(obj).get("pending", 0))
+
+    @admin.display(description="oldest pending (s)")
+    def oldest_pending(self, obj: PlannerTenant) -> str:
+        age = self._of(obj).get("oldest_pending_seconds")
+        return "-" if age is None else f"{age:g}"
+
+    @admin.action(description="Pause promotion of the selected tenants", permissions=["change"])
+    def pause_promotion(self, request: HttpRequest, queryset: QuerySet[PlannerTenant]) -> None:
+        count = queryset.update(paused=True)
+        self.message_user(request, f"Paused {count} tenant(s); their jobs wait, none is lost.")
+
+    @admin.action(description="Resume promotion of the selected tenants", permissions=["change"])
+    def resume_promotion(self, request: HttpRequest, queryset: QuerySet[PlannerTenant]) -> None:
+        count = queryset.update(paused=False)
+        self.message_user(request, f"Resumed {count} tenant(s) from the next planner run.")

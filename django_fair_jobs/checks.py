@@ -19,6 +19,10 @@ Ids are stable:
 * ``fair_jobs.E013`` ``FAIR_JOBS_QUEUE_LIMITS`` or ``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` is not
   a mapping of queue names to whole numbers >= 0.
 * ``fair_jobs.E014`` ``FAIR_JOBS_LIMIT_PLAIN_TASKS`` is not True or False.
+* ``fair_jobs.E015`` a task's ``fair_plan`` is invalid (unknown key, ``enqueue_interval`` or
+  ``enqueue_jobs`` missing or not positive, ``tenant_weights`` not a callable or the dotted
+  path of one).
+* ``fair_jobs.E016`` a ``FAIR_JOBS_PLANNER_*`` setting is invalid.
 * ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
   (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
   worker consumes it.
@@ -35,6 +39,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from django_fair_jobs.conf import ON_LIMIT_CHOICES, PREFIX, fair_settings
+from django_fair_jobs.planner import plan_errors
 from django_fair_jobs.windows import queue_name, rule_errors, scope_error
 
 
@@ -87,6 +92,23 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         'a dict of queue names to whole numbers >= 0, e.g. {"webhooks": 1} (0 pauses)',
     ),
     ("LIMIT_PLAIN_TASKS", "fair_jobs.E014", lambda v: isinstance(v, bool), "True or False"),
+    ("PLANNER_LATENCY_THRESHOLD", "fair_jobs.E016", lambda v: _number(v, 0, False), "seconds >= 0"),
+    ("PLANNER_LOCK_TTL", "fair_jobs.E016", lambda v: _number(v, 0, True), "seconds > 0"),
+    (
+        "PLANNER_QUEUE",
+        "fair_jobs.E016",
+        lambda v: isinstance(v, str) and bool(v),
+        "a queue name",
+    ),
+    (
+        "PLANNER_TENANT_WEIGHTS",
+        "fair_jobs.E016",
+        lambda v: (
+            v is None
+            or not plan_errors({"enqueue_interval": 1, "enqueue_jobs": 1, "tenant_weights": v})
+        ),
+        "None, a callable or the dotted path of one",
+    ),
     (
         "WINDOW_SCOPE",
         "fair_jobs.E010",
@@ -182,6 +204,16 @@ def check_task_rules(
                     'or timedelta (optional, default the maximum window), "max_jobs": int '
                     "(optional)}.",
                     id="fair_jobs.E011",
+                )
+            )
+        for problem in plan_errors(task.fair_plan):
+            messages.append(
+                checks.Error(
+                    f"Task {task.name}: fair_plan: {problem}.",
+                    hint='fair_plan = {"enqueue_interval": seconds, "enqueue_jobs": N} plus '
+                    "optional tenant_weights, latency_threshold, planner_queue, "
+                    "planner_lock_ttl.",
+                    id="fair_jobs.E015",
                 )
             )
         scope = task.fair_window_scope

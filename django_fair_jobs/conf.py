@@ -149,6 +149,42 @@ class Settings:
         return value
 
     @property
+    def PLANNER_TENANT_WEIGHTS(self) -> Any:
+        """Default ``tenant_weights`` of a ``fair_plan``: a callable or its dotted path,
+        given the tenant ids with jobs due and returning ``{tenant: weight}``. Default None:
+        every tenant weighs 1."""
+        return self._get("PLANNER_TENANT_WEIGHTS", None, str)
+
+    @property
+    def PLANNER_LATENCY_THRESHOLD(self) -> float:
+        """Default ``latency_threshold`` (seconds) of a ``fair_plan``: a run promotes nothing
+        while the oldest promoted, not yet started job is older than this. Default 60."""
+        value: float = self._get("PLANNER_LATENCY_THRESHOLD", 60.0, float)
+        return value
+
+    @property
+    def PLANNER_QUEUE(self) -> str:
+        """Default ``planner_queue`` of a ``fair_plan``: the queue of the
+        ``django_fair_jobs.plan`` task, for projects that run planners from Celery beat.
+        Default ``"default"``."""
+        value: str = self._get("PLANNER_QUEUE", "default", str)
+        return value
+
+    @property
+    def PLANNER_LOCK_TTL(self) -> float:
+        """Default ``planner_lock_ttl`` (seconds) of a ``fair_plan``: a planner run holds its
+        task's lock at most this long. Default 60."""
+        value: float = self._get("PLANNER_LOCK_TTL", 60.0, float)
+        return value
+
+    @property
+    def PLANNER_DEFAULT_TENANT(self) -> str | None:
+        """Tenant of a planned job whose tenant resolves to None. Default None: such a job
+        is an error at publish (:class:`~django_fair_jobs.planner.PlanError`)."""
+        value: str | None = self._get("PLANNER_DEFAULT_TENANT", None, str)
+        return value
+
+    @property
     def LIMIT_PLAIN_TASKS(self) -> bool:
         """True: queue limits also apply to tasks that are not ``FairTask``, by a hook the
         worker installs at start-up (no change to the tasks). Default False: only

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from django_fair_jobs.models import (  # noqa: F401
         Maintenance,
         ParkedJob,
+        PlannedJob,
         QueueLimit,
         SlotLease,
         TenantQueueSlot,
@@ -1225,3 +1226,87 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
                 if anchor is not None:
                     WindowBucket.objects.filter(window_id=window_id, second__lt=anchor).delete()
         return len(idle)
+
+
+class PlannedJobManager(models.Manager["PlannedJob"]):
+    """The planner's virtual queues: store, claim and promote, mark started, measure."""
+
+    def _alias(self) -> str:
+        return router.db_for_write(self.model)
+
+    def pending(self, task_name: str) -> dict[str, tuple[int, datetime]]:
+        """``{tenant: (jobs waiting, oldest enqueue)}`` of ``task_name``'s virtual queues,
+        counting only jobs due now (no ``not_before`` in the future)."""
+        rows = (
+            self.filter(task_name=task_name, promoted_at__isnull=True)
+            .filter(Q(not_before__isnull=True) | Q(not_before__lte=Now()))
+            .values("tenant")
+            .annotate(n=models.Count("pk"), oldest=models.Min("enqueued_at"))
+            .values_list("tenant", "n", "oldest")
+        )
+        return {tenant: (n, oldest) for tenant, n, oldest in rows}
+
+    def promote(self, task_name: str, tenant: str, count: int, publish: Any) -> list[str]:
+        """Claim up to ``count`` of ``tenant``'s oldest due jobs (rows another planner holds
+        are skipped, never waited for), ``publish`` each, then mark them promoted, all in
+        one transaction. If a publish fails, nothing is marked and every claimed job stays
+        in line for the next run (at-least-once). Returns the task ids promoted."""
+        with transaction.atomic(using=self._alias()):
+            rows = list(
+                self.select_for_update(skip_locked=True)
+                .filter(task_name=task_name, tenant=tenant, promoted_at__isnull=True)
+                .filter(Q(not_before__isnull=True) | Q(not_before__lte=Now()))
+                .order_by("id")[:count]
+            )
+            for row in rows:
+                publish(row)
+            self.filter(pk__in=[row.pk for row in rows]).update(promoted_at=Now())
+        return [row.task_id for row in rows]
+
+    def latency(self, task_name: str) -> tuple[float | None, int]:
+        """The latency of the queues ``task_name``'s jobs go to: the age in seconds
+        (database clock) of the oldest job promoted to any of them and not started yet (of
+        any planned task), or None; and how many such jobs there are (their depth)."""
+        queues = self.filter(task_name=task_name).values("queue").distinct()
+        promoted = self.filter(queue__in=queues, promoted_at__isnull=False)
+        found = promoted.aggregate(oldest=models.Min("promoted_at"), depth=models.Count("pk"))
+        if found["oldest"] is None:
+            return None, 0
+        age = (database_now(self._alias()) - found["oldest"]).total_seconds()
+        return max(age, 0.0), int(found["depth"])
+
+    def started(self, task_id: str) -> bool:
+        """A job of a planned task starts (or was revoked): its row goes. False if there
+        was none (a retry, or a second copy of a job promoted twice)."""
+        deleted, _ = self.filter(task_id=task_id).delete()
+        return bool(deleted)
+
+    def claim_run(self, task_name: str, *, interval: float, lock_ttl: float) -> uuid.UUID | None:
+        """Take ``task_name``'s planner lock for ``lock_ttl`` seconds if its next run is due
+        and nobody holds the lock; schedule the next run ``interval`` seconds on. Returns the
+        lock token, or None. One conditional UPDATE: two callers cannot both win."""
+        from datetime import timedelta
+
+        from django_fair_jobs.models import PlannerRun
+
+        PlannerRun.objects.get_or_create(task_name=task_name)
+        token = uuid.uuid4()
+        claimed = (
+            PlannerRun.objects.filter(task_name=task_name, next_run_at__lte=Now())
+            .filter(Q(locked_until__isnull=True) | Q(locked_until__lt=Now()))
+            .update(
+                locked_until=Now() + models.Value(timedelta(seconds=lock_ttl)),
+                lock_token=token,
+                next_run_at=Now() + models.Value(timedelta(seconds=interval)),
+                last_run_at=Now(),
+            )
+        )
+        return token if claimed else None
+
+    def finish_run(self, task_name: str, token: uuid.UUID, **outcome: Any) -> None:
+        """Record what a run did and release its lock, only if this run still holds it."""
+        from django_fair_jobs.models import PlannerRun
+
+        PlannerRun.objects.filter(task_name=task_name, lock_token=token).update(
+            locked_until=None, lock_token=None, **outcome
+        )

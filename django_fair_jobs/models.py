@@ -7,6 +7,8 @@
 * :class:`TenantWindow`, :class:`WindowBucket`: enqueue counts for rerouting rules.
 * :class:`RerouteCount`: how many jobs each rule rerouted, per tenant and task.
 * :class:`QueueLimit`: one row per limited queue: its limits and counters.
+* :class:`PlannedJob`, :class:`PlannerTenant`, :class:`PlannerRun`: the fair planner's
+  virtual queues, tenants' standing and runs.
 
 The SQL that changes these rows lives in :mod:`django_fair_jobs.managers`.
 """
@@ -22,6 +24,7 @@ from django.db.models.functions import Now
 from django_fair_jobs.managers import (
     MaintenanceManager,
     ParkedJobManager,
+    PlannedJobManager,
     QueueLimitManager,
     SlotLeaseManager,
     TenantQueueSlotManager,
@@ -393,3 +396,95 @@ class RerouteCount(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant} {self.task_name} -> {self.queue}"
+
+
+class PlannedJob(models.Model):
+    """A job held back by its task's fair planner: in its tenant's virtual queue until
+    promoted (``promoted_at`` empty), then on the broker until it starts (the row is
+    deleted when the job starts, so promoted rows measure the queue's latency).
+
+    ``signature`` re-publishes the job unchanged: task id, arguments, queue, priority,
+    headers, links. ``not_before`` holds a countdown or ETA: the job is not promoted
+    before it."""
+
+    task_name = models.CharField(max_length=255)
+    tenant = models.CharField(max_length=TENANT_MAX_LENGTH)
+    queue = models.CharField(max_length=255, help_text="Where the job goes when promoted.")
+    task_id = models.CharField(max_length=255, unique=True)
+    signature = models.TextField()
+    not_before = models.DateTimeField(null=True, blank=True)
+    enqueued_at = models.DateTimeField(db_default=Now())
+    promoted_at = models.DateTimeField(null=True, blank=True)
+
+    objects = PlannedJobManager()
+
+    class Meta:
+        db_table = "fair_jobs_plannedjob"
+        verbose_name = "planned job"
+        indexes = [
+            # A tenant's virtual queue, FIFO: WHERE task_name, tenant, not promoted ORDER BY id.
+            models.Index(
+                fields=["task_name", "tenant", "id"],
+                name="fair_jobs_planned_pending",
+                condition=models.Q(promoted_at__isnull=True),
+            ),
+            # Latency: the oldest promoted, not yet started job of a queue.
+            models.Index(
+                fields=["queue", "promoted_at"],
+                name="fair_jobs_planned_promoted",
+                condition=models.Q(promoted_at__isnull=False),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}] for {self.tenant}"
+
+
+class PlannerTenant(models.Model):
+    """A tenant's standing in one task's planner: its virtual time (``pass_value``: the
+    weighted count of its promotions, which is what gives the planner memory across runs)
+    and whether an operator paused its promotion."""
+
+    task_name = models.CharField(max_length=255)
+    tenant = models.CharField(max_length=TENANT_MAX_LENGTH)
+    pass_value = models.FloatField(default=0.0)
+    paused = models.BooleanField(
+        default=False, help_text="Paused tenants keep their jobs but are never promoted."
+    )
+    promoted_total = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        db_table = "fair_jobs_plannertenant"
+        verbose_name = "planner tenant"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["task_name", "tenant"], name="fair_jobs_planner_tenant_task"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} in {self.task_name}"
+
+
+class PlannerRun(models.Model):
+    """One task's planner: when it runs next, who holds its lock until when, the virtual
+    time of its tenants, and what its last run did."""
+
+    task_name = models.CharField(max_length=255, primary_key=True)
+    next_run_at = models.DateTimeField(db_default=Now())
+    locked_until = models.DateTimeField(null=True, blank=True)
+    lock_token = models.UUIDField(null=True, blank=True)
+    virtual_time = models.FloatField(default=0.0)
+    last_run_at = models.DateTimeField(null=True, blank=True)
+    last_promoted = models.PositiveIntegerField(default=0)
+    last_latency = models.FloatField(null=True, blank=True)
+    last_skipped = models.BooleanField(
+        default=False, help_text="The last run promoted nothing because of backpressure."
+    )
+
+    class Meta:
+        db_table = "fair_jobs_plannerrun"
+        verbose_name = "planner run"
+
+    def __str__(self) -> str:
+        return self.task_name

@@ -9,14 +9,14 @@ queue's place together.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
 from celery import Task
 from celery.exceptions import Ignore
 
-from django_fair_jobs import limits, slots, windows
+from django_fair_jobs import limits, planner, slots, windows
 from django_fair_jobs.conf import ON_LIMIT_CHOICES, fair_settings
 from django_fair_jobs.slots import WAKE_HEADER
 from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant
@@ -82,6 +82,12 @@ class FairTask(Task):  # type: ignore[type-arg]
     jobs published to ``queue`` (the last matching rule wins). See
     :mod:`django_fair_jobs.windows`."""
 
+    fair_plan: Mapping[str, Any] | None = None
+    """The fair planner: ``{"enqueue_interval": seconds, "enqueue_jobs": N, "tenant_weights":
+    callable or dotted path, "latency_threshold": seconds, "planner_queue": name,
+    "planner_lock_ttl": seconds}``. Jobs wait in their tenant's virtual queue and are
+    promoted in weighted rounds; see :mod:`django_fair_jobs.planner`."""
+
     fair_window_scope: str | None = None
     """What the rules count under: ``"task"``, ``"queue"`` or ``"group:<name>"``.
     None: ``FAIR_JOBS_WINDOW_SCOPE``."""
@@ -143,6 +149,8 @@ class FairTask(Task):  # type: ignore[type-arg]
         :class:`~django_fair_jobs.tenants.TenantError` here, at enqueue.
         """
         headers = dict(options.get("headers") or {})
+        if options.pop("fair_planned", False):
+            headers[planner.PLAN_HEADER] = 1  # a promotion: it goes to the broker
         # The wake number marks one specific re-publish of a parked job; a retry or any
         # other re-publish built from that request must not inherit it.
         headers.pop(WAKE_HEADER, None)
@@ -154,6 +162,16 @@ class FairTask(Task):  # type: ignore[type-arg]
             headers[HEADER] = normalize_tenant(explicit)
         elif HEADER not in headers:
             headers[HEADER] = normalize_tenant(self.fair_tenant(*(args or ()), **(kwargs or {})))
+        if self.fair_plan and planner.PLAN_HEADER not in headers:
+            # A first publish of a planned task waits in its tenant's virtual queue; a
+            # promotion and every re-publish of one (retry, wake-up) carry the header.
+            options["headers"] = headers
+            if link is not None:
+                options["link"] = link
+            if link_error is not None:
+                options["link_error"] = link_error
+            return planner.intercept(self, headers[HEADER], args, kwargs,
+                                     {**options, "task_id": task_id})  # fmt: skip
         rules = self.fair_rules()
         if rules:
             queue = windows.should_count(self, headers, options.get("queue"), args, kwargs)
@@ -167,6 +185,16 @@ class FairTask(Task):  # type: ignore[type-arg]
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, **options
         )
+
+    def bulk_enqueue(
+        self, items: Iterable[tuple[Sequence[Any], Mapping[str, Any]]], **options: Any
+    ) -> list[Any]:
+        """Store many jobs of a planned task (``fair_plan``) in their tenants' virtual
+        queues in one INSERT: ``items`` are ``(args, kwargs)`` pairs, ``options`` apply to
+        each (no ``task_id``). Returns their ``AsyncResult``s."""
+        if not self.fair_plan:
+            raise planner.PlanError(f"{self.name}: bulk_enqueue needs a fair_plan.")
+        return planner.bulk_enqueue(self, self.fair_tenant, items, options)
 
     def _fair_request_tenant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         headers = self.request.headers or {}
@@ -219,6 +247,8 @@ class FairTask(Task):  # type: ignore[type-arg]
         request = self.request
         if request.is_eager or request.id is None:
             return super().__call__(*args, **kwargs)
+        if self.fair_plan and planner.PLAN_HEADER in (request.headers or {}):
+            planner.started(str(request.id))
         tenant = self._fair_request_tenant(args, kwargs)
         if tenant is not None and self.fair_rules() and self._fair_reroute(tenant, args, kwargs):
             raise Ignore()

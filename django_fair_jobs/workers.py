@@ -103,6 +103,9 @@ def _register(node: str) -> _Identity:
         target=_heartbeat_loop, args=(ident,), name="fair-jobs-heartbeat", daemon=True
     )
     ident.thread.start()
+    from django_fair_jobs.planner import start_thread
+
+    start_thread(ident.stop)
     logger.debug("Registered worker process %s (%s pid %s)", ident.process_id, node, ident.pid)
     return ident
 

@@ -242,3 +242,25 @@ def test_queue_limits__listed_with_running_by_node_and_edited_without_touching_c
     added = staff.post("/admin/fair_jobs/queuelimit/add/", {"queue": "email", "max_jobs": "3"})
     assert added.status_code == 302
     assert QueueLimit.objects.get(queue="email").max_jobs == 3
+
+
+def test_planner_tenants__backlog_listed_and_promotion_paused_from_the_admin(staff: Client) -> None:
+    from django_fair_jobs import planner
+    from django_fair_jobs.models import PlannedJob, PlannerTenant
+    from tests.testapp import tasks
+
+    tasks.planned.delay("acme")
+    tasks.planned.delay("other")
+    call_command("fair_jobs_plan", tasks.planned.name)  # creates the tenants' rows
+    tasks.planned.delay("acme")
+    tasks.planned.delay("other")
+    page = staff.get("/admin/fair_jobs/plannertenant/")
+    assert page.status_code == 200 and b"acme" in page.content
+    acme = PlannerTenant.objects.get(tenant="acme")
+    staff.post(
+        "/admin/fair_jobs/plannertenant/",
+        {"action": "pause_promotion", "_selected_action": [str(acme.pk)]},
+    )
+    report = planner.run(tasks.planned, due_only=False)
+    assert report is not None and report.counts == {"other": 1}
+    assert PlannedJob.objects.filter(tenant="acme", promoted_at__isnull=True).count() == 1

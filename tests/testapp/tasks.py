@@ -171,3 +171,29 @@ def plain_spin(self: Any, tenant: str, seconds: float) -> str:
         n += sum(i * i for i in range(1000))
     JobRun.objects.filter(pk=run.pk).update(finished_at=Now())
     return f"{tenant}:done"
+
+
+PLAN_WEIGHTS: dict[str, float] = {}
+"""Weights of the ``planned`` task's tenants (tests set them); a tenant not named weighs 1."""
+
+
+def plan_weights(tenants: list[str]) -> dict[str, float]:
+    """``tenant_weights`` of ``planned``: called with the tenants that have jobs due."""
+    return {tenant: PLAN_WEIGHTS.get(tenant, 1) for tenant in tenants}
+
+
+@shared_task(
+    base=TenantFromFirstArg,
+    bind=True,
+    queue="fair",
+    fair_slots=False,
+    fair_plan={
+        "enqueue_interval": 0.5,
+        "enqueue_jobs": 100,
+        "tenant_weights": "tests.testapp.tasks.plan_weights",
+        "latency_threshold": 30,
+    },
+)
+def planned(self: Any, tenant: str, duration: float = 0.01) -> str:
+    """A planned job: it waits in its tenant's virtual queue until a planner promotes it."""
+    return _run(self, tenant, duration)

@@ -9,12 +9,14 @@ from django.core.management.base import BaseCommand, CommandParser
 
 
 class Command(BaseCommand):
-    """Print every limited queue: limits, jobs running by node, parked, oldest parked age."""
+    """Print every limited queue (limits, jobs running by node, parked, oldest parked age)
+    and every planner (last run, and per tenant jobs pending and the oldest's age)."""
 
     help = (
         "Show, per queue with stored limits: the cluster-wide and per-worker limits (0: "
         "paused), jobs running in all and on each worker node, jobs parked in its line and "
-        "how long the oldest has waited (database clock)."
+        "how long the oldest has waited (database clock); per planned task, its last run "
+        "and each tenant's pending jobs and oldest wait."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -22,14 +24,27 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         from django_fair_jobs.limits import queue_status
+        from django_fair_jobs.planner import status as planner_status
 
         queues = queue_status()
+        planners = planner_status()
         if options["json"]:
-            self.stdout.write(json.dumps({"queues": queues}, indent=2))
+            self.stdout.write(json.dumps({"queues": queues, "planners": planners}, indent=2))
             return
         if not queues:
             self.stdout.write("No queue limits stored (see fair_jobs_limit).")
-            return
+        for plan in planners:
+            skipped = " (skipped: queue latency above threshold)"
+            self.stdout.write(
+                f"planner {plan['task']}: last run {plan['last_run_at'] or 'never'}, promoted "
+                f"{plan['last_promoted'] or 0}"
+                + (skipped if plan["last_skipped_for_backpressure"] else "")
+            )
+            for t in plan["tenants"]:
+                oldest = t["oldest_pending_seconds"]
+                wait = "" if oldest is None else f", oldest waiting {oldest:g} s"
+                paused = " PAUSED" if t["paused"] else ""
+                self.stdout.write(f"    {t['tenant']}{paused}: {t['pending']} pending{wait}")
         for q in queues:
             paused = " PAUSED" if q["paused"] else ""
             self.stdout.write(

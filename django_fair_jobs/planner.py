@@ -1,0 +1,497 @@
+"""Mechanism C, the fair planner: per-tenant virtual queues in the database, promoted to
+the broker in weighted rounds that remember past rounds, held back while the queue lags.
+
+A task with ``fair_plan = {"enqueue_interval": 60, "enqueue_jobs": 100, ...}`` publishes
+nothing at ``delay()``: the job (arguments, task id, queue, priority, headers, links and
+its countdown or ETA) is stored in its tenant's virtual queue (:class:`PlannedJob`), FIFO,
+and ``AsyncResult`` for its task id works as usual. Every ``enqueue_interval`` seconds one
+planner run per task (a row lock with a TTL: at most one at a time, and two at once are
+still safe) promotes up to ``enqueue_jobs`` jobs across the tenants with jobs due, by the
+weights ``tenant_weights(tenant_ids)`` returns.
+
+**Weighted fair with memory (stride scheduling).** Each tenant has a virtual time, its
+``pass``: every promotion adds ``1 / weight`` to it, and each promotion goes to the tenant
+with the lowest pass (ties by tenant id). Passes are kept between runs, so a tenant
+promoted little in one run is first in the next, and over many runs each backlogged
+tenant's share of promotions converges to its share of the weights: after any number of
+promotions, a backlogged tenant's count is within one of its exact weighted share. A tenant
+that was idle re-enters at the current virtual time (it gets no credit for being idle).
+
+**Bound on waiting.** A tenant of weight ``w`` whose jobs become due, among tenants of
+total weight ``W`` (its own included), ``n`` of them, is promoted within
+``ceil(((W - w) / w + n) / enqueue_jobs) + 1`` runs, whatever the others' backlogs.
+
+**Backpressure.** Before promoting, the run measures the latency of the queues its jobs go
+to from our own rows: the age of the oldest job promoted there and not yet started (a job's
+row is deleted when it starts). Strictly above ``latency_threshold`` seconds, the run promotes
+nothing; at the threshold it proceeds.
+
+**At-least-once.** A run claims a tenant's oldest rows with ``FOR UPDATE SKIP LOCKED``,
+publishes them, and marks them promoted in the same transaction: a crash between the
+publish and the commit leaves them in line, and the next run publishes them again with the
+same task id (the duplicate is visible as a second start of that id). Two runs at once
+never publish the same job twice, because each claims rows the other skips.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.utils import timezone
+from django.utils.module_loading import import_string
+from kombu.utils.json import dumps, loads
+
+from django_fair_jobs.conf import fair_settings
+
+if TYPE_CHECKING:
+    from celery import Celery, Task
+    from celery.result import AsyncResult
+
+    from django_fair_jobs.models import PlannedJob
+
+logger = logging.getLogger("django_fair_jobs.planner")
+
+PLAN_HEADER = "fair_plan"
+"""Message header of a promoted job: it passes straight through (a retry of it too), and
+its start deletes its row."""
+
+REQUIRED_KEYS = ("enqueue_interval", "enqueue_jobs")
+KNOWN_KEYS = frozenset(
+    {*REQUIRED_KEYS, "tenant_weights", "latency_threshold", "planner_queue", "planner_lock_ttl"}
+)
+
+
+class PlanError(ValueError):
+    """A ``fair_plan`` that cannot work, or a planned job that cannot be stored (no
+    tenant); raised at publish, never in the planner."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated ``fair_plan``, settings defaults filled in."""
+
+    enqueue_interval: float
+    enqueue_jobs: int
+    tenant_weights: Callable[[list[str]], Mapping[str, Any]] | None
+    latency_threshold: float
+    planner_queue: str
+    planner_lock_ttl: float
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def plan_errors(raw: Any) -> list[str]:
+    """What is wrong with a ``fair_plan`` value (empty if nothing)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, Mapping):
+        return [f"fair_plan must be a dict, got {type(raw).__name__}"]
+    problems = [f"unknown key {key!r}" for key in sorted(set(raw) - KNOWN_KEYS)]
+    for key in REQUIRED_KEYS:
+        if raw.get(key) is None:
+            problems.append(f"{key} is required (how many jobs to promote, and how often)")
+    interval = _seconds(raw.get("enqueue_interval"))
+    if raw.get("enqueue_interval") is not None and (interval is None or interval <= 0):
+        problems.append("enqueue_interval must be seconds > 0 or a timedelta")
+    jobs = raw.get("enqueue_jobs")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        problems.append("enqueue_jobs must be a whole number >= 1")
+    for key in ("latency_threshold", "planner_lock_ttl"):
+        value = raw.get(key)
+        if value is not None and ((_seconds(value) or -1) < 0):
+            problems.append(f"{key} must be seconds >= 0 or a timedelta")
+    weights = raw.get("tenant_weights")
+    if weights is not None:
+        try:
+            _weights_callable(weights)
+        except (ImportError, TypeError) as exc:
+            problems.append(f"tenant_weights {exc}")
+    return problems
+
+
+def _weights_callable(spec: Any) -> Callable[[list[str]], Mapping[str, Any]]:
+    target = import_string(spec) if isinstance(spec, str) else spec
+    if not callable(target):
+        raise TypeError("must be a callable or the dotted path of one")
+    return target  # type: ignore[no-any-return]
+
+
+def parse_plan(raw: Mapping[str, Any]) -> Plan:
+    """Validate ``raw`` and fill in the ``FAIR_JOBS_PLANNER_*`` defaults."""
+    problems = plan_errors(raw)
+    if problems:
+        raise PlanError("; ".join(problems))
+    weights = raw.get("tenant_weights", fair_settings.PLANNER_TENANT_WEIGHTS)
+    return Plan(
+        enqueue_interval=float(_seconds(raw["enqueue_interval"]) or 0),
+        enqueue_jobs=int(raw["enqueue_jobs"]),
+        tenant_weights=None if weights is None else _weights_callable(weights),
+        latency_threshold=float(
+            _seconds(raw.get("latency_threshold", fair_settings.PLANNER_LATENCY_THRESHOLD)) or 0
+        ),
+        planner_queue=str(raw.get("planner_queue") or fair_settings.PLANNER_QUEUE),
+        planner_lock_ttl=float(
+            _seconds(raw.get("planner_lock_ttl", fair_settings.PLANNER_LOCK_TTL)) or 0
+        ),
+    )
+
+
+# Publishing --------------------------------------------------------------------------
+
+
+def _row(
+    task: Task[Any, Any], tenant: Any, args: Any, kwargs: Any, options: dict[str, Any]
+) -> PlannedJob:
+    from django_fair_jobs.models import PlannedJob
+    from django_fair_jobs.tenants import normalize_tenant
+    from django_fair_jobs.windows import declared_queue
+
+    tenant = normalize_tenant(tenant) or fair_settings.PLANNER_DEFAULT_TENANT
+    if tenant is None:
+        raise PlanError(
+            f"{task.name}: the job's tenant is None, so it cannot be planned. Return a tenant "
+            "from fair_tenant(), pass fair_tenant=, or set FAIR_JOBS_PLANNER_DEFAULT_TENANT."
+        )
+    options = dict(options)
+    task_id = str(options.pop("task_id", None) or uuid.uuid4())
+    countdown, eta = options.pop("countdown", None), options.pop("eta", None)
+    not_before = None
+    if eta is not None:
+        not_before = eta if timezone.is_aware(eta) else timezone.make_aware(eta, UTC)
+    elif countdown:
+        not_before = timezone.now() + timedelta(seconds=float(countdown))
+    queue = options.get("queue") or declared_queue(task, args, kwargs)
+    signature = task.signature(args, kwargs, task_id=task_id, **options)
+    return PlannedJob(
+        task_name=task.name,
+        tenant=str(tenant),
+        queue=str(getattr(queue, "name", queue)),
+        task_id=task_id,
+        signature=dumps(dict(signature)),
+        not_before=not_before,
+    )
+
+
+def intercept(
+    task: Task[Any, Any], tenant: Any, args: Any, kwargs: Any, options: dict[str, Any]
+) -> AsyncResult[Any]:
+    """Store a job in its tenant's virtual queue instead of publishing it (one INSERT,
+    no lock shared across tenants); returns its ``AsyncResult``."""
+    row = _row(task, tenant, args, kwargs, options)
+    row.save(force_insert=True)
+    return task.AsyncResult(row.task_id)
+
+
+def bulk_enqueue(
+    task: Task[Any, Any],
+    tenant_of: Callable[..., Any],
+    items: Iterable[tuple[Sequence[Any], Mapping[str, Any]]],
+    options: dict[str, Any],
+) -> list[AsyncResult[Any]]:
+    """Store many jobs in their tenants' virtual queues in one INSERT."""
+    from django_fair_jobs.models import PlannedJob
+
+    rows = [_row(task, tenant_of(*a, **k), tuple(a), dict(k), options) for a, k in items]
+    PlannedJob.objects.bulk_create(rows)
+    return [task.AsyncResult(row.task_id) for row in rows]
+
+
+def started(task_id: str) -> None:
+    """A promoted job starts: its row goes, so it no longer counts in the queue's latency.
+    A database error is logged, never raised (the job still runs)."""
+    from django_fair_jobs.models import PlannedJob
+
+    try:
+        if not PlannedJob.objects.started(task_id):
+            logger.debug("%s started with no planned row (a retry, or a second copy)", task_id)
+    except Exception:
+        logger.exception("Could not mark planned job %s started", task_id)
+
+
+# Planning ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What one run promotes per tenant, and the virtual times after it."""
+
+    counts: dict[str, int]
+    passes: dict[str, float]
+    virtual_time: float
+
+
+def allocate(
+    pending: Mapping[str, int],
+    weights: Mapping[str, float],
+    passes: Mapping[str, float],
+    virtual_time: float,
+    budget: int,
+) -> Allocation:
+    """Stride scheduling: give ``budget`` promotions one at a time to the tenant with the
+    lowest pass among those with jobs left and weight > 0; each promotion adds ``1 /
+    weight`` to its pass. A tenant's pass never starts below ``virtual_time`` (no credit
+    for idle time); ``virtual_time`` advances to the pass of each tenant served."""
+    heap: list[tuple[float, str]] = []
+    new_passes = dict(passes)
+    left = {}
+    for tenant, n in pending.items():
+        weight = weights.get(tenant, 0)
+        if n > 0 and weight > 0:
+            new_passes[tenant] = max(passes.get(tenant, virtual_time), virtual_time)
+            left[tenant] = n
+            heapq.heappush(heap, (new_passes[tenant], tenant))
+    counts: dict[str, int] = {}
+    while budget > 0 and heap:
+        current, tenant = heapq.heappop(heap)
+        virtual_time = max(virtual_time, current)
+        counts[tenant] = counts.get(tenant, 0) + 1
+        left[tenant] -= 1
+        budget -= 1
+        new_passes[tenant] = current + 1.0 / weights[tenant]
+        if left[tenant] > 0:
+            heapq.heappush(heap, (new_passes[tenant], tenant))
+    return Allocation(counts, new_passes, virtual_time)
+
+
+def wait_bound(weight: float, weights: Sequence[float], budget: int) -> int:
+    """The most runs a newly due tenant of ``weight`` waits for its first promotion
+    among tenants of ``weights`` (its own included) with ``budget`` promotions a run."""
+    total = sum(weights)
+    return math.ceil(((total - weight) / weight + len(weights)) / budget) + 1
+
+
+def _weights(plan: Plan, tenants: list[str]) -> dict[str, float]:
+    if plan.tenant_weights is None:
+        return {tenant: 1.0 for tenant in tenants}
+    raw = plan.tenant_weights(list(tenants)) or {}
+    weights: dict[str, float] = {}
+    for tenant, value in raw.items():
+        number = _seconds(value)  # a plain number check
+        if number is None or number < 0:
+            logger.warning("Ignoring weight %r of tenant %r: not a number >= 0", value, tenant)
+            continue
+        weights[str(tenant)] = number
+    return weights
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What one planner run did."""
+
+    task_name: str
+    promoted: int
+    latency: float | None
+    depth: int
+    skipped_for_backpressure: bool
+    counts: dict[str, int]
+
+
+def run(
+    task: Task[Any, Any], app: Celery | None = None, *, due_only: bool = True
+) -> RunReport | None:
+    """Run ``task``'s planner once if it is due (``due_only``) and nobody runs it; returns
+    what it did, or None if it did not run."""
+    from django_fair_jobs.models import PlannedJob, PlannerRun
+
+    plan = parse_plan(task.fair_plan)  # type: ignore[attr-defined]
+    name = task.name
+    if not due_only:
+        # Due a second ago: clear of any rounding between the clocks' text forms (SQLite).
+        due = timezone.now() - timedelta(seconds=1)
+        PlannerRun.objects.filter(task_name=name).update(next_run_at=due)
+    token = PlannedJob.objects.claim_run(
+        name, interval=plan.enqueue_interval, lock_ttl=plan.planner_lock_ttl
+    )
+    if token is None:
+        return None
+    counts: dict[str, int] = {}
+    latency, depth = None, 0
+    skipped = False
+    try:
+        latency, depth = PlannedJob.objects.latency(name)
+        if latency is not None and latency > plan.latency_threshold:
+            skipped = True
+        else:
+            counts = _promote(task, plan, app)
+    finally:
+        PlannedJob.objects.finish_run(
+            name, token, last_promoted=sum(counts.values()), last_latency=latency,
+            last_skipped=skipped,
+        )  # fmt: skip
+    return RunReport(name, sum(counts.values()), latency, depth, skipped, counts)
+
+
+def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, int]:
+    from django.db.models import F
+
+    from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
+
+    name = task.name
+    pending = PlannedJob.objects.pending(name)
+    # Every tenant with jobs due gets its row (pausable in the admin before its first
+    # promotion); a new tenant starts at the current virtual time (see allocate).
+    PlannerTenant.objects.bulk_create(
+        [PlannerTenant(task_name=name, tenant=t) for t in sorted(pending)],
+        ignore_conflicts=True,
+    )
+    paused = set(
+        PlannerTenant.objects.filter(task_name=name, paused=True).values_list("tenant", flat=True)
+    )
+    tenants = sorted(t for t in pending if t not in paused)
+    if not tenants:
+        return {}
+    weights = _weights(plan, tenants)
+    state = PlannerRun.objects.get(task_name=name)
+    # A row never promoted has no pass yet: allocate() starts it at the virtual time.
+    passes = dict(
+        PlannerTenant.objects.filter(
+            task_name=name, tenant__in=tenants, promoted_total__gt=0
+        ).values_list("tenant", "pass_value")
+    )
+    plan_out = allocate(
+        {t: pending[t][0] for t in tenants}, weights, passes, state.virtual_time,
+        plan.enqueue_jobs,
+    )  # fmt: skip
+    celery_app = app or task.app
+    done: dict[str, int] = {}
+    for tenant, wanted in sorted(plan_out.counts.items()):
+        promoted = PlannedJob.objects.promote(
+            name, tenant, wanted, lambda row: _publish(celery_app, row)
+        )
+        done[tenant] = len(promoted)
+        # Rows another planner took were not ours: this tenant's pass only moves by what
+        # this run promoted.
+        final = plan_out.passes[tenant] - (wanted - len(promoted)) / weights[tenant]
+        PlannerTenant.objects.update_or_create(
+            task_name=name, tenant=tenant, defaults={"pass_value": final}
+        )
+        PlannerTenant.objects.filter(task_name=name, tenant=tenant).update(
+            promoted_total=F("promoted_total") + len(promoted)
+        )
+    PlannerRun.objects.filter(task_name=name).update(virtual_time=plan_out.virtual_time)
+    return done
+
+
+def _publish(app: Celery, row: PlannedJob) -> None:
+    sig = app.signature(loads(row.signature))
+    sig.apply_async(fair_planned=True)
+
+
+def planned_tasks(app: Celery | None = None) -> list[Task[Any, Any]]:
+    """The app's tasks that have a ``fair_plan``."""
+    from celery import current_app
+
+    tasks = (app or current_app).tasks
+    return [t for _, t in sorted(tasks.items()) if getattr(t, "fair_plan", None)]
+
+
+def run_due(app: Celery | None = None) -> list[RunReport]:
+    """Run every planner that is due (called by every worker process's planner thread)."""
+    reports = []
+    for task in planned_tasks(app):
+        try:
+            report = run(task, app)
+        except Exception:
+            logger.exception("Planner of %s failed; it runs again next interval", task.name)
+            continue
+        if report is not None:
+            reports.append(report)
+    return reports
+
+
+_thread: threading.Thread | None = None
+
+
+def start_thread(stop: threading.Event) -> None:
+    """Start this process's planner thread (if the app has planned tasks): it tries every
+    due planner at a quarter of the shortest interval, between 0.2 s and the heartbeat
+    interval; the planner lock lets one process in the cluster run each."""
+    global _thread
+    tasks = planned_tasks()
+    if not tasks or (_thread is not None and _thread.is_alive()):
+        return
+    shortest = min(parse_plan(t.fair_plan).enqueue_interval for t in tasks)  # type: ignore[attr-defined]
+    period = min(max(shortest / 4, 0.2), fair_settings.HEARTBEAT_INTERVAL)
+
+    def loop() -> None:
+        from django.db import close_old_connections, connections
+
+        try:
+            while not stop.wait(period):
+                close_old_connections()
+                run_due()
+        finally:
+            connections.close_all()
+
+    _thread = threading.Thread(target=loop, name="fair-jobs-planner", daemon=True)
+    _thread.start()
+
+
+def status(app: Celery | None = None) -> list[dict[str, Any]]:
+    """Per planned task: its last run (when, promoted, latency, skipped for backpressure)
+    and per tenant with planned jobs: jobs pending, age of the oldest (database clock),
+    promoted in all, and whether promotion is paused."""
+    from django.db.models import Count, Min, Q
+
+    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
+
+    now = database_now()
+    out = []
+    for task in planned_tasks(app):
+        run_row = PlannerRun.objects.filter(task_name=task.name).first()
+        standing = {t.tenant: t for t in PlannerTenant.objects.filter(task_name=task.name)}
+        waiting = Q(promoted_at__isnull=True)
+        rows = (
+            PlannedJob.objects.filter(task_name=task.name)
+            .values("tenant")
+            .annotate(
+                pending=Count("pk", filter=waiting),
+                oldest=Min("enqueued_at", filter=waiting),
+                in_flight=Count("pk", filter=~waiting),
+            )
+            .order_by("tenant")
+        )
+        tenants = []
+        for row in rows:
+            known = standing.get(row["tenant"])
+            oldest = row["oldest"]
+            tenants.append(
+                {
+                    "tenant": row["tenant"],
+                    "pending": row["pending"],
+                    "promoted_not_started": row["in_flight"],
+                    "oldest_pending_seconds": None
+                    if oldest is None
+                    else round(max((now - oldest).total_seconds(), 0.0), 1),
+                    "promoted_total": 0 if known is None else known.promoted_total,
+                    "paused": bool(known and known.paused),
+                }
+            )
+        out.append(
+            {
+                "task": task.name,
+                "last_run_at": None
+                if run_row is None or run_row.last_run_at is None
+                else run_row.last_run_at.isoformat(),
+                "last_promoted": None if run_row is None else run_row.last_promoted,
+                "last_latency_seconds": None if run_row is None else run_row.last_latency,
+                "last_skipped_for_backpressure": bool(run_row and run_row.last_skipped),
+                "tenants": tenants,
+            }
+        )
+    return out
