@@ -1289,8 +1289,13 @@ class PlannedJobManager(models.Manager["PlannedJob"]):
 
         from django_fair_jobs.models import PlannerRun
 
-        PlannerRun.objects.get_or_create(task_name=task_name)
         token = uuid.uuid4()
+        alias = self._alias()
+        if _is_postgres(alias):
+            params = {"task_name": task_name, "interval": interval, "ttl": lock_ttl,
+                      "token": token}  # fmt: skip
+            return token if _run(alias, "claim_planner", params) else None
+        PlannerRun.objects.get_or_create(task_name=task_name)
         claimed = (
             PlannerRun.objects.filter(task_name=task_name, next_run_at__lte=Now())
             .filter(Q(locked_until__isnull=True) | Q(locked_until__lt=Now()))

@@ -1,8 +1,8 @@
 """The benchmark's modes: how the same scenario's jobs are run.
 
 Each mechanism gets a mode of its own as it becomes available, plus the recommended
-combination of all of them (today tenant slots, rerouting and a queue limit on the slow
-queue).
+combination of all of them (the planner, tenant slots, rerouting and a queue limit on the
+slow queue).
 """
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ MODES: dict[str, Mode] = {
             reroutes=True,
             caps_slow_queue=True,
         ),
+        Mode("planner", "bench.planner_job", "FairTask, the fair planner only (mechanism C)"),
         Mode(
             "combined",
             "bench.combined_job",
-            "FairTask, tenant slots, rerouting and the capped slow queue (all mechanisms)",
+            "FairTask, planner, tenant slots, rerouting and the capped slow queue (all)",
             reroutes=True,
             caps_slow_queue=True,
         ),

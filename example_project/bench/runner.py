@@ -11,6 +11,7 @@ run's records are deleted whatever happens.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -36,6 +37,9 @@ from django_fair_jobs.limits import set_limits
 from django_fair_jobs.models import (
     Maintenance,
     ParkedJob,
+    PlannedJob,
+    PlannerRun,
+    PlannerTenant,
     QueueLimit,
     RerouteCount,
     SlotLease,
@@ -140,6 +144,9 @@ def clear_library_state() -> None:
     WindowBucket.objects.all().delete()
     TenantWindow.objects.all().delete()
     RerouteCount.objects.all().delete()
+    PlannedJob.objects.all().delete()
+    PlannerTenant.objects.all().delete()
+    PlannerRun.objects.all().delete()
 
 
 def library_leftover() -> dict[str, int]:
@@ -150,6 +157,7 @@ def library_leftover() -> dict[str, int]:
         "parked_rows": ParkedJob.objects.count(),
         "slot_jobs": sum(TenantQueueSlot.objects.values_list("current_jobs", flat=True)),
         "queue_jobs": sum(QueueLimit.objects.values_list("current_jobs", flat=True)),
+        "planned": PlannedJob.objects.count(),
     }
 
 
@@ -279,6 +287,8 @@ def run_mode(
     env = {
         "BENCH_RUN": run,
         "BENCH_MODE": mode.name,
+        "BENCH_QUEUE": queue,
+        "BENCH_RULES": json.dumps(mode.rules(run)),
         "FAIR_JOBS_DEFAULT_MAX_JOBS": str(tenant_limit),
     }
     if mode.caps_slow_queue:

@@ -83,11 +83,51 @@ def queue_limits_job(**kwargs: Any) -> None:
     work(**kwargs)
 
 
-@shared_task(base=PerTenant, name="bench.combined_job", ignore_result=True)
-def combined_job(**kwargs: Any) -> None:
-    """The same job with tenant slots, rerouting and the capped slow queue: the
-    recommended combination."""
+PLAN: dict[str, Any] = {"enqueue_interval": 0.5, "enqueue_jobs": 100, "latency_threshold": 0.25}
+"""The benchmark's fair plan: every half second up to 100 jobs (more than 4 workers run in
+that time), held back while the oldest promoted job has waited over a quarter second, so
+the broker's queue stays short and a new tenant's job is never far from the front."""
+
+
+@shared_task(
+    base=PerTenant, name="bench.planner_job", ignore_result=True, fair_slots=False, fair_plan=PLAN
+)
+def planner_job(**kwargs: Any) -> None:
+    """The same job through the fair planner only (mechanism C), equal weights."""
     work(**kwargs)
+
+
+@shared_task(base=PerTenant, name="bench.combined_job", ignore_result=True, fair_plan=PLAN)
+def combined_job(**kwargs: Any) -> None:
+    """The same job with every mechanism: the planner, tenant slots, rerouting and the
+    capped slow queue: the recommended combination."""
+    work(**kwargs)
+
+
+def _configure_from_env() -> None:
+    """In the benchmark's worker processes: the run's queue and rerouting rules of the
+    mode's task, which the publisher sets at runtime (queues are per run). Workers need
+    them too: a planner promotes jobs from a worker, and rules count at that publish."""
+    import json
+
+    from bench.modes import MODES
+
+    mode, queue = os.environ.get("BENCH_MODE"), os.environ.get("BENCH_QUEUE")
+    if not mode or not queue or mode not in MODES:
+        return
+    task = {t.name: t for t in (queue_limits_job, reroute_job, combined_job, planner_job)}.get(
+        MODES[mode].task
+    )
+    # Only this mode's task plans: other modes' planners would poll for nothing.
+    for planned in (planner_job, combined_job):
+        if planned is not task:
+            setattr(planned, "fair_plan", None)  # noqa: B010
+    if task is not None:
+        setattr(task, "queue", queue)  # noqa: B010
+        setattr(task, "fair_tenant_queues", json.loads(os.environ.get("BENCH_RULES") or "[]"))  # noqa: B010
+
+
+_configure_from_env()
 
 
 def _save_count(**_: Any) -> None:
