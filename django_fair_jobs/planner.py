@@ -71,7 +71,8 @@ KNOWN_KEYS = frozenset(
 
 class PlanError(ValueError):
     """A ``fair_plan`` that cannot work, or a planned job that cannot be stored (no
-    tenant); raised at publish, never in the planner."""
+    tenant); raised at publish. An invalid ``fair_plan`` is also system check E015, so
+    a worker refuses to start with one."""
 
 
 @dataclass(frozen=True)
@@ -110,10 +111,12 @@ def plan_errors(raw: Any) -> list[str]:
     jobs = raw.get("enqueue_jobs")
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         problems.append("enqueue_jobs must be a whole number >= 1")
-    for key in ("latency_threshold", "planner_lock_ttl"):
+    for key, strict in (("latency_threshold", False), ("planner_lock_ttl", True)):
         value = raw.get(key)
-        if value is not None and ((_seconds(value) or -1) < 0):
-            problems.append(f"{key} must be seconds >= 0 or a timedelta")
+        seconds = None if value is None else _seconds(value)
+        if value is not None and (seconds is None or seconds < 0 or (strict and seconds == 0)):
+            bound = "> 0" if strict else ">= 0"
+            problems.append(f"{key} must be seconds {bound} or a timedelta")
     weights = raw.get("tenant_weights")
     if weights is not None:
         try:
@@ -135,17 +138,22 @@ def parse_plan(raw: Mapping[str, Any]) -> Plan:
     problems = plan_errors(raw)
     if problems:
         raise PlanError("; ".join(problems))
-    weights = raw.get("tenant_weights", fair_settings.PLANNER_TENANT_WEIGHTS)
+
+    def given(key: str, default: Any) -> Any:
+        # A key left out, or given as None, takes the FAIR_JOBS_PLANNER_* default.
+        value = raw.get(key)
+        return default if value is None else value
+
+    weights = given("tenant_weights", fair_settings.PLANNER_TENANT_WEIGHTS)
+    threshold = given("latency_threshold", fair_settings.PLANNER_LATENCY_THRESHOLD)
     return Plan(
         enqueue_interval=float(_seconds(raw["enqueue_interval"]) or 0),
         enqueue_jobs=int(raw["enqueue_jobs"]),
         tenant_weights=None if weights is None else _weights_callable(weights),
-        latency_threshold=float(
-            _seconds(raw.get("latency_threshold", fair_settings.PLANNER_LATENCY_THRESHOLD)) or 0
-        ),
-        planner_queue=str(raw.get("planner_queue") or fair_settings.PLANNER_QUEUE),
+        latency_threshold=float(_seconds(threshold) or 0),
+        planner_queue=str(given("planner_queue", fair_settings.PLANNER_QUEUE)),
         planner_lock_ttl=float(
-            _seconds(raw.get("planner_lock_ttl", fair_settings.PLANNER_LOCK_TTL)) or 0
+            _seconds(given("planner_lock_ttl", fair_settings.PLANNER_LOCK_TTL)) or 0
         ),
     )
 
@@ -205,7 +213,14 @@ def bulk_enqueue(
     """Store many jobs in their tenants' virtual queues in one INSERT."""
     from django_fair_jobs.models import PlannedJob
 
-    rows = [_row(task, tenant_of(*a, **k), tuple(a), dict(k), options) for a, k in items]
+    options = dict(options)
+    if options.get("task_id") is not None:
+        raise PlanError(f"{task.name}: bulk_enqueue gives each job a task id of its own.")
+    explicit = options.pop("fair_tenant", None)
+    rows = []
+    for a, k in items:
+        tenant = explicit if explicit is not None else tenant_of(*a, **k)
+        rows.append(_row(task, tenant, tuple(a), dict(k), options))
     PlannedJob.objects.bulk_create(rows)
     return [task.AsyncResult(row.task_id) for row in rows]
 
@@ -311,7 +326,11 @@ def run(
     name = task.name
     if not due_only:
         # Due a second ago: clear of any rounding between the clocks' text forms (SQLite).
-        due = timezone.now() - timedelta(seconds=1)
+        from django.db.models import Value
+        from django.db.models.functions import Now
+
+        # On the database clock, the claim's.
+        due = Now() - Value(timedelta(seconds=1))
         PlannerRun.objects.filter(task_name=name).update(next_run_at=due)
     token = PlannedJob.objects.claim_run(
         name, interval=plan.enqueue_interval, lock_ttl=plan.planner_lock_ttl

@@ -96,7 +96,7 @@ def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: An
     try:
         from django_fair_jobs.planner import started
 
-        started(str(task_id))  # a revoked planned job is never promoted or waited for
+        started(str(task_id))  # a revoked planned job's row goes: it no longer counts
         forget_task(str(task_id), terminated=bool(terminated))
     except Exception:
         logger.exception("Could not drop the slots of revoked job %s", task_id)

@@ -162,7 +162,11 @@ class FairTask(Task):  # type: ignore[type-arg]
             headers[HEADER] = normalize_tenant(explicit)
         elif HEADER not in headers:
             headers[HEADER] = normalize_tenant(self.fair_tenant(*(args or ()), **(kwargs or {})))
-        if self.fair_plan and planner.PLAN_HEADER not in headers:
+        if (
+            self.fair_plan
+            and planner.PLAN_HEADER not in headers
+            and not self.app.conf.task_always_eager
+        ):
             # A first publish of a planned task waits in its tenant's virtual queue; a
             # promotion and every re-publish of one (retry, wake-up) carry the header.
             options["headers"] = headers
