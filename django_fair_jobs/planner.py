@@ -247,6 +247,9 @@ class Allocation:
     counts: dict[str, int]
     passes: dict[str, float]
     virtual_time: float
+    order: tuple[str, ...] = ()
+    """Tenants in the order of their first promotion: the order their jobs are published
+    in, so that a tenant the draw served first is not queued behind a big batch."""
 
 
 def allocate(
@@ -270,16 +273,19 @@ def allocate(
             left[tenant] = n
             heapq.heappush(heap, (new_passes[tenant], tenant))
     counts: dict[str, int] = {}
+    order: list[str] = []
     while budget > 0 and heap:
         current, tenant = heapq.heappop(heap)
         virtual_time = max(virtual_time, current)
+        if tenant not in counts:
+            order.append(tenant)
         counts[tenant] = counts.get(tenant, 0) + 1
         left[tenant] -= 1
         budget -= 1
         new_passes[tenant] = current + 1.0 / weights[tenant]
         if left[tenant] > 0:
             heapq.heappush(heap, (new_passes[tenant], tenant))
-    return Allocation(counts, new_passes, virtual_time)
+    return Allocation(counts, new_passes, virtual_time, tuple(order))
 
 
 def wait_bound(weight: float, weights: Sequence[float], budget: int) -> int:
@@ -387,7 +393,8 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
     )  # fmt: skip
     celery_app = app or task.app
     done: dict[str, int] = {}
-    for tenant, wanted in sorted(plan_out.counts.items()):
+    for tenant in plan_out.order:
+        wanted = plan_out.counts[tenant]
         promoted = PlannedJob.objects.promote(
             name, tenant, wanted, lambda row: _publish(celery_app, row)
         )

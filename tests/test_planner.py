@@ -290,3 +290,11 @@ def test_planned_jobs__promoted_by_the_workers_and_run(start_worker: Callable[..
     wait_finished(ids, timeout=60)
     wait_for(lambda: not PlannedJob.objects.exists(), 20, "planned rows to be gone at start")
     assert tasks.planned.AsyncResult(ids[0]).get(timeout=10).endswith(":done")
+
+
+def test_allocate__publishes_in_the_order_the_draw_served() -> None:
+    # The greedy tenant was served last (its pass is one step past the virtual time): the
+    # newcomer, entering at the virtual time, is served first and its jobs go out first.
+    out = planner.allocate({"greedy": 100, "new": 2}, {"greedy": 1, "new": 1},
+                           {"greedy": 51.0}, 50.0, 10)  # fmt: skip
+    assert out.order == ("new", "greedy") and out.counts == {"new": 2, "greedy": 8}

@@ -257,6 +257,12 @@ def publish(
                 )
         except BaseException as exc:  # reported by the caller, not lost in a thread
             on_error.append(exc)
+        finally:
+            # A planned or rerouting task's publish uses this thread's database
+            # connections; they must not outlive it (one run starts hundreds of threads).
+            from django.db import connections
+
+            connections.close_all()
 
     threads = [
         threading.Thread(target=publisher, args=(js,), daemon=True) for js in by_tenant.values()
