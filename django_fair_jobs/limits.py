@@ -173,6 +173,7 @@ def acquire(
 ) -> LimitedAcquisition:
     """Take a place in ``queue`` and, with a ``tenant``, its slot, for ``task_id``."""
     from django_fair_jobs.models import QueueLimit, SlotLease
+    from django_fair_jobs.slots import wake
     from django_fair_jobs.workers import current_node_id, current_process_id
 
     process_id, node_id = current_process_id(node), current_node_id()
@@ -186,8 +187,6 @@ def acquire(
         # A tenant slot reserved for this job before its queue was limited: give it back
         # and take both together.
         for slot_id in SlotLease.objects.drop_for_task(task_id, running=False)[0]:
-            from django_fair_jobs.slots import wake
-
             wake(slot_id, limit=1)
     return acquired
 

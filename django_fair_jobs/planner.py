@@ -402,11 +402,9 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
         # Rows another planner took were not ours: this tenant's pass only moves by what
         # this run promoted.
         final = plan_out.passes[tenant] - (wanted - len(promoted)) / weights[tenant]
-        PlannerTenant.objects.update_or_create(
-            task_name=name, tenant=tenant, defaults={"pass_value": final}
-        )
+        # The row exists: every tenant with jobs due got one at the start of this run.
         PlannerTenant.objects.filter(task_name=name, tenant=tenant).update(
-            promoted_total=F("promoted_total") + len(promoted)
+            pass_value=final, promoted_total=F("promoted_total") + len(promoted)
         )
     PlannerRun.objects.filter(task_name=name).update(virtual_time=plan_out.virtual_time)
     return done

@@ -231,6 +231,7 @@ def defer(
     from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
     request = task.request
+    limited = limits.is_limited(queue)
     deferrals = int((request.headers or {}).get(DEFERRALS_HEADER) or 0) + 1
     headers = {**(request.headers or {}), DEFERRALS_HEADER: deferrals}
     headers.pop(WAKE_HEADER, None)
@@ -240,7 +241,7 @@ def defer(
         sig = task.signature_from_request(
             request, args, kwargs, countdown=countdown, headers=headers
         )
-        if limits.is_limited(queue):
+        if limited:
             QueueLimit.objects.count_deferral(queue)
         elif tenant is not None:
             TenantQueueSlot.objects.count_deferral(tenant=tenant, queue=queue)
@@ -252,7 +253,7 @@ def defer(
         return None
     signature = dumps(dict(task.signature_from_request(request, args, kwargs, headers=headers)))
     for _ in range(_PARK_ATTEMPTS):
-        if limits.is_limited(queue) or tenant is None:
+        if limited or tenant is None:
             outcome = limits.park(
                 queue=queue, tenant=tenant, limit=limit, task_id=str(request.id),
                 task_name=task.name, signature=signature, woken=woken,

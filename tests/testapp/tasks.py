@@ -34,6 +34,19 @@ def _run(task: Any, tenant: str, duration: float) -> str:
     return f"{tenant}:done"
 
 
+def _spin(task: Any, tenant: str, seconds: float) -> str:
+    """Burn CPU in pure Python for ``seconds``, recording the run like ``_run``."""
+    run = JobRun.objects.create(
+        task_id=task.request.id, tenant=tenant, pid=__import__("os").getpid(), started_at=Now()
+    )
+    deadline = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < deadline:
+        n += sum(i * i for i in range(1000))
+    JobRun.objects.filter(pk=run.pk).update(finished_at=Now())
+    return f"{tenant}:done"
+
+
 @shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_max_jobs=3)
 def limited3(self: Any, tenant: str, duration: float = 0.05) -> str:
     """A job limited to 3 at once per tenant."""
@@ -91,15 +104,7 @@ def no_tenant(self: Any, value: int) -> int:
 @shared_task(base=TenantFromFirstArg, bind=True, queue="fair")
 def spin(self: Any, tenant: str, seconds: float) -> str:
     """CPU-bound for ``seconds``: the heartbeat thread must keep beating meanwhile."""
-    run = JobRun.objects.create(
-        task_id=self.request.id, tenant=tenant, pid=__import__("os").getpid(), started_at=Now()
-    )
-    deadline = time.monotonic() + seconds
-    n = 0
-    while time.monotonic() < deadline:
-        n += sum(i * i for i in range(1000))
-    JobRun.objects.filter(pk=run.pk).update(finished_at=Now())
-    return f"{tenant}:done"
+    return _spin(self, tenant, seconds)
 
 
 @shared_task(base=TenantFromFirstArg, bind=True, queue="fair", soft_time_limit=1)
@@ -162,15 +167,7 @@ def fair_limited(self: Any, tenant: str, duration: float = 0.05) -> str:
 @shared_task(bind=True, queue="limited")
 def plain_spin(self: Any, tenant: str, seconds: float) -> str:
     """CPU-bound plain task: the heartbeat of its process must keep beating meanwhile."""
-    run = JobRun.objects.create(
-        task_id=self.request.id, tenant=tenant, pid=__import__("os").getpid(), started_at=Now()
-    )
-    deadline = time.monotonic() + seconds
-    n = 0
-    while time.monotonic() < deadline:
-        n += sum(i * i for i in range(1000))
-    JobRun.objects.filter(pk=run.pk).update(finished_at=Now())
-    return f"{tenant}:done"
+    return _spin(self, tenant, seconds)
 
 
 PLAN_WEIGHTS: dict[str, float] = {}
