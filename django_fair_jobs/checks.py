@@ -23,6 +23,10 @@ Ids are stable:
   ``enqueue_jobs`` missing or not positive, ``tenant_weights`` not a callable or the dotted
   path of one).
 * ``fair_jobs.E016`` a ``FAIR_JOBS_PLANNER_*`` setting is invalid.
+* ``fair_jobs.E017`` ``FAIR_JOBS_ENFORCE`` is not True or False, or
+  ``FAIR_JOBS_DECISION_RETENTION`` is not a whole number >= 3600 (the dashboard counts
+  reroutes over the last hour), or ``FAIR_JOBS_DASHBOARD_REFRESH`` is not a whole number
+  >= 0.
 * ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
   (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
   worker consumes it.
@@ -92,6 +96,19 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         'a dict of queue names to whole numbers >= 0, e.g. {"webhooks": 1} (0 pauses)',
     ),
     ("LIMIT_PLAIN_TASKS", "fair_jobs.E014", lambda v: isinstance(v, bool), "True or False"),
+    ("ENFORCE", "fair_jobs.E017", lambda v: isinstance(v, bool), "True or False (False: shadow)"),
+    (
+        "DECISION_RETENTION",
+        "fair_jobs.E017",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 3600,
+        "a whole number of seconds >= 3600 (default 86400)",
+    ),
+    (
+        "DASHBOARD_REFRESH",
+        "fair_jobs.E017",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        "a whole number of seconds >= 0 (0: no reload)",
+    ),
     ("PLANNER_LATENCY_THRESHOLD", "fair_jobs.E016", lambda v: _number(v, 0, False), "seconds >= 0"),
     ("PLANNER_LOCK_TTL", "fair_jobs.E016", lambda v: _number(v, 0, True), "seconds > 0"),
     (

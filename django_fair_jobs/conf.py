@@ -192,6 +192,30 @@ class Settings:
         value: bool = self._get("LIMIT_PLAIN_TASKS", False, _boolean)
         return value
 
+    @property
+    def ENFORCE(self) -> bool:
+        """False: shadow mode. Every rule is evaluated and what it would have done (defer,
+        reroute, hold in a virtual queue) is recorded as a :class:`JobDecision` for explain,
+        the dashboard and the metrics, but no job is deferred, parked, rerouted or held.
+        Default True."""
+        value: bool = self._get("ENFORCE", True, _boolean)
+        return value
+
+    @property
+    def DECISION_RETENTION(self) -> int:
+        """Seconds a recorded decision (a reroute, or a shadow-mode decision) is kept for
+        explain, the dashboard and the metrics; the maintenance pass prunes older ones.
+        Default 86,400 (one day)."""
+        value: int = self._get("DECISION_RETENTION", 86_400, int)
+        return value
+
+    @property
+    def DASHBOARD_REFRESH(self) -> int:
+        """Seconds between two reloads of the admin dashboard page; 0 turns reloading off.
+        Default 10."""
+        value: int = self._get("DASHBOARD_REFRESH", 10, int)
+        return value
+
 
 RECOMMENDED_SQLITE_OPTIONS: dict[str, Any] = {
     "transaction_mode": "IMMEDIATE",

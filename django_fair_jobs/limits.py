@@ -124,25 +124,41 @@ def set_limits(
     max_jobs: Any = UNCHANGED,
     max_jobs_per_worker: Any = UNCHANGED,
     app: Celery | None = None,
+    user: str = "",
+    source: str = "python",
 ) -> QueueLimit:
     """Store limits for ``queue`` (None: no limit; 0: paused; a limit not given is left as
-    it is) and wake the parked jobs that the new limits let start, at once."""
-    from django_fair_jobs.models import QueueLimit
+    it is) and wake the parked jobs that the new limits let start, at once. Each change
+    is recorded in the limit history with ``user`` and ``source``."""
+    from django_fair_jobs.models import LimitChange, QueueLimit
 
     if not queue or not isinstance(queue, str):
         raise LimitError("A queue limit needs a queue name.")
     for name, value in (("max_jobs", max_jobs), ("max_jobs_per_worker", max_jobs_per_worker)):
         if value is not UNCHANGED:
             validate(value, name)
+    before = QueueLimit.objects.filter(queue=queue).first()
     row = QueueLimit.objects.set_limits(
         queue, max_jobs=max_jobs, max_jobs_per_worker=max_jobs_per_worker
     )
+    for name in ("max_jobs", "max_jobs_per_worker"):
+        LimitChange.record(
+            queue=queue, field=name, old=getattr(before, name, None), new=getattr(row, name),
+            user=user,
+            source=source,
+        )  # fmt: skip
     wake_waiting(queue_ids={row.pk}, app=app)
     _cache.loaded_at = 0.0  # this process sees the change at once
     return row
 
 
-def reset(queues: list[str] | None = None, app: Celery | None = None) -> list[QueueLimit]:
+def reset(
+    queues: list[str] | None = None,
+    app: Celery | None = None,
+    *,
+    user: str = "",
+    source: str = "python",
+) -> list[QueueLimit]:
     """Make the stored limits of ``queues`` (default: every stored or configured queue)
     what the settings say; a queue the settings do not name gets no limit."""
     from django_fair_jobs.models import QueueLimit
@@ -157,6 +173,8 @@ def reset(queues: list[str] | None = None, app: Celery | None = None) -> list[Qu
             app=app,
             max_jobs=max_jobs.get(name),
             max_jobs_per_worker=per_worker.get(name),
+            user=user,
+            source=source,
         )
         for name in names
     ]

@@ -1022,6 +1022,19 @@ class MaintenanceManager(models.Manager["Maintenance"]):
             self.create(name=name)
         return True
 
+    def count_reaped(self, leases: int) -> None:
+        """Add ``leases`` reaped leases to the cluster-wide total (for the metrics)."""
+        if not self.filter(name="reaped").update(
+            leases_reaped_total=F("leases_reaped_total") + leases
+        ):
+            try:
+                with transaction.atomic(using=router.db_for_write(self.model)):
+                    self.create(name="reaped", leases_reaped_total=leases)
+            except IntegrityError:
+                self.filter(name="reaped").update(
+                    leases_reaped_total=F("leases_reaped_total") + leases
+                )
+
 
 class WorkerProcessManager(models.Manager["WorkerProcess"]):
     """Worker process rows and their heartbeats (database clock only)."""
@@ -1094,6 +1107,12 @@ def _forget_side_connection(alias: str) -> None:
 
 class TenantWindowManager(models.Manager["TenantWindow"]):
     """Enqueue counts per (counting key, tenant), per-second buckets, reroute counts."""
+
+    def reset(self, pks: Sequence[int]) -> int:
+        """Forget the enqueue counts of windows ``pks`` (their buckets go with them): the
+        next enqueue starts a new count. Returns how many windows were reset."""
+        deleted = self.filter(pk__in=list(pks)).delete()[1]
+        return int(deleted.get(self.model._meta.label, 0))
 
     def record(
         self,
@@ -1313,5 +1332,5 @@ class PlannedJobManager(models.Manager["PlannedJob"]):
         from django_fair_jobs.models import PlannerRun
 
         PlannerRun.objects.filter(task_name=task_name, lock_token=token).update(
-            locked_until=None, lock_token=None, **outcome
+            locked_until=None, lock_token=None, runs_total=F("runs_total") + 1, **outcome
         )

@@ -9,6 +9,9 @@
 * :class:`QueueLimit`: one row per limited queue: its limits and counters.
 * :class:`PlannedJob`, :class:`PlannerTenant`, :class:`PlannerRun`: the fair planner's
   virtual queues, tenants' standing and runs.
+* :class:`JobDecision`: what a rule did, or in shadow mode would have done, to one job.
+* :class:`LimitChange`: the history of limit changes (who, what, when).
+* :class:`Dashboard`: the admin's dashboard page (a proxy, for its permission).
 
 The SQL that changes these rows lives in :mod:`django_fair_jobs.managers`.
 """
@@ -65,6 +68,19 @@ class TenantQueueSlot(models.Model):
     )
     deferred_total = models.PositiveBigIntegerField(
         default=0, editable=False, help_text="Jobs ever deferred because this slot was full."
+    )
+    boost_until = models.DateTimeField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="While set, max_jobs is a temporary boost; at this time a maintenance "
+        "pass puts back the override it replaced (boost_restore).",
+    )
+    boost_restore = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="The max_jobs override to put back when the boost ends (empty: none).",
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     updated_at = models.DateTimeField(db_default=Now(), editable=False)
@@ -131,6 +147,9 @@ class Maintenance(models.Model):
 
     name = models.CharField(max_length=64, primary_key=True)
     last_run_at = models.DateTimeField(db_default=Now())
+    leases_reaped_total = models.PositiveBigIntegerField(
+        db_default=0, help_text="Leases of dead workers released by passes of this name."
+    )
 
     objects = MaintenanceManager()
 
@@ -481,6 +500,7 @@ class PlannerRun(models.Model):
     last_skipped = models.BooleanField(
         default=False, help_text="The last run promoted nothing because of backpressure."
     )
+    runs_total = models.PositiveBigIntegerField(db_default=0, help_text="Runs ever finished.")
 
     class Meta:
         db_table = "fair_jobs_plannerrun"
@@ -488,3 +508,94 @@ class PlannerRun(models.Model):
 
     def __str__(self) -> str:
         return self.task_name
+
+
+class JobDecision(models.Model):
+    """What a rule did to one job (a reroute), or in shadow mode (``FAIR_JOBS_ENFORCE =
+    False``) would have done (defer, reroute, hold in a virtual queue). Read by explain,
+    the dashboard and the metrics; pruned after ``FAIR_JOBS_DECISION_RETENTION``."""
+
+    MECHANISMS = ("slots", "queue_limit", "reroute", "planner")
+
+    at = models.DateTimeField(db_default=Now())
+    task_id = models.CharField(max_length=255)
+    task_name = models.CharField(max_length=255)
+    tenant = models.CharField(max_length=TENANT_MAX_LENGTH, blank=True, help_text="Empty: none.")
+    queue = models.CharField(max_length=255)
+    mechanism = models.CharField(max_length=32)
+    action = models.CharField(max_length=32, help_text="rerouted, defer, reroute or hold.")
+    enforced = models.BooleanField(help_text="False: shadow mode, nothing was done.")
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        db_table = "fair_jobs_jobdecision"
+        verbose_name = "job decision"
+        indexes = [
+            models.Index(fields=["task_id"], name="fair_jobs_decision_task"),
+            models.Index(fields=["at"], name="fair_jobs_decision_at"),
+        ]
+
+    def __str__(self) -> str:
+        done = "" if self.enforced else " (shadow)"
+        return f"{self.task_id}: {self.mechanism} {self.action}{done}"
+
+
+class LimitChange(models.Model):
+    """One change of a limit: a tenant slot's ``max_jobs`` (and boosts) or a queue's
+    limits, with who made it, from where, and when."""
+
+    at = models.DateTimeField(db_default=Now())
+    user = models.CharField(max_length=150, blank=True, help_text="Empty: not a person.")
+    source = models.CharField(max_length=32, help_text="admin, command or python.")
+    tenant = models.CharField(
+        max_length=TENANT_MAX_LENGTH, blank=True, help_text="Empty: a queue's limit."
+    )
+    queue = models.CharField(max_length=255)
+    field = models.CharField(max_length=64)
+    old_value = models.CharField(max_length=64, blank=True)
+    new_value = models.CharField(max_length=64, blank=True)
+    note = models.CharField(max_length=255, blank=True)
+
+    class Meta:
+        db_table = "fair_jobs_limitchange"
+        verbose_name = "limit change"
+        ordering = ("-at", "-id")
+        indexes = [models.Index(fields=["at"], name="fair_jobs_limitchange_at")]
+
+    def __str__(self) -> str:
+        who = f"{self.tenant} on {self.queue}" if self.tenant else self.queue
+        return f"{who}: {self.field} {self.old_value or '-'} -> {self.new_value or '-'}"
+
+    @classmethod
+    def record(
+        cls,
+        *,
+        queue: str,
+        field: str,
+        old: object,
+        new: object,
+        tenant: str = "",
+        user: str = "",
+        source: str = "python",
+        note: str = "",
+    ) -> LimitChange | None:
+        """Add a line to the history if the value changed (None shows as empty)."""
+        old_text, new_text = _shown(old), _shown(new)
+        if old_text == new_text and not note:
+            return None
+        return cls.objects.create(
+            queue=queue, field=field, old_value=old_text, new_value=new_text, tenant=tenant,
+            user=user[:150], source=source, note=note[:255],
+        )  # fmt: skip
+
+
+def _shown(value: object) -> str:
+    return "" if value is None else str(value)[:64]
+
+
+class Dashboard(TenantQueueSlot):
+    """The admin dashboard (no table of its own): its ``view`` permission gates the page."""
+
+    class Meta:
+        proxy = True
+        verbose_name = verbose_name_plural = "dashboard"

@@ -295,7 +295,9 @@ def wait_bound(weight: float, weights: Sequence[float], budget: int) -> int:
     return math.ceil(((total - weight) / weight + len(weights)) / budget) + 1
 
 
-def _weights(plan: Plan, tenants: list[str]) -> dict[str, float]:
+def weights(plan: Plan, tenants: list[str]) -> dict[str, float]:
+    """The weights ``plan``'s ``tenant_weights`` gives ``tenants`` (all 1 without one);
+    values that are not numbers >= 0 are dropped with a warning."""
     if plan.tenant_weights is None:
         return {tenant: 1.0 for tenant in tenants}
     raw = plan.tenant_weights(list(tenants)) or {}
@@ -379,7 +381,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
     tenants = sorted(t for t in pending if t not in paused)
     if not tenants:
         return {}
-    weights = _weights(plan, tenants)
+    tenant_weights = weights(plan, tenants)
     state = PlannerRun.objects.get(task_name=name)
     # A row never promoted has no pass yet: allocate() starts it at the virtual time.
     passes = dict(
@@ -388,7 +390,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
         ).values_list("tenant", "pass_value")
     )
     plan_out = allocate(
-        {t: pending[t][0] for t in tenants}, weights, passes, state.virtual_time,
+        {t: pending[t][0] for t in tenants}, tenant_weights, passes, state.virtual_time,
         plan.enqueue_jobs,
     )  # fmt: skip
     celery_app = app or task.app
@@ -401,7 +403,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
         done[tenant] = len(promoted)
         # Rows another planner took were not ours: this tenant's pass only moves by what
         # this run promoted.
-        final = plan_out.passes[tenant] - (wanted - len(promoted)) / weights[tenant]
+        final = plan_out.passes[tenant] - (wanted - len(promoted)) / tenant_weights[tenant]
         # The row exists: every tenant with jobs due got one at the start of this run.
         PlannerTenant.objects.filter(task_name=name, tenant=tenant).update(
             pass_value=final, promoted_total=F("promoted_total") + len(promoted)

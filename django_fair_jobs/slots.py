@@ -26,11 +26,16 @@ from celery import current_app
 from django.db import DatabaseError
 from kombu.utils.json import dumps, loads
 
+from django_fair_jobs import decisions
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition, Woken
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from celery import Celery, Task
+
+    from django_fair_jobs.models import TenantQueueSlot
 
 logger = logging.getLogger("django_fair_jobs.slots")
 
@@ -103,6 +108,8 @@ def enter(
         if acquired.status not in ("full", "queue_full"):
             refuse(task, acquired.status, args, kwargs, woken=woken)
             return None
+        if not decisions.enforcing():
+            return shadow_grant(task, acquired.status, tenant=tenant, queue=queue, limit=limit)
         return defer(
             task, tenant=tenant, queue=queue, limit=limit, on_limit=on_limit,
             retry_countdown=retry_countdown, args=args, kwargs=kwargs, woken=woken,
@@ -117,6 +124,20 @@ def enter(
             reason=f"database unavailable ({exc.__class__.__name__}: {exc})".strip(),
         )  # fmt: skip
         return None
+
+
+def shadow_grant(
+    task: Task[Any, Any], status: str, *, tenant: str | None, queue: str, limit: int
+) -> Grant:
+    """Shadow mode: record that the current job would have been deferred (its tenant or
+    its queue is at its limit) and let it run without a slot: an empty grant, so that its
+    release gives back nothing and the counters keep counting only jobs within limits."""
+    mechanism = "queue_limit" if status == "queue_full" else "slots"
+    decisions.record(
+        task_id=str(task.request.id), task_name=task.name, tenant=tenant, queue=queue,
+        mechanism=mechanism, action="defer", detail={"limit": limit},
+    )  # fmt: skip
+    return Grant(None, str(task.request.id), uuid.uuid4())
 
 
 def acquire(
@@ -394,3 +415,120 @@ def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) ->
         wake_line(queue_limit_id, limit=1, app=app)
     for slot_id in slots:
         wake(slot_id, limit=1, app=app)
+
+
+class TenantLimitError(ValueError):
+    """A tenant limit or boost that cannot work; the message says how to fix it."""
+
+
+def _check_limit(value: Any, what: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise TenantLimitError(
+            f"{what} must be a whole number >= 0 (0 pauses the tenant) or None; got {value!r}."
+        )
+
+
+def set_tenant_limit(
+    tenant: str,
+    queue: str,
+    max_jobs: int | None,
+    *,
+    user: str = "",
+    source: str = "python",
+    app: Celery | None = None,
+) -> TenantQueueSlot:
+    """Set ``tenant``'s ``max_jobs`` override on ``queue`` (None: the task's default; 0:
+    paused), ending any boost; records the change in the limit history and wakes the
+    parked jobs the new limit lets start. Creates the slot row if the tenant has none."""
+    from django.db import transaction
+
+    from django_fair_jobs.models import LimitChange, TenantQueueSlot
+
+    _check_limit(max_jobs, "max_jobs")
+    with transaction.atomic():
+        row, _ = TenantQueueSlot.objects.get_or_create(tenant=tenant, queue=queue)
+        row = TenantQueueSlot.objects.select_for_update().get(pk=row.pk)
+        old = row.max_jobs
+        TenantQueueSlot.objects.filter(pk=row.pk).update(
+            max_jobs=max_jobs, boost_until=None, boost_restore=None
+        )
+        LimitChange.record(
+            tenant=tenant, queue=queue, field="max_jobs", old=old, new=max_jobs, user=user,
+            source=source, note="boost ended early" if row.boost_until is not None else "",
+        )  # fmt: skip
+    row.max_jobs, row.boost_until, row.boost_restore = max_jobs, None, None
+    wake(row.pk, limit=None, app=app)
+    return row
+
+
+def boost(
+    tenant: str,
+    queue: str,
+    max_jobs: int,
+    until: datetime,
+    *,
+    user: str = "",
+    source: str = "python",
+    app: Celery | None = None,
+) -> TenantQueueSlot:
+    """Raise ``tenant``'s limit on ``queue`` to ``max_jobs`` until ``until`` (an aware
+    datetime); then the maintenance pass puts back the override it replaced, by itself.
+
+    Boosting a boosted tenant changes the boost and keeps the override to put back.
+    Records the change and wakes the parked jobs the boost lets start.
+    """
+    from django.db import transaction
+
+    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.models import LimitChange, TenantQueueSlot
+
+    _check_limit(max_jobs, "A boost's max_jobs")
+    if until.tzinfo is None:
+        raise TenantLimitError("A boost's end must be an aware datetime (with a time zone).")
+    if until <= database_now():
+        raise TenantLimitError(f"A boost must end in the future; {until.isoformat()} is past.")
+    with transaction.atomic():
+        row, _ = TenantQueueSlot.objects.get_or_create(tenant=tenant, queue=queue)
+        row = TenantQueueSlot.objects.select_for_update().get(pk=row.pk)
+        restore = row.boost_restore if row.boost_until is not None else row.max_jobs
+        TenantQueueSlot.objects.filter(pk=row.pk).update(
+            max_jobs=max_jobs, boost_until=until, boost_restore=restore
+        )
+        LimitChange.record(
+            tenant=tenant, queue=queue, field="max_jobs", old=row.max_jobs, new=max_jobs,
+            user=user, source=source, note=f"boost until {until.isoformat()}",
+        )  # fmt: skip
+    row.max_jobs, row.boost_until, row.boost_restore = max_jobs, until, restore
+    wake(row.pk, limit=None, app=app)
+    return row
+
+
+def end_boosts(app: Celery | None = None) -> int:
+    """Put back the override of every boost whose time is up (database clock); returns
+    how many ended. Run by the maintenance pass; safe to run from several processes."""
+    from django.db import transaction
+
+    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.models import LimitChange, TenantQueueSlot
+
+    ended = 0
+    now = database_now()
+    for pk in TenantQueueSlot.objects.filter(boost_until__lte=now).values_list("pk", flat=True):
+        with transaction.atomic():
+            row = (
+                TenantQueueSlot.objects.select_for_update()
+                .filter(pk=pk, boost_until__lte=now)
+                .first()
+            )
+            if row is None:
+                continue  # another pass ended it, or it was changed meanwhile
+            TenantQueueSlot.objects.filter(pk=pk).update(
+                max_jobs=row.boost_restore, boost_until=None, boost_restore=None
+            )
+            LimitChange.record(
+                tenant=row.tenant, queue=row.queue, field="max_jobs", old=row.max_jobs,
+                new=row.boost_restore, source="maintenance", note="boost ended",
+            )  # fmt: skip
+        ended += 1
+        wake(pk, limit=None, app=app)  # a lower limit wakes nothing; a higher one may
+    return ended

@@ -15,12 +15,17 @@ from typing import Any
 
 from celery import Task
 from celery.exceptions import Ignore
+from celery.utils import uuid
 
-from django_fair_jobs import limits, planner, slots, windows
+from django_fair_jobs import decisions, limits, planner, slots, windows
 from django_fair_jobs.conf import ON_LIMIT_CHOICES, fair_settings
 from django_fair_jobs.slots import WAKE_HEADER
 from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant
 from django_fair_jobs.windows import Rule, RuleError
+
+SHADOW_PLANNED = "shadow"
+"""The planner header's value on a planned job that shadow mode sent straight to the
+broker: it has no virtual-queue row to delete when it starts."""
 
 
 class FairTaskConfigError(ValueError):
@@ -166,6 +171,22 @@ class FairTask(Task):  # type: ignore[type-arg]
             self.fair_plan
             and planner.PLAN_HEADER not in headers
             and not self.app.conf.task_always_eager
+            and not decisions.enforcing()
+        ):
+            # Shadow mode: the job would wait in its tenant's virtual queue; it goes to
+            # the broker at once, marked as promoted so that no re-publish is held either.
+            task_id = task_id or uuid()
+            headers[planner.PLAN_HEADER] = SHADOW_PLANNED
+            decisions.record(
+                task_id=task_id, task_name=self.name, tenant=headers[HEADER],
+                queue=str(options.get("queue") or getattr(self, "queue", None)
+                          or self.app.conf.task_default_queue),
+                mechanism="planner", action="hold",
+            )  # fmt: skip
+        if (
+            self.fair_plan
+            and planner.PLAN_HEADER not in headers
+            and not self.app.conf.task_always_eager
         ):
             # A first publish of a planned task waits in its tenant's virtual queue; a
             # promotion and every re-publish of one (retry, wake-up) carry the header.
@@ -183,8 +204,12 @@ class FairTask(Task):  # type: ignore[type-arg]
                 if headers[HEADER] is None:
                     warn_missing_tenant(self.name, published=True)
                 else:
+                    task_id = task_id or uuid()
                     decision = windows.count(self, headers[HEADER], queue, rules)
-                    windows.apply(decision, options, headers)
+                    windows.apply(
+                        decision, options, headers, task_id=task_id, task_name=self.name,
+                        tenant=headers[HEADER], queue=queue,
+                    )  # fmt: skip
         options["headers"] = headers
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -198,6 +223,10 @@ class FairTask(Task):  # type: ignore[type-arg]
         each (no ``task_id``). Returns their ``AsyncResult``s."""
         if not self.fair_plan:
             raise planner.PlanError(f"{self.name}: bulk_enqueue needs a fair_plan.")
+        if not decisions.enforcing():
+            # Shadow mode: nothing waits in a virtual queue; each job is published (and
+            # its would-be hold recorded) as apply_async does.
+            return [self.apply_async(args, kwargs, **options) for args, kwargs in items]
         return planner.bulk_enqueue(self, self.fair_tenant, items, options)
 
     def _fair_request_tenant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -232,7 +261,10 @@ class FairTask(Task):  # type: ignore[type-arg]
         decision = windows.count(self, tenant, queue, self.fair_rules())
         options: dict[str, Any] = {}
         marks: dict[str, Any] = {HEADER: tenant}
-        windows.apply(decision, options, marks)
+        windows.apply(
+            decision, options, marks, task_id=str(request.id), task_name=self.name,
+            tenant=tenant, queue=queue,
+        )  # fmt: skip
         if "queue" not in options:
             # It stays: a retry or a park of this run is built from these headers.
             request.headers = {**headers, **marks}
@@ -251,7 +283,8 @@ class FairTask(Task):  # type: ignore[type-arg]
         request = self.request
         if request.is_eager or request.id is None:
             return super().__call__(*args, **kwargs)
-        if self.fair_plan and planner.PLAN_HEADER in (request.headers or {}):
+        planned = (request.headers or {}).get(planner.PLAN_HEADER)
+        if self.fair_plan and planned is not None and planned != SHADOW_PLANNED:
             planner.started(str(request.id))
         tenant = self._fair_request_tenant(args, kwargs)
         if tenant is not None and self.fair_rules() and self._fair_reroute(tenant, args, kwargs):

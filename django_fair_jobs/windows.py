@@ -236,11 +236,33 @@ def should_count(
     return declared
 
 
-def apply(decision: Decision, options: dict[str, Any], headers: dict[str, Any]) -> None:
-    """Mark the job as counted and, if a rule matched, send it to the rule's queue."""
+def apply(
+    decision: Decision,
+    options: dict[str, Any],
+    headers: dict[str, Any],
+    *,
+    task_id: str,
+    task_name: str,
+    tenant: str,
+    queue: str,
+) -> None:
+    """Mark the job as counted and, if a rule matched, send it to the rule's queue and
+    record the reroute (in shadow mode: record it only, the job stays on ``queue``)."""
+    from django_fair_jobs import decisions
+
     headers[HEADER] = decision.header()
     rule = decision.rule
     if rule is None:
+        return
+    index = decision.index or 0
+    enforce = decisions.enforcing()
+    decisions.record(
+        task_id=task_id, task_name=task_name, tenant=tenant, queue=queue,
+        mechanism="reroute", action="rerouted" if enforce else "reroute",
+        detail={"rule": index + 1, "to_queue": rule.queue, "per": rule.per,
+                "threshold": rule.threshold, "count": decision.counts[index]},
+    )  # fmt: skip
+    if not enforce:
         return
     options["queue"] = rule.queue
     # A caller's routing key or exchange would send it elsewhere than the rule's queue.

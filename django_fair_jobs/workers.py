@@ -180,6 +180,8 @@ class MaintenanceReport:
     jobs_woken: int
     counters_fixed: int
     windows_pruned: int = 0
+    boosts_ended: int = 0
+    decisions_pruned: int = 0
 
 
 def maybe_run_maintenance() -> MaintenanceReport | None:
@@ -207,6 +209,7 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
     ``timeout`` defaults to ``FAIR_JOBS_WORKER_TIMEOUT``. Safe to run from several
     processes at once.
     """
+    from django_fair_jobs import decisions
     from django_fair_jobs.limits import wake_waiting
     from django_fair_jobs.models import (
         Maintenance,
@@ -215,12 +218,15 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         SlotLease,
         TenantQueueSlot,
     )
-    from django_fair_jobs.slots import wake
+    from django_fair_jobs.slots import end_boosts, wake
     from django_fair_jobs.windows import prune as prune_windows
 
     if timeout is None:
         timeout = fair_settings.WORKER_TIMEOUT
     reaped = SlotLease.objects.reap(timeout=timeout)
+    if reaped.leases:
+        Maintenance.objects.count_reaped(reaped.leases)
+    boosts_ended = end_boosts()
     lost = ParkedJob.objects.rewake_lost(timeout=timeout)
     fixed = TenantQueueSlot.objects.reconcile_parked() + QueueLimit.objects.reconcile_parked()
     woken = wake_waiting()
@@ -230,6 +236,9 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
     # Idle windows age by the day, not by the beat: a scan a minute is plenty.
     if Maintenance.objects.claim("windows", interval=_WINDOW_PRUNE_INTERVAL):
         pruned = prune_windows()
+        decisions_pruned = decisions.prune()
+    else:
+        decisions_pruned = 0
     report = MaintenanceReport(
         leases_reaped=reaped.leases,
         slots_reaped=len(reaped.slots),
@@ -238,12 +247,15 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         jobs_woken=woken,
         counters_fixed=fixed,
         windows_pruned=pruned,
+        boosts_ended=boosts_ended,
+        decisions_pruned=decisions_pruned,
     )
-    if reaped.leases or woken or lost or fixed or pruned:
+    if reaped.leases or woken or lost or fixed or pruned or boosts_ended or decisions_pruned:
         logger.info(
             "Maintenance: reaped %s leases on %s tenant slots and %s queues, re-queued %s "
-            "lost wake-ups, woke %s parked jobs, fixed %s counters, pruned %s idle windows",
+            "lost wake-ups, woke %s parked jobs, fixed %s counters, pruned %s idle windows "
+            "and %s old decisions, ended %s boosts",
             report.leases_reaped, report.slots_reaped, report.queues_reaped, lost, woken,
-            fixed, pruned,
+            fixed, pruned, decisions_pruned, boosts_ended,
         )  # fmt: skip
     return report
