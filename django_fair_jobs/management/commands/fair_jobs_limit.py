@@ -1,4 +1,5 @@
-"""``manage.py fair_jobs_limit``: read and change queue limits at runtime."""
+"""``manage.py fair_jobs_limit``: read and change queue limits and tenant limits (and
+boosts) at runtime; every change goes into the limit history."""
 
 from __future__ import annotations
 
@@ -22,8 +23,18 @@ def _limit(text: str) -> int:
     return value
 
 
+def _who() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name in some containers: the history says "command"
+        return ""
+
+
 class Command(BaseCommand):
-    """Set, clear, show or reset the stored limits of queues."""
+    """Set, clear, show or reset the stored limits of queues; set a tenant's limit on a
+    queue, or boost it for a while."""
 
     help = (
         "Show or change how many jobs of QUEUE run at once: --global across every worker "
@@ -31,7 +42,10 @@ class Command(BaseCommand):
         "parked jobs, and survive restarts: FAIR_JOBS_QUEUE_LIMITS and "
         "FAIR_JOBS_QUEUE_PROCESS_LIMITS only seed queues with nothing stored. --clear "
         "removes QUEUE's limits; --reset makes the stored limits (of QUEUE, or of every "
-        "queue) what the settings say. With no option, prints the limits."
+        "queue) what the settings say. With no option, prints the limits. With --tenant T: "
+        "--max-jobs N sets T's limit on QUEUE (--max-jobs default: the task's), --boost N "
+        "--for SECONDS (or --until ISO-TIME) raises it for a while, then it comes back by "
+        "itself."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -42,12 +56,22 @@ class Command(BaseCommand):
         parser.add_argument(
             "--reset", action="store_true", help="Stored limits back to the settings."
         )
+        parser.add_argument("--tenant", metavar="TENANT", help="Change this tenant's limit.")
+        parser.add_argument("--max-jobs", dest="tenant_max", metavar="N|default")
+        parser.add_argument("--boost", metavar="N", help="Temporary limit of --tenant.")
+        parser.add_argument("--for", dest="boost_for", metavar="SECONDS", type=float)
+        parser.add_argument("--until", dest="boost_until", metavar="ISO-TIME")
 
     def handle(self, *args: Any, **options: Any) -> None:
         from django_fair_jobs import limits
         from django_fair_jobs.models import QueueLimit
 
         queue = options["queue"]
+        if options["tenant"] is not None:
+            self._tenant(queue, options)
+            return
+        if options["tenant_max"] or options["boost"]:
+            raise CommandError("--max-jobs and --boost need --tenant.")
         changes: dict[str, Any] = {}
         if options["max_jobs"] is not None:
             changes["max_jobs"] = _limit(options["max_jobs"])
@@ -60,14 +84,14 @@ class Command(BaseCommand):
         if options["reset"]:
             if changes:
                 raise CommandError("--reset cannot be combined with other changes.")
-            rows = limits.reset([queue] if queue else None)
+            rows = limits.reset([queue] if queue else None, user=_who(), source="command")
         elif changes:
             if not queue:
                 raise CommandError(
                     "Name the QUEUE to change, e.g. fair_jobs_limit webhooks --global 2."
                 )
             try:
-                rows = [limits.set_limits(queue, **changes)]
+                rows = [limits.set_limits(queue, **changes, user=_who(), source="command")]
             except LimitError as exc:
                 raise CommandError(str(exc)) from None
         else:
@@ -80,6 +104,53 @@ class Command(BaseCommand):
                 f"{row.queue}: global {_show(row.max_jobs)}, per worker "
                 f"{_show(row.max_jobs_per_worker)}"
             )
+
+    def _tenant(self, queue: str | None, options: dict[str, Any]) -> None:
+        from datetime import datetime, timedelta
+
+        from django_fair_jobs import slots
+        from django_fair_jobs.managers import database_now
+        from django_fair_jobs.models import TenantQueueSlot
+
+        tenant = options["tenant"]
+        if not queue:
+            raise CommandError(
+                "Name the QUEUE, e.g. fair_jobs_limit imports --tenant acme --max-jobs 4."
+            )
+        boost, raw_max = options["boost"], options["tenant_max"]
+        try:
+            if boost is not None:
+                if raw_max is not None:
+                    raise CommandError("--boost cannot be combined with --max-jobs.")
+                if options["boost_for"] is not None:
+                    until = database_now() + timedelta(seconds=options["boost_for"])
+                elif options["boost_until"]:
+                    try:
+                        until = datetime.fromisoformat(options["boost_until"])
+                    except ValueError:
+                        raise CommandError(
+                            f"--until wants an ISO time like 2026-11-22T18:00+00:00; got "
+                            f"{options['boost_until']!r}."
+                        ) from None
+                else:
+                    raise CommandError("--boost needs --for SECONDS or --until ISO-TIME.")
+                row = slots.boost(
+                    tenant, queue, _limit(boost), until, user=_who(), source="command"
+                )
+            elif raw_max is not None:
+                value = None if raw_max == "default" else _limit(raw_max)
+                row = slots.set_tenant_limit(tenant, queue, value, user=_who(), source="command")
+            else:
+                found = TenantQueueSlot.objects.filter(tenant=tenant, queue=queue).first()
+                if found is None:
+                    self.stdout.write(f"{tenant} on {queue}: no slot row (the task's default)")
+                    return
+                row = found
+        except slots.TenantLimitError as exc:
+            raise CommandError(str(exc)) from None
+        boosted = "" if row.boost_until is None else f" (boosted until {row.boost_until})"
+        override = "the task's default" if row.max_jobs is None else _show(row.max_jobs)
+        self.stdout.write(f"{tenant} on {queue}: max_jobs {override}{boosted}")
 
 
 def _show(limit: int | None) -> str:

@@ -46,5 +46,6 @@ class Command(BaseCommand):
             f"(timeout {timeout or fair_settings.WORKER_TIMEOUT} s); woke "
             f"{report.jobs_woken} parked job(s); re-queued {report.lost_rewoken} lost "
             f"wake-up(s); fixed {report.counters_fixed} counter(s); pruned "
-            f"{report.windows_pruned} idle rerouting window(s)."
+            f"{report.windows_pruned} idle rerouting window(s); ended {report.boosts_ended} "
+            f"boost(s)."
         )

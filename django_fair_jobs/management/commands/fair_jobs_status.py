@@ -1,4 +1,4 @@
-"""``manage.py fair_jobs_status``: what the queue limits are doing, as text or JSON."""
+"""``manage.py fair_jobs_status``: the admin dashboard as text, or as JSON."""
 
 from __future__ import annotations
 
@@ -9,56 +9,25 @@ from django.core.management.base import BaseCommand, CommandParser
 
 
 class Command(BaseCommand):
-    """Print every limited queue (limits, jobs running by node, parked, oldest parked age)
-    and every planner (last run, and per tenant jobs pending and the oldest's age)."""
+    """Print what the dashboard shows: tenants, queues, planners, worker nodes, the
+    fairness index and the totals (see :func:`django_fair_jobs.status.snapshot`)."""
 
     help = (
-        "Show, per queue with stored limits: the cluster-wide and per-worker limits (0: "
-        "paused), jobs running in all and on each worker node, jobs parked in its line and "
-        "how long the oldest has waited (database clock); per planned task, its last run "
-        "and each tenant's pending jobs and oldest wait."
+        "Show per tenant: slots (running / limit, boosts), jobs parked and pending, the "
+        "oldest wait and reroutes in the last hour; per limited queue: its limits (0: "
+        "paused), jobs running in all and per worker node, parked; per planned task: its "
+        "last run and each tenant's backlog; worker nodes and their last heartbeat; Jain's "
+        "fairness index of the small tenants' waits; totals. Ages use the database clock."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", help="Machine-readable output.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from django_fair_jobs.limits import queue_status
-        from django_fair_jobs.planner import status as planner_status
+        from django_fair_jobs.status import as_text, snapshot
 
-        queues = queue_status()
-        planners = planner_status()
+        snap = snapshot()
         if options["json"]:
-            self.stdout.write(json.dumps({"queues": queues, "planners": planners}, indent=2))
-            return
-        if not queues:
-            self.stdout.write("No queue limits stored (see fair_jobs_limit).")
-        for plan in planners:
-            skipped = " (skipped: queue latency above threshold)"
-            self.stdout.write(
-                f"planner {plan['task']}: last run {plan['last_run_at'] or 'never'}, promoted "
-                f"{plan['last_promoted'] or 0}"
-                + (skipped if plan["last_skipped_for_backpressure"] else "")
-            )
-            for t in plan["tenants"]:
-                oldest = t["oldest_pending_seconds"]
-                wait = "" if oldest is None else f", oldest waiting {oldest:g} s"
-                paused = " PAUSED" if t["paused"] else ""
-                self.stdout.write(f"    {t['tenant']}{paused}: {t['pending']} pending{wait}")
-        for q in queues:
-            paused = " PAUSED" if q["paused"] else ""
-            self.stdout.write(
-                f"{q['queue']}{paused}: global {_show(q['max_jobs'])}, per worker "
-                f"{_show(q['max_jobs_per_worker'])}; running {q['running']}"
-            )
-            for node, n in q["running_by_node"].items():
-                self.stdout.write(f"    {node}: {n} running")
-            oldest = q["oldest_parked_seconds"]
-            wait = "" if oldest is None else f", oldest waiting {oldest:g} s"
-            self.stdout.write(
-                f"    parked {q['parked']}{wait}; deferred ever {q['deferred_total']}"
-            )
-
-
-def _show(limit: int | None) -> str:
-    return "none" if limit is None else str(limit)
+            self.stdout.write(json.dumps(snap, indent=2))
+        else:
+            self.stdout.write(as_text(snap))

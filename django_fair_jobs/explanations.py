@@ -1,0 +1,280 @@
+"""Why is this job waiting? :func:`explain` answers from the library's rows alone.
+
+A job the library knows about is in exactly one of these places, looked up in this order:
+
+* a lease with a process: **running**, on that worker node, holding a tenant slot, a place
+  in a limited queue, or both;
+* a lease without a process: **reserved**, woken from parking and on its way through the
+  broker with its slot kept for it;
+* a parked row: **parked** behind a tenant slot or a queue limit (or **woken**: re-published,
+  its reservation on the way);
+* a planned row: **pending** in its tenant's virtual queue, or **promoted** to the broker;
+* only decisions: **rerouted** (a rule sent it to a slower queue), or **shadow** (shadow
+  mode recorded what a rule would have done);
+* nothing: **unknown** (finished, never held back, or not a job of ours).
+
+Every age is read on the database clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django_fair_jobs.conf import fair_settings
+
+_HOLDERS_SHOWN = 20
+"""Holders listed for a parked job; the count is always given in full."""
+
+
+@dataclass
+class Explanation:
+    """Where a job is and why: ``state`` (one word), ``summary`` (one sentence), and
+    ``details`` and ``decisions`` (JSON-ready) for tools."""
+
+    task_id: str
+    state: str
+    summary: str
+    details: dict[str, Any] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The explanation as plain JSON-ready data."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = [f"{self.task_id}: {self.state}", f"  {self.summary}"]
+        lines += [f"  {key}: {_text(value)}" for key, value in self.details.items()]
+        for d in self.decisions:
+            shadow = "" if d["enforced"] else " (shadow mode: not done)"
+            lines.append(f"  decision at {d['at']}: {d['mechanism']} {d['action']}{shadow}"
+                         f" {_text(d['detail'])}")  # fmt: skip
+        return "\n".join(lines)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, list):
+        return "; ".join(_text(v) for v in value) or "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_text(v)}" for k, v in value.items())
+    return "-" if value is None else str(value)
+
+
+def _age(now: datetime, then: datetime | None) -> float | None:
+    return None if then is None else round(max((now - then).total_seconds(), 0.0), 1)
+
+
+def explain(task_id: str) -> Explanation:
+    """Say where job ``task_id`` is and why it has not started (or what it holds while it
+    runs), from the library's rows: leases, parked jobs, virtual queues and recorded
+    decisions. Read-only; a few indexed queries."""
+    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob, SlotLease
+
+    task_id = str(task_id)
+    now = database_now()
+    decisions = [
+        {"at": d.at.isoformat(), "mechanism": d.mechanism, "action": d.action,
+         "enforced": d.enforced, "queue": d.queue, "tenant": d.tenant or None,
+         "detail": d.detail}
+        for d in JobDecision.objects.filter(task_id=task_id).order_by("at", "pk")
+    ]  # fmt: skip
+    leases = list(SlotLease.objects.filter(task_id=task_id).select_related("slot", "queue_limit"))
+    if leases:
+        found = _leased(task_id, leases, now)
+    elif (parked := ParkedJob.objects.filter(task_id=task_id).first()) is not None:
+        found = _parked(parked, now)
+    elif (planned := PlannedJob.objects.filter(task_id=task_id).first()) is not None:
+        found = _planned(planned, now)
+    else:
+        found = _undecided(task_id, decisions)
+    found.decisions = decisions
+    return found
+
+
+def _holding(lease: Any) -> list[dict[str, Any]]:
+    held: list[dict[str, Any]] = []
+    if lease.slot is not None:
+        slot = lease.slot
+        held.append({"tenant_slot": f"{slot.tenant} on {slot.queue}", "running":
+                     slot.current_jobs, "limit": slot.effective_max_jobs})  # fmt: skip
+    if lease.queue_limit is not None:
+        q = lease.queue_limit
+        held.append({"queue": q.queue, "running": q.current_jobs, "max_jobs": q.max_jobs,
+                     "max_jobs_per_worker": q.max_jobs_per_worker})  # fmt: skip
+    return held
+
+
+def _leased(task_id: str, leases: list[Any], now: datetime) -> Explanation:
+    from django_fair_jobs.models import WorkerProcess
+
+    lease = leases[0]
+    held = [h for one in leases for h in _holding(one)]
+    if lease.process_id is None:
+        return Explanation(
+            task_id, "reserved",
+            "Woken from parking: its slots are reserved for it and it was re-published; "
+            "it starts when a worker takes it from the broker.",
+            {"reserved_since": lease.acquired_at.isoformat(),
+             "reserved_seconds": _age(now, lease.acquired_at), "holding": held},
+        )  # fmt: skip
+    process = WorkerProcess.objects.filter(pk=lease.process_id).first()
+    details: dict[str, Any] = {
+        "node": None if process is None else process.node,
+        "hostname": None if process is None else process.hostname,
+        "pid": None if process is None else process.pid,
+        "since": lease.acquired_at.isoformat(),
+        "running_seconds": _age(now, lease.acquired_at),
+        "holding": held,
+    }
+    beat_age = None if process is None else _age(now, process.last_heartbeat_at)
+    details["last_heartbeat_seconds"] = beat_age
+    where = "an unknown worker" if process is None else process.node
+    summary = f"Running on {where} since {lease.acquired_at:%Y-%m-%d %H:%M:%S}."
+    if process is None or (beat_age or 0) > fair_settings.WORKER_TIMEOUT:
+        summary += (
+            " Its worker has not sent a heartbeat within FAIR_JOBS_WORKER_TIMEOUT: it is "
+            "presumed dead, and the next maintenance pass gives its slots back."
+        )
+    return Explanation(task_id, "running", summary, details)
+
+
+def _parked(parked: Any, now: datetime) -> Explanation:
+    from django_fair_jobs.models import ParkedJob, SlotLease
+
+    details: dict[str, Any] = {
+        "task": parked.task_name,
+        "parked_since": parked.parked_at.isoformat(),
+        "waiting_seconds": _age(now, parked.parked_at),
+    }
+    if parked.woken_at is not None:
+        details["woken_at"] = parked.woken_at.isoformat()
+        return Explanation(
+            parked.task_id, "woken",
+            "Woken: a slot was reserved for it and it was re-published; it starts when a "
+            "worker takes it from the broker (a lost copy is re-published by the sweep).",
+            details,
+        )  # fmt: skip
+    reasons = []
+    for kind, row in (("tenant slot", parked.slot), ("queue", parked.queue_limit)):
+        if row is None:
+            continue
+        line = ParkedJob.objects.filter(woken_at__isnull=True, pk__lt=parked.pk)
+        line = line.filter(slot=row) if kind == "tenant slot" else line.filter(queue_limit=row)
+        holders = SlotLease.objects.filter(**{"slot" if kind == "tenant slot" else
+                                              "queue_limit": row})  # fmt: skip
+        entry: dict[str, Any] = {
+            "position": line.count() + 1,
+            "held_by": list(holders.values_list("task_id", flat=True)[:_HOLDERS_SHOWN]),
+            "running": row.current_jobs,
+        }
+        if kind == "tenant slot":
+            limit = row.effective_max_jobs
+            entry.update(tenant=row.tenant, queue=row.queue, limit=limit)
+            if row.boost_until is not None:
+                entry["boosted_until"] = row.boost_until.isoformat()
+            why = (f"tenant {row.tenant!r} is paused on {row.queue} (limit 0)" if limit == 0
+                   else f"tenant {row.tenant!r} runs {row.current_jobs} of its limit {limit} "
+                   f"on {row.queue}")  # fmt: skip
+        else:
+            entry.update(queue=row.queue, max_jobs=row.max_jobs,
+                         max_jobs_per_worker=row.max_jobs_per_worker)  # fmt: skip
+            paused = row.max_jobs == 0 or row.max_jobs_per_worker == 0
+            why = (f"queue {row.queue} is paused (limit 0)" if paused else
+                   f"queue {row.queue} is at a limit ({row.current_jobs} running, global "
+                   f"{row.max_jobs}, per worker {row.max_jobs_per_worker})")  # fmt: skip
+        entry["reason"] = why
+        details["tenant_slot" if kind == "tenant slot" else "queue_limit"] = entry
+        reasons.append(f"{why}; it is number {entry['position']} in line")
+    summary = "Parked: " + "; and ".join(reasons) + ". It is re-published when a slot frees."
+    return Explanation(parked.task_id, "parked", summary, details)
+
+
+def _planned(planned: Any, now: datetime) -> Explanation:
+    from django_fair_jobs import planner
+    from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
+
+    details: dict[str, Any] = {
+        "task": planned.task_name,
+        "tenant": planned.tenant,
+        "queue": planned.queue,
+        "enqueued_at": planned.enqueued_at.isoformat(),
+        "waiting_seconds": _age(now, planned.enqueued_at),
+    }
+    if planned.promoted_at is not None:
+        details["promoted_at"] = planned.promoted_at.isoformat()
+        return Explanation(
+            planned.task_id, "promoted",
+            f"Promoted by the planner to {planned.queue}; it starts when a worker takes it "
+            "from the broker.",
+            details,
+        )  # fmt: skip
+    ahead = PlannedJob.objects.filter(
+        task_name=planned.task_name, tenant=planned.tenant, promoted_at__isnull=True,
+        pk__lt=planned.pk,
+    ).count()  # fmt: skip
+    details["position_in_tenant_queue"] = ahead + 1
+    standing = PlannerTenant.objects.filter(
+        task_name=planned.task_name, tenant=planned.tenant
+    ).first()
+    details["tenant_paused"] = bool(standing and standing.paused)
+    task = next((t for t in planner.planned_tasks() if t.name == planned.task_name), None)
+    plan = None if task is None else planner.parse_plan(getattr(task, "fair_plan", None) or {})
+    weight: Any = None
+    if plan is not None:
+        try:
+            weight = planner.weights(plan, [planned.tenant]).get(planned.tenant, 0.0)
+        except Exception as exc:  # the user's callable: report, never fail explain
+            weight = f"tenant_weights failed: {exc.__class__.__name__}: {exc}"
+    details["tenant_weight"] = weight
+    run = PlannerRun.objects.filter(task_name=planned.task_name).first()
+    latency, depth = PlannedJob.objects.latency(planned.task_name)
+    threshold = None if plan is None else plan.latency_threshold
+    backpressure = latency is not None and threshold is not None and latency > threshold
+    details.update(
+        last_run_at=None if run is None or run.last_run_at is None else run.last_run_at.isoformat(),
+        next_run_at=None if run is None else run.next_run_at.isoformat(),
+        last_promoted=None if run is None else run.last_promoted,
+        last_skipped_for_backpressure=bool(run and run.last_skipped),
+        queue_latency_seconds=None if latency is None else round(latency, 1),
+        promoted_not_started=depth,
+        latency_threshold=threshold,
+        backpressure=backpressure,
+    )  # fmt: skip
+    if not_before := planned.not_before:
+        details["not_before"] = not_before.isoformat()
+    summary = (f"Pending in tenant {planned.tenant!r}'s virtual queue of {planned.task_name}, "
+               f"number {ahead + 1}.")  # fmt: skip
+    if details["tenant_paused"]:
+        summary += " The tenant's promotion is paused in the admin."
+    if backpressure:
+        summary += (f" The planner holds back: the queue's oldest promoted job waits "
+                    f"{latency:.0f} s, above the {threshold:g} s threshold.")  # fmt: skip
+    if task is None:
+        summary += " No planned task of that name is registered in this process."
+    return Explanation(planned.task_id, "pending", summary, details)
+
+
+def _undecided(task_id: str, decisions: list[dict[str, Any]]) -> Explanation:
+    reroutes = [d for d in decisions if d["mechanism"] == "reroute" and d["enforced"]]
+    if reroutes:
+        d = reroutes[-1]["detail"]
+        return Explanation(
+            task_id, "rerouted",
+            f"Rerouted to {d.get('to_queue')} by rule {d.get('rule')}: {d.get('count')} "
+            f"enqueues in {d.get('per')} s, above {d.get('threshold')}. Nothing holds it "
+            "now: it is on the broker, running without a slot, or finished.",
+            dict(d),
+        )  # fmt: skip
+    if decisions:
+        return Explanation(
+            task_id, "shadow",
+            "Shadow mode (FAIR_JOBS_ENFORCE = False) recorded what the rules would have done "
+            "to it; nothing was done, and nothing holds it now.",
+        )  # fmt: skip
+    return Explanation(
+        task_id, "unknown",
+        "django-fair-jobs holds nothing for this id: the job finished, was never held back "
+        "(it ran within its limits, or its task is not limited), or the id is wrong.",
+    )  # fmt: skip

@@ -1,0 +1,269 @@
+"""One read of everything an operator watches: the data behind the admin dashboard,
+``manage.py fair_jobs_status`` and the Prometheus exporter.
+
+:func:`snapshot` returns JSON-ready data, every age in seconds of the database clock:
+
+* ``tenants``: per tenant with something going on (running, parked, pending, a limit
+  override, a boost, a reroute in the last hour): its slots per queue (running / limit),
+  jobs parked and pending, the oldest wait, reroutes in the last hour;
+* ``queues``: per limited queue: limits, running in all and by node, parked;
+* ``planners``: per planned task: its last run and its tenants' backlogs;
+* ``nodes``: per worker node: processes, last heartbeat, alive or presumed dead;
+* ``fairness``: Jain's index of the small tenants' current waits;
+* ``totals``: counters since the start (reaped leases, planner runs, deferrals) and the
+  decisions of the last hour, shadow mode's included.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django_fair_jobs.conf import fair_settings
+
+SMALL_BACKLOG = 10
+"""A tenant with at most this many jobs waiting (parked and pending) counts as small for
+the fairness index: the index asks whether small tenants wait alike, not whether a flood
+waits as long as a trickle."""
+
+
+def jain_index(values: list[float]) -> float | None:
+    """Jain's fairness index of ``values``: ``(sum x)^2 / (n * sum x^2)``, 1 when all are
+    equal, ``1/n`` when one holds everything; 1 when all are 0, None when there are none."""
+    if not values:
+        return None
+    square_sum = sum(v * v for v in values)
+    if square_sum == 0:
+        return 1.0
+    return round(sum(values) ** 2 / (len(values) * square_sum), 4)
+
+
+def _age(now: datetime, then: datetime | None) -> float | None:
+    return None if then is None else round(max((now - then).total_seconds(), 0.0), 1)
+
+
+def tenants(now: datetime) -> list[dict[str, Any]]:
+    """Per tenant with something going on: slots, parked, pending, oldest wait, reroutes
+    in the last hour. A few grouped queries, whatever the number of jobs."""
+    from django.db.models import Count, Min, Q
+
+    from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob, TenantQueueSlot
+
+    by_tenant: dict[str, dict[str, Any]] = {}
+
+    def entry(tenant: str) -> dict[str, Any]:
+        return by_tenant.setdefault(
+            tenant,
+            {"tenant": tenant, "slots": [], "running": 0, "parked": 0, "pending": 0,
+             "oldest_wait_seconds": None, "reroutes_last_hour": 0,
+             "shadow_decisions_last_hour": 0},
+        )  # fmt: skip
+
+    def older(row: dict[str, Any], seconds: float | None) -> None:
+        if seconds is not None and (row["oldest_wait_seconds"] or 0) <= seconds:
+            row["oldest_wait_seconds"] = seconds
+
+    active = (
+        Q(current_jobs__gt=0) | Q(parked_jobs__gt=0) | Q(max_jobs__isnull=False)
+        | Q(boost_until__isnull=False)
+    )  # fmt: skip
+    for slot in TenantQueueSlot.objects.filter(active).order_by("tenant", "queue"):
+        row = entry(slot.tenant)
+        row["slots"].append(
+            {"queue": slot.queue, "running": slot.current_jobs, "limit": slot.effective_max_jobs,
+             "override": slot.max_jobs, "parked": slot.parked_jobs,
+             "deferred_total": slot.deferred_total,
+             "boosted_until": None if slot.boost_until is None else slot.boost_until.isoformat()}
+        )  # fmt: skip
+        row["running"] += slot.current_jobs
+    parked = (
+        ParkedJob.objects.filter(woken_at__isnull=True, slot__isnull=False)
+        .values("slot__tenant")
+        .annotate(n=Count("pk"), oldest=Min("parked_at"))
+    )
+    for p in parked:
+        row = entry(p["slot__tenant"])
+        row["parked"] += p["n"]
+        older(row, _age(now, p["oldest"]))
+    pending = (
+        PlannedJob.objects.filter(promoted_at__isnull=True)
+        .values("tenant")
+        .annotate(n=Count("pk"), oldest=Min("enqueued_at"))
+    )
+    for q in pending:
+        row = entry(q["tenant"])
+        row["pending"] += q["n"]
+        older(row, _age(now, q["oldest"]))
+    recent = (
+        JobDecision.objects.filter(at__gte=now - timedelta(hours=1))
+        .exclude(tenant="")
+        .values("tenant", "mechanism", "enforced")
+        .annotate(n=Count("pk"))
+    )
+    for d in recent:
+        row = entry(d["tenant"])
+        if d["enforced"] and d["mechanism"] == "reroute":
+            row["reroutes_last_hour"] += d["n"]
+        elif not d["enforced"]:
+            row["shadow_decisions_last_hour"] += d["n"]
+    return [by_tenant[t] for t in sorted(by_tenant)]
+
+
+def nodes(now: datetime) -> list[dict[str, Any]]:
+    """Per worker node (one ``celery worker`` start): its processes and last heartbeat."""
+    from django.db.models import Count, Max
+
+    from django_fair_jobs.models import WorkerProcess
+
+    rows = (
+        WorkerProcess.objects.values("node_id", "node", "hostname")
+        .annotate(processes=Count("pk"), last=Max("last_heartbeat_at"))
+        .order_by("node", "node_id")
+    )
+    out = []
+    for r in rows:
+        age = _age(now, r["last"])
+        out.append(
+            {"node": r["node"], "node_id": str(r["node_id"]), "hostname": r["hostname"],
+             "processes": r["processes"], "last_heartbeat_seconds": age,
+             "alive": age is not None and age <= fair_settings.WORKER_TIMEOUT}
+        )  # fmt: skip
+    return out
+
+
+def totals(now: datetime) -> dict[str, Any]:
+    """Counters since the start and the decisions of the last hour."""
+    from django.db.models import Count, Sum
+
+    from django_fair_jobs.models import (
+        JobDecision,
+        Maintenance,
+        PlannerRun,
+        QueueLimit,
+        TenantQueueSlot,
+    )
+
+    reaped = Maintenance.objects.filter(name="reaped").values_list("leases_reaped_total", flat=True)
+    decided = (
+        JobDecision.objects.filter(at__gte=now - timedelta(hours=1))
+        .values("mechanism", "action", "enforced")
+        .annotate(n=Count("pk"))
+        .order_by("mechanism", "action")
+    )
+    return {
+        "leases_reaped_total": int(reaped.first() or 0),
+        "planner_runs_total": dict(PlannerRun.objects.values_list("task_name", "runs_total")),
+        "tenant_deferrals_total": int(
+            TenantQueueSlot.objects.aggregate(n=Sum("deferred_total"))["n"] or 0
+        ),
+        "queue_deferrals_total": int(
+            QueueLimit.objects.aggregate(n=Sum("deferred_total"))["n"] or 0
+        ),
+        "decisions_last_hour": list(decided),
+    }
+
+
+def fairness(tenant_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Jain's index of the current waits of the small tenants (at most
+    :data:`SMALL_BACKLOG` jobs waiting) among those running or waiting: each tenant's
+    wait is the age of its oldest waiting job, 0 if it has none waiting."""
+    small = [
+        float(t["oldest_wait_seconds"] or 0.0)
+        for t in tenant_rows
+        if (t["running"] or t["parked"] or t["pending"])
+        and t["parked"] + t["pending"] <= SMALL_BACKLOG
+    ]
+    return {"jain_index": jain_index(small), "small_tenants": len(small)}
+
+
+def snapshot() -> dict[str, Any]:
+    """Everything the dashboard shows, as JSON-ready data (see the module docstring)."""
+    from django_fair_jobs.limits import queue_status
+    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.planner import status as planner_status
+
+    now = database_now()
+    tenant_rows = tenants(now)
+    return {
+        "at": now.isoformat(),
+        "enforce": bool(fair_settings.ENFORCE),
+        "tenants": tenant_rows,
+        "queues": queue_status(),
+        "planners": planner_status(),
+        "nodes": nodes(now),
+        "fairness": fairness(tenant_rows),
+        "totals": totals(now),
+    }
+
+
+def as_text(snap: dict[str, Any]) -> str:
+    """The snapshot as the text ``fair_jobs_status`` prints: tenants, queues, planners,
+    nodes, fairness and totals, one line per item."""
+    shadow = "" if snap["enforce"] else " (SHADOW MODE: rules are recorded, not enforced)"
+    lines = [f"django-fair-jobs at {snap['at']}{shadow}"]
+    lines.append("tenants:" if snap["tenants"] else "tenants: none active")
+    for t in snap["tenants"]:
+        slots = ", ".join(
+            f"{s['queue']} {s['running']}/{s['limit']}"
+            + (f" (boosted until {s['boosted_until']})" if s["boosted_until"] else "")
+            for s in t["slots"]
+        )
+        wait = t["oldest_wait_seconds"]
+        lines.append(
+            f"  {t['tenant']}: running {slots or t['running']}; parked {t['parked']}, pending "
+            f"{t['pending']}, oldest wait {'-' if wait is None else f'{wait:g} s'}, reroutes "
+            f"last hour {t['reroutes_last_hour']}"
+            + (f", shadow decisions {t['shadow_decisions_last_hour']}"
+               if t["shadow_decisions_last_hour"] else "")
+        )  # fmt: skip
+    lines.append("queues:" if snap["queues"] else "queues: no limits stored (see fair_jobs_limit)")
+    for q in snap["queues"]:
+        nodes_text = ", ".join(f"{n}: {c}" for n, c in q["running_by_node"].items()) or "-"
+        oldest = q["oldest_parked_seconds"]
+        lines.append(
+            f"  {q['queue']}{' PAUSED' if q['paused'] else ''}: global {_show(q['max_jobs'])}, "
+            f"per worker {_show(q['max_jobs_per_worker'])}; running {q['running']} ({nodes_text}); "
+            f"parked {q['parked']}{'' if oldest is None else f', oldest {oldest:g} s'}; "
+            f"deferred ever {q['deferred_total']}"
+        )  # fmt: skip
+    for plan in snap["planners"]:
+        skipped = (
+            " (skipped: queue latency above threshold)"
+            if plan["last_skipped_for_backpressure"]
+            else ""
+        )
+        lines.append(
+            f"planner {plan['task']}: last run {plan['last_run_at'] or 'never'}, promoted "
+            f"{plan['last_promoted'] or 0}{skipped}"
+        )
+        for t in plan["tenants"]:
+            oldest = t["oldest_pending_seconds"]
+            wait = "" if oldest is None else f", oldest waiting {oldest:g} s"
+            paused = " PAUSED" if t["paused"] else ""
+            lines.append(f"    {t['tenant']}{paused}: {t['pending']} pending{wait}")
+    lines.append("nodes:" if snap["nodes"] else "nodes: no worker has registered")
+    for n in snap["nodes"]:
+        state = "alive" if n["alive"] else "PRESUMED DEAD"
+        lines.append(
+            f"  {n['node']} ({n['hostname']}): {n['processes']} process(es), last heartbeat "
+            f"{n['last_heartbeat_seconds']:g} s ago, {state}"
+        )
+    fair = snap["fairness"]
+    index = fair["jain_index"]
+    lines.append(
+        f"fairness: Jain's index {'-' if index is None else f'{index:.3f}'} over "
+        f"{fair['small_tenants']} small tenant(s)"
+    )
+    tot = snap["totals"]
+    lines.append(
+        f"totals: leases reaped {tot['leases_reaped_total']}, deferrals (tenant slots) "
+        f"{tot['tenant_deferrals_total']}, deferrals (queues) {tot['queue_deferrals_total']}"
+    )
+    for d in tot["decisions_last_hour"]:
+        shadow = "" if d["enforced"] else " (shadow)"
+        lines.append(f"  last hour: {d['mechanism']} {d['action']}{shadow}: {d['n']}")
+    return "\n".join(lines)
+
+
+def _show(limit: int | None) -> str:
+    return "none" if limit is None else str(limit)
