@@ -1,15 +1,25 @@
-"""The admin: an operations console for tenant slots, queue limits, leases, parked jobs,
-workers, and the rerouting windows and reroute counts."""
+"""The admin: an operations console. A dashboard page (refreshing itself), then tenant
+slots (limits, boosts), queue limits, leases, parked jobs, workers, rerouting windows and
+counts, the planner's virtual queues, the limit history and recorded decisions.
+
+Every page and action needs the app's model permissions: view to see a page, change to
+act (pause, resume, boost, reap, reset a window). Every limit change is recorded with the
+user who made it."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from django import forms
 from django.contrib import admin, messages
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
 
 from django_fair_jobs.models import (
+    Dashboard,
+    JobDecision,
+    LimitChange,
     ParkedJob,
     PlannedJob,
     PlannerTenant,
@@ -32,10 +42,20 @@ if TYPE_CHECKING:
     _QueueAdmin = admin.ModelAdmin[QueueLimit]
     _PlannedAdmin = admin.ModelAdmin[PlannedJob]
     _PlannerTenantAdmin = admin.ModelAdmin[PlannerTenant]
+    _DashboardAdmin = admin.ModelAdmin[Dashboard]
+    _ChangeAdmin = admin.ModelAdmin[LimitChange]
+    _DecisionAdmin = admin.ModelAdmin[JobDecision]
+    _SlotForm = forms.ModelForm[TenantQueueSlot]
 else:
     _LeaseInline = admin.TabularInline
     _SlotAdmin = _ParkedAdmin = _ProcessAdmin = _WindowAdmin = _RerouteAdmin = admin.ModelAdmin
     _QueueAdmin = _PlannedAdmin = _PlannerTenantAdmin = admin.ModelAdmin
+    _DashboardAdmin = _ChangeAdmin = _DecisionAdmin = admin.ModelAdmin
+    _SlotForm = forms.ModelForm
+
+
+def _user(request: HttpRequest) -> str:
+    return str(getattr(request.user, "username", "") or "")
 
 
 class _ReadOnly:
@@ -63,15 +83,46 @@ class SlotLeaseInline(_LeaseInline):
         return False
 
 
+class TenantSlotForm(_SlotForm):
+    """The slot's override plus an optional temporary boost (limit N until a time)."""
+
+    boost_max_jobs = forms.IntegerField(
+        required=False,
+        min_value=0,
+        label="Boost to",
+        help_text="A temporary limit; with 'boost until', it replaces max_jobs until then, "
+        "and the limit comes back by itself.",
+    )
+    boost_until_time = forms.DateTimeField(
+        required=False, label="Boost until", help_text="When the boost ends (server time)."
+    )
+
+    class Meta:
+        model = TenantQueueSlot
+        fields = ("tenant", "queue", "max_jobs")
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        boost, until = data.get("boost_max_jobs"), data.get("boost_until_time")
+        if (boost is None) != (until is None):
+            raise forms.ValidationError("A boost needs both a limit and an end time.")
+        if boost is not None and "max_jobs" in self.changed_data:
+            raise forms.ValidationError("Change max_jobs or set a boost, not both at once.")
+        return data
+
+
 @admin.register(TenantQueueSlot)
 class TenantQueueSlotAdmin(_SlotAdmin):
-    """Tenant limits: edit ``max_jobs`` (empty: the task's default; 0: paused)."""
+    """Tenant limits: edit ``max_jobs`` (empty: the task's default; 0: paused) or boost
+    it for a while. Every change is recorded in the limit history."""
 
+    form = TenantSlotForm
     list_display = (
         "tenant",
         "queue",
         "max_jobs",
         "limit_in_force",
+        "boost",
         "current_jobs",
         "live_leases",
         "parked_jobs",
@@ -79,19 +130,24 @@ class TenantQueueSlotAdmin(_SlotAdmin):
         "updated_at",
     )
     list_editable = ("max_jobs",)
-    list_filter = ("queue",)
-    search_fields = ("tenant",)
+    list_filter = ("queue", ("boost_until", admin.EmptyFieldListFilter))
+    search_fields = ("tenant", "queue")
     ordering = ("tenant", "queue")
+    list_per_page = 100
     fields = (
         "tenant",
         "queue",
         "max_jobs",
+        "boost_max_jobs",
+        "boost_until_time",
+        "boost",
         "default_max_jobs",
         "current_jobs",
         "parked_jobs",
         "deferred_total",
     )
-    readonly_fields = ("default_max_jobs", "current_jobs", "parked_jobs", "deferred_total")
+    readonly_fields = ("boost", "default_max_jobs", "current_jobs", "parked_jobs",
+                       "deferred_total")  # fmt: skip
     inlines = (SlotLeaseInline,)
     actions = ("pause_tenants", "clear_overrides", "reap_dead_workers")
 
@@ -108,6 +164,13 @@ class TenantQueueSlotAdmin(_SlotAdmin):
     def limit_in_force(self, obj: TenantQueueSlot) -> int:
         return obj.effective_max_jobs
 
+    @admin.display(description="boost", ordering="boost_until")
+    def boost(self, obj: TenantQueueSlot) -> str:
+        if obj.boost_until is None:
+            return "-"
+        back = "the task's default" if obj.boost_restore is None else obj.boost_restore
+        return f"{obj.max_jobs} until {obj.boost_until:%Y-%m-%d %H:%M:%S %Z}, then {back}"
+
     @admin.display(description="live leases", ordering="lease_count")
     def live_leases(self, obj: TenantQueueSlot) -> int:
         return int(getattr(obj, "lease_count", 0))
@@ -115,36 +178,47 @@ class TenantQueueSlotAdmin(_SlotAdmin):
     def save_model(
         self, request: HttpRequest, obj: TenantQueueSlot, form: Any, change: bool
     ) -> None:
-        # Only the override is written: the counters belong to the running workers.
-        if change:
-            TenantQueueSlot.objects.filter(pk=obj.pk).update(max_jobs=obj.max_jobs)
-        else:
-            super().save_model(request, obj, form, change)
-        if obj.pk is not None:
-            from django_fair_jobs.slots import wake
+        # Only the limit is written, through the slot API (history, wake-ups); the
+        # counters belong to the running workers.
+        from django_fair_jobs import slots
 
-            woken = wake(obj.pk, limit=None)
-            if woken:
-                self.message_user(request, f"{obj}: woke {woken} parked job(s).")
+        data = form.cleaned_data
+        if data.get("boost_max_jobs") is not None:
+            row = slots.boost(
+                obj.tenant, obj.queue, data["boost_max_jobs"], data["boost_until_time"],
+                user=_user(request), source="admin",
+            )  # fmt: skip
+        elif not change or "max_jobs" in form.changed_data:
+            row = slots.set_tenant_limit(obj.tenant, obj.queue, obj.max_jobs,
+                                         user=_user(request), source="admin")  # fmt: skip
+        else:
+            return
+        obj.pk = row.pk
 
     @admin.action(
         description="Pause selected tenants on their queue (limit 0)", permissions=["change"]
     )
     def pause_tenants(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
-        count = queryset.update(max_jobs=0)
-        self.message_user(request, f"Paused {count} slot(s); running jobs finish, new ones park.")
+        from django_fair_jobs.slots import set_tenant_limit
+
+        rows = list(queryset)
+        for row in rows:
+            set_tenant_limit(row.tenant, row.queue, 0, user=_user(request), source="admin")
+        self.message_user(
+            request, f"Paused {len(rows)} slot(s); running jobs finish, new ones park."
+        )
 
     @admin.action(
         description="Resume: clear the limit override (use the task's default)",
         permissions=["change"],
     )
     def clear_overrides(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
-        from django_fair_jobs.slots import wake
+        from django_fair_jobs.slots import set_tenant_limit
 
-        ids = list(queryset.values_list("pk", flat=True))
-        TenantQueueSlot.objects.filter(pk__in=ids).update(max_jobs=None)
-        woken = sum(wake(pk, limit=None) for pk in ids)
-        self.message_user(request, f"Cleared {len(ids)} override(s); woke {woken} parked job(s).")
+        rows = list(queryset)
+        for row in rows:
+            set_tenant_limit(row.tenant, row.queue, None, user=_user(request), source="admin")
+        self.message_user(request, f"Cleared {len(rows)} override(s); parked jobs were woken.")
 
     @admin.action(description="Release the leases of dead workers now", permissions=["change"])
     def reap_dead_workers(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
@@ -169,6 +243,7 @@ class QueueLimitAdmin(_QueueAdmin):
         "updated_at",
     )
     list_editable = ("max_jobs", "max_jobs_per_worker")
+    list_filter = (("max_jobs", admin.EmptyFieldListFilter),)
     search_fields = ("queue",)
     ordering = ("queue",)
     fields = ("queue", "max_jobs", "max_jobs_per_worker", "current_jobs", "parked_jobs")
@@ -211,14 +286,21 @@ class QueueLimitAdmin(_QueueAdmin):
         from django_fair_jobs.limits import set_limits
 
         row = set_limits(
-            obj.queue, max_jobs=obj.max_jobs, max_jobs_per_worker=obj.max_jobs_per_worker
-        )
+            obj.queue, max_jobs=obj.max_jobs, max_jobs_per_worker=obj.max_jobs_per_worker,
+            user=_user(request), source="admin",
+        )  # fmt: skip
         obj.pk = row.pk
 
     @admin.action(description="Pause selected queues (limit 0)", permissions=["change"])
     def pause_queues(self, request: HttpRequest, queryset: QuerySet[QueueLimit]) -> None:
-        count = queryset.update(max_jobs=0)
-        self.message_user(request, f"Paused {count} queue(s); running jobs finish, new ones park.")
+        from django_fair_jobs.limits import set_limits
+
+        names = list(queryset.values_list("queue", flat=True))
+        for name in names:
+            set_limits(name, max_jobs=0, user=_user(request), source="admin")
+        self.message_user(
+            request, f"Paused {len(names)} queue(s); running jobs finish, new ones park."
+        )
 
     @admin.action(description="Release the leases of dead workers now", permissions=["change"])
     def reap_dead_workers(self, request: HttpRequest, queryset: QuerySet[QueueLimit]) -> None:
@@ -291,6 +373,22 @@ class TenantWindowAdmin(_ReadOnly, _WindowAdmin):
     list_filter = ("key",)
     search_fields = ("tenant",)
     ordering = ("tenant", "key")
+    actions = ("reset_windows",)
+
+    def has_reset_permission(self, request: HttpRequest) -> bool:
+        """Resetting a window changes routing: it needs the change permission, which the
+        page itself never uses (rows are written by the library only)."""
+        return bool(request.user.has_perm("fair_jobs.change_tenantwindow"))
+
+    @admin.action(
+        description="Reset the selected windows (counts start again from zero)",
+        permissions=["reset"],
+    )
+    def reset_windows(self, request: HttpRequest, queryset: QuerySet[TenantWindow]) -> None:
+        count = TenantWindow.objects.reset(list(queryset.values_list("pk", flat=True)))
+        self.message_user(
+            request, f"Reset {count} window(s); those tenants' next jobs use their normal queue."
+        )
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
         from django_fair_jobs.windows import windows_by_key
@@ -383,3 +481,75 @@ class PlannerTenantAdmin(_PlannerTenantAdmin):
     def resume_promotion(self, request: HttpRequest, queryset: QuerySet[PlannerTenant]) -> None:
         count = queryset.update(paused=False)
         self.message_user(request, f"Resumed {count} tenant(s) from the next planner run.")
+
+
+@admin.register(LimitChange)
+class LimitChangeAdmin(_ReadOnly, _ChangeAdmin):
+    """The history of limit changes: who changed which limit, when, from where."""
+
+    list_display = ("at", "user", "source", "tenant", "queue", "field", "old_value",
+                    "new_value", "note")  # fmt: skip
+    list_filter = ("source", "field", "queue")
+    search_fields = ("tenant", "queue", "user")
+    date_hierarchy = "at"
+    ordering = ("-at", "-id")
+
+
+@admin.register(JobDecision)
+class JobDecisionAdmin(_ReadOnly, _DecisionAdmin):
+    """What rules did (reroutes) or, in shadow mode, would have done to jobs; kept for
+    ``FAIR_JOBS_DECISION_RETENTION``."""
+
+    list_display = ("at", "task_id", "task_name", "tenant", "queue", "mechanism", "action",
+                    "enforced")  # fmt: skip
+    list_filter = ("mechanism", "action", "enforced", "task_name")
+    search_fields = ("task_id", "tenant")
+    date_hierarchy = "at"
+    ordering = ("-at", "-id")
+
+
+DASHBOARD_TENANTS = 100
+"""Tenants the dashboard lists, the longest-waiting first."""
+
+
+@admin.register(Dashboard)
+class DashboardAdmin(_DashboardAdmin):
+    """The dashboard: per tenant, per queue and per worker node at a glance, reloading
+    itself every ``FAIR_JOBS_DASHBOARD_REFRESH`` seconds. Needs the dashboard's view
+    permission."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        from django.core.exceptions import PermissionDenied
+
+        from django_fair_jobs.conf import fair_settings
+        from django_fair_jobs.status import snapshot
+
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        snap = snapshot()
+        # The busiest tenants first (longest wait, then most running); a page of 10,000
+        # rows helps nobody, and the slot list pages through the rest.
+        ranked = sorted(
+            snap["tenants"],
+            key=lambda t: (-(t["oldest_wait_seconds"] or 0), -t["running"], t["tenant"]),
+        )
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Fair jobs dashboard",
+            "opts": self.model._meta,
+            "snapshot": snap,
+            "tenants": ranked[:DASHBOARD_TENANTS],
+            "tenants_hidden": max(len(ranked) - DASHBOARD_TENANTS, 0),
+            "refresh": fair_settings.DASHBOARD_REFRESH,
+            **(extra_context or {}),
+        }
+        return TemplateResponse(request, "admin/fair_jobs/dashboard.html", context)
