@@ -31,6 +31,10 @@ class Mode:
     """True: the slow queue gets a queue limit of a quarter of the workers
     (:func:`slow_queue_limit`), so rerouted jobs of every tenant together never take more."""
 
+    shadow: bool = False
+    """True: the workers and the publisher run with ``FAIR_JOBS_ENFORCE = False``: every
+    rule is evaluated and recorded, nothing is enforced (the cost of shadow mode)."""
+
     def queue(self, run: str) -> str:
         """The Celery queue of this mode's jobs in ``run``: one per mode and run, so that
         neither modes nor benchmark runs ever share a queue."""
@@ -82,8 +86,19 @@ MODES: dict[str, Mode] = {
             reroutes=True,
             caps_slow_queue=True,
         ),
+        Mode(
+            "shadow",
+            "bench.combined_job",
+            "the combined task in shadow mode: every rule evaluated and recorded, none enforced",
+            reroutes=True,
+            caps_slow_queue=True,
+            shadow=True,
+        ),
     )
 }
+
+DEFAULT_MODES: tuple[str, ...] = tuple(name for name, m in MODES.items() if not m.shadow)
+"""The modes a run without ``--modes`` measures: shadow mode is asked for by name."""
 
 REFERENCE = "plain"
 """The mode every ratio's denominator comes from (except the ideal's)."""

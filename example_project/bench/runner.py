@@ -26,6 +26,7 @@ from pathlib import Path
 import psycopg
 from django.core.management import call_command
 from django.db import OperationalError, connection
+from django.test import override_settings
 
 import bench.tasks  # noqa: F401  (registers the benchmark's tasks in the publisher)
 from bench import statements
@@ -35,6 +36,8 @@ from bench.modes import Mode, slow_queue_limit
 from bench.scenario import Job, Scenario
 from django_fair_jobs.limits import set_limits
 from django_fair_jobs.models import (
+    JobDecision,
+    LimitChange,
     Maintenance,
     ParkedJob,
     PlannedJob,
@@ -147,6 +150,8 @@ def clear_library_state() -> None:
     PlannedJob.objects.all().delete()
     PlannerTenant.objects.all().delete()
     PlannerRun.objects.all().delete()
+    JobDecision.objects.all().delete()
+    LimitChange.objects.all().delete()
 
 
 def library_leftover() -> dict[str, int]:
@@ -296,11 +301,13 @@ def run_mode(
         "BENCH_QUEUE": queue,
         "BENCH_RULES": json.dumps(mode.rules(run)),
         "FAIR_JOBS_DEFAULT_MAX_JOBS": str(tenant_limit),
+        "FAIR_JOBS_ENFORCE": "false" if mode.shadow else "true",
     }
     if mode.caps_slow_queue:
         set_limits(mode.slow_queue(run), max_jobs=slow_queue_limit(nodes * concurrency))
     workers: list[WorkerNode] = []
     errors: list[BaseException] = []
+    shadow = override_settings(FAIR_JOBS_ENFORCE=not mode.shadow)
     timed_out = False
     total = len(scenario.jobs)
     try:
@@ -316,6 +323,9 @@ def run_mode(
         publisher = threading.Thread(
             target=publish, args=(mode, queue, run, scenario.jobs, origin, errors), daemon=True
         )
+        # The publisher evaluates rules too (rerouting, the planner): in a shadow mode it
+        # records instead of acting, like the workers.
+        shadow.enable()
         publisher.start()
         deadline = time.monotonic() + timeout
         done = 0
@@ -340,6 +350,8 @@ def run_mode(
         # A redelivered or duplicated job would show up shortly after the last one.
         time.sleep(0.5)
     finally:
+        if getattr(shadow, "wrapped", None) is not None:
+            shadow.disable()
         for w in workers:
             w.stop()
         for name in mode.queues(run):

@@ -16,7 +16,7 @@ import django
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from bench import report, runner
-from bench.modes import MODES, RECOMMENDED, REFERENCE, Mode
+from bench.modes import DEFAULT_MODES, MODES, RECOMMENDED, REFERENCE, Mode
 from bench.scenario import Scenario, ScenarioError, builtin_names, load
 
 REPO_DIR = Path(__file__).resolve().parents[4]
@@ -45,8 +45,9 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--modes",
-            default=",".join(MODES),
-            help=f"Comma-separated modes to run (default: all: {','.join(MODES)}).",
+            default=",".join(DEFAULT_MODES),
+            help=f"Comma-separated modes to run (default: {','.join(DEFAULT_MODES)}; "
+            f"available: {','.join(MODES)}).",
         )
         parser.add_argument(
             "--concurrency", type=int, help="Pool size per worker node (default: the scenario's)."
