@@ -135,6 +135,7 @@ class WorkerProcess(models.Model):
     class Meta:
         db_table = "fair_jobs_workerprocess"
         verbose_name = "worker process"
+        verbose_name_plural = "worker processes"
         indexes = [models.Index(fields=["last_heartbeat_at"], name="fair_jobs_process_beat")]
 
     def __str__(self) -> str:

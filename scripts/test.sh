@@ -6,6 +6,8 @@
 # Needs PostgreSQL on 127.0.0.1:5432 (role postgres, trust auth) and Redis on
 # 127.0.0.1:6379; override with DATABASE_URL / CELERY_BROKER_URL. Extra arguments go to
 # pytest (e.g. -k race).
+# Installs Debian's chromium and chromium-driver (apt-get) if missing, for the admin's
+# browser test (tests/test_browser.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -32,6 +34,20 @@ try:
 except Exception as exc:
     sys.exit(f"Redis is not reachable ({exc}); start it (see README: Running the tests).")
 PY
+
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+    SUDO=
+    if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then
+        SUDO=sudo
+    fi
+    echo "Installing chromium and chromium-driver for the admin's browser test..."
+    # The package lists may be stale or absent (fresh container): update only if needed.
+    $SUDO apt-get install -y -q chromium chromium-driver \
+        || { $SUDO apt-get update -q && $SUDO apt-get install -y -q chromium chromium-driver; } \
+        || { echo "Could not install chromium and chromium-driver (needed by" \
+                  "tests/test_browser.py); install them: apt-get install chromium" \
+                  "chromium-driver" >&2; exit 1; }
+fi
 
 SQLITE_DIR=$(mktemp -d)
 trap 'rm -rf "$SQLITE_DIR"' EXIT

@@ -36,6 +36,8 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    # The admin's CSS and JavaScript for the browser test's live server.
+    "django.contrib.staticfiles",
     "django_fair_jobs",
     "tests.testapp",
 ]
@@ -74,3 +76,5 @@ LOGGING = {
     "disable_existing_loggers": False,
     "loggers": {"django_fair_jobs": {"level": "INFO"}},
 }
+
+STATIC_URL = "static/"

@@ -1,0 +1,163 @@
+"""The admin in a real browser: log in, edit a tenant's limit, see it on the dashboard.
+
+Selenium drives headless Chromium (Debian's ``chromium`` and ``chromium-driver``, which
+scripts/test.sh installs) against pytest-django's live server. A missing browser fails
+the test: it is part of the suite, never skipped. Screenshots of the dashboard go to
+``FAIR_JOBS_SCREENSHOT_DIR`` when set, else to the test's temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import pytest
+from django.contrib.auth.models import User
+from pytest_django import Settings
+from pytest_django.live_server_helper import LiveServer
+from selenium import webdriver
+from selenium.common.exceptions import TimeoutException, WebDriverException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.chrome.webdriver import WebDriver
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions as ec
+from selenium.webdriver.support.ui import WebDriverWait
+
+from django_fair_jobs.models import LimitChange, TenantQueueSlot
+
+pytestmark = pytest.mark.django_db(transaction=True)
+T = TypeVar("T")
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+INSTALL_HINT = (
+    "the admin's browser test needs Debian's Chromium and its driver: "
+    "apt-get install chromium chromium-driver (scripts/test.sh installs them)"
+)
+WAIT = 20  # seconds: a generous bound, each wait returns as soon as its condition holds
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _fast_settings(settings: Settings) -> None:
+    """A fast password hasher: each login hashes once in the test, once in the server."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def browser() -> Iterator[WebDriver]:
+    """Headless Chromium, always quit at the end of the test."""
+    missing = [str(path) for path in (CHROMIUM, CHROMEDRIVER) if not path.exists()]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not found; {INSTALL_HINT}", pytrace=False)
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                "--window-size=1400,1000"):  # fmt: skip
+        options.add_argument(arg)
+    try:
+        driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    except WebDriverException as exc:
+        pytest.fail(f"Chromium did not start ({exc.msg}); {INSTALL_HINT}", pytrace=False)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def until(driver: WebDriver, condition: Callable[[WebDriver], Literal[False] | T], what: str) -> T:
+    """Wait for ``condition``; on timeout, fail with the page the browser is on."""
+    try:
+        return WebDriverWait(driver, WAIT).until(condition)
+    except TimeoutException:
+        body = driver.find_element(By.TAG_NAME, "body").text
+        pytest.fail(f"timed out after {WAIT} s waiting for {what}; the browser is on "
+                    f"{driver.current_url}:\n{body[:3000]}", pytrace=False)  # fmt: skip
+
+
+def log_in(driver: WebDriver, live_server: LiveServer, username: str, password: str) -> None:
+    """Log in through the admin's login form, as a person would."""
+    driver.get(f"{live_server.url}/admin/login/")
+    until(driver, ec.presence_of_element_located((By.NAME, "username")), "the login form")
+    driver.find_element(By.NAME, "username").send_keys(username)
+    driver.find_element(By.NAME, "password").send_keys(password)
+    driver.find_element(By.CSS_SELECTOR, "#login-form [type=submit]").click()
+    until(
+        driver,
+        ec.presence_of_element_located((By.ID, "user-tools")),
+        f"the admin index after logging in as {username}",
+    )
+
+
+def screenshot_dir(tmp_path: Path) -> Path:
+    configured = os.environ.get("FAIR_JOBS_SCREENSHOT_DIR")
+    directory = Path(configured) if configured else tmp_path
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def test_edit_limit_in_browser__dashboard_shows_it_and_history_records_it(
+    browser: WebDriver, live_server: LiveServer, tmp_path: Path
+) -> None:
+    User.objects.create_superuser("ops", "ops@example.com", "s3cret-pw")
+    slot = TenantQueueSlot.objects.create(tenant="acme", queue="q", max_jobs=2)
+    log_in(browser, live_server, "ops", "s3cret-pw")
+
+    browser.get(f"{live_server.url}/admin/fair_jobs/tenantqueueslot/{slot.pk}/change/")
+    max_jobs = until(
+        browser, ec.element_to_be_clickable((By.ID, "id_max_jobs")), "the max_jobs input"
+    )
+    assert max_jobs.get_attribute("value") == "2"
+    max_jobs.clear()
+    max_jobs.send_keys("7")
+    until(
+        browser,
+        ec.text_to_be_present_in_element_value((By.ID, "id_max_jobs"), "7"),
+        "7 typed into max_jobs",
+    )
+    assert max_jobs.get_attribute("value") == "7"
+    browser.find_element(By.NAME, "_save").click()
+    message = until(
+        browser,
+        ec.visibility_of_element_located((By.CSS_SELECTOR, ".messagelist .success")),
+        "the changelist's success message after saving",
+    )
+    assert "was changed successfully" in message.text
+    slot.refresh_from_db()
+    assert slot.max_jobs == 7
+    change = LimitChange.objects.get(tenant="acme", queue="q")
+    assert (change.user, change.field, change.old_value, change.new_value, change.source) == (
+        "ops", "max_jobs", "2", "7", "admin",
+    )  # fmt: skip
+
+    browser.get(f"{live_server.url}/admin/fair_jobs/dashboard/")
+    row = until(
+        browser,
+        ec.presence_of_element_located((By.CSS_SELECTOR, 'tr.fair-tenant[data-tenant="acme"]')),
+        "acme's row on the dashboard",
+    )
+    cell = row.find_element(By.CSS_SELECTOR, 'span.fair-slot[data-queue="q"]')
+    assert "q: 0 / 7" in cell.text
+    # The page reloads itself.
+    assert browser.find_elements(By.CSS_SELECTOR, 'meta[http-equiv="refresh"]')
+
+    path = screenshot_dir(tmp_path) / "dashboard.png"
+    assert browser.save_screenshot(str(path))
+    print(f"dashboard screenshot: {path}")
+    data = path.read_bytes()
+    assert len(data) > len(PNG_SIGNATURE) and data.startswith(PNG_SIGNATURE)
+
+
+def test_dashboard__staff_without_the_apps_permissions__forbidden(
+    browser: WebDriver, live_server: LiveServer
+) -> None:
+    User.objects.create_user("viewer", "viewer@example.com", "s3cret-pw", is_staff=True)
+    TenantQueueSlot.objects.create(tenant="acme", queue="q", max_jobs=2)
+    log_in(browser, live_server, "viewer", "s3cret-pw")
+
+    browser.get(f"{live_server.url}/admin/fair_jobs/dashboard/")
+    heading = until(browser, ec.presence_of_element_located((By.TAG_NAME, "h1")), "a heading")
+    assert "403" in heading.text or "Forbidden" in heading.text, browser.page_source[:2000]
+    assert "fair-dashboard" not in browser.page_source
