@@ -108,6 +108,11 @@ class TenantSlotForm(_SlotForm):
             raise forms.ValidationError("A boost needs both a limit and an end time.")
         if boost is not None and "max_jobs" in self.changed_data:
             raise forms.ValidationError("Change max_jobs or set a boost, not both at once.")
+        if until is not None:
+            from django_fair_jobs.managers import database_now
+
+            if until <= database_now():
+                raise forms.ValidationError("A boost must end in the future.")
         return data
 
 

@@ -152,13 +152,18 @@ def _parked(parked: Any, now: datetime) -> Explanation:
         details["woken_at"] = parked.woken_at.isoformat()
         return Explanation(
             parked.task_id, "woken",
-            "Woken: a slot was reserved for it and it was re-published; it starts when a "
-            "worker takes it from the broker (a lost copy is re-published by the sweep).",
+            "Woken: re-published when a place freed; it starts when a worker takes it from "
+            "the broker (a lost copy goes back in line after FAIR_JOBS_WORKER_TIMEOUT).",
             details,
         )  # fmt: skip
     reasons = []
     for kind, row in (("tenant slot", parked.slot), ("queue", parked.queue_limit)):
         if row is None:
+            continue
+        # A parked job waits for its own limit (the one it brought), whatever task last
+        # touched the row; in a queue's line, its tenant slot is a reason only when full.
+        limit = row.max_jobs if row.max_jobs is not None else parked.default_max_jobs
+        if kind == "tenant slot" and parked.queue_limit is not None and row.current_jobs < limit:
             continue
         line = ParkedJob.objects.filter(woken_at__isnull=True, pk__lt=parked.pk)
         line = line.filter(slot=row) if kind == "tenant slot" else line.filter(queue_limit=row)
@@ -170,7 +175,6 @@ def _parked(parked: Any, now: datetime) -> Explanation:
             "running": row.current_jobs,
         }
         if kind == "tenant slot":
-            limit = row.effective_max_jobs
             entry.update(tenant=row.tenant, queue=row.queue, limit=limit)
             if row.boost_until is not None:
                 entry["boosted_until"] = row.boost_until.isoformat()

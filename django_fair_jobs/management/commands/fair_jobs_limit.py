@@ -10,15 +10,19 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_fair_jobs.limits import LimitError
 
 
-def _limit(text: str) -> int:
+def _limit(text: str, of: str = "queue") -> int:
     try:
         value = int(text)
     except ValueError:
         value = -1
     if value < 0:
-        raise CommandError(
-            f"A limit must be a whole number >= 0 (0 pauses the queue); got {text!r}. "
+        remove = (
             "Use --clear to remove a queue's limits."
+            if of == "queue"
+            else "Use --max-jobs default for the task's own limit."
+        )
+        raise CommandError(
+            f"A limit must be a whole number >= 0 (0 pauses the {of}); got {text!r}. {remove}"
         )
     return value
 
@@ -113,6 +117,17 @@ class Command(BaseCommand):
         from django_fair_jobs.models import TenantQueueSlot
 
         tenant = options["tenant"]
+        flags = (("--global", "max_jobs"), ("--per-worker", "per_worker"), ("--clear", "clear"),
+                 ("--reset", "reset"))  # fmt: skip
+        queue_only = [flag for flag, key in flags if options[key]]
+        if queue_only:
+            raise CommandError(
+                f"{', '.join(queue_only)} change a queue's limits, not a tenant's; with "
+                "--tenant use --max-jobs N|default or --boost N --for SECONDS."
+            )
+        if options["boost"] is None and (options["boost_for"] is not None
+                                         or options["boost_until"]):  # fmt: skip
+            raise CommandError("--for and --until give a boost's end: use them with --boost N.")
         if not queue:
             raise CommandError(
                 "Name the QUEUE, e.g. fair_jobs_limit imports --tenant acme --max-jobs 4."
@@ -135,10 +150,10 @@ class Command(BaseCommand):
                 else:
                     raise CommandError("--boost needs --for SECONDS or --until ISO-TIME.")
                 row = slots.boost(
-                    tenant, queue, _limit(boost), until, user=_who(), source="command"
+                    tenant, queue, _limit(boost, "tenant"), until, user=_who(), source="command"
                 )
             elif raw_max is not None:
-                value = None if raw_max == "default" else _limit(raw_max)
+                value = None if raw_max == "default" else _limit(raw_max, "tenant")
                 row = slots.set_tenant_limit(tenant, queue, value, user=_who(), source="command")
             else:
                 found = TenantQueueSlot.objects.filter(tenant=tenant, queue=queue).first()
