@@ -518,19 +518,10 @@ DASHBOARD_TENANTS = 100
 
 
 @admin.register(Dashboard)
-class DashboardAdmin(_DashboardAdmin):
+class DashboardAdmin(_ReadOnly, _DashboardAdmin):
     """The dashboard: per tenant, per queue and per worker node at a glance, reloading
     itself every ``FAIR_JOBS_DASHBOARD_REFRESH`` seconds. Needs the dashboard's view
     permission."""
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
         from django.core.exceptions import PermissionDenied

@@ -100,6 +100,12 @@ class TenantQueueSlot(models.Model):
                 name="fair_jobs_slot_parked",
                 condition=models.Q(parked_jobs__gt=0),
             ),
+            # Every maintenance pass looks for boosts that are due; few slots have one.
+            models.Index(
+                fields=["boost_until"],
+                name="fair_jobs_slot_boost",
+                condition=models.Q(boost_until__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:
