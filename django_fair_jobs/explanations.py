@@ -23,6 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.status import age
 
 _HOLDERS_SHOWN = 20
 """Holders listed for a parked job; the count is always given in full."""
@@ -59,10 +60,6 @@ def _text(value: Any) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k} {_text(v)}" for k, v in value.items())
     return "-" if value is None else str(value)
-
-
-def _age(now: datetime, then: datetime | None) -> float | None:
-    return None if then is None else round(max((now - then).total_seconds(), 0.0), 1)
 
 
 def explain(task_id: str) -> Explanation:
@@ -117,7 +114,7 @@ def _leased(task_id: str, leases: list[Any], now: datetime) -> Explanation:
             "Woken from parking: its slots are reserved for it and it was re-published; "
             "it starts when a worker takes it from the broker.",
             {"reserved_since": lease.acquired_at.isoformat(),
-             "reserved_seconds": _age(now, lease.acquired_at), "holding": held},
+             "reserved_seconds": age(now, lease.acquired_at), "holding": held},
         )  # fmt: skip
     process = WorkerProcess.objects.filter(pk=lease.process_id).first()
     details: dict[str, Any] = {
@@ -125,10 +122,10 @@ def _leased(task_id: str, leases: list[Any], now: datetime) -> Explanation:
         "hostname": None if process is None else process.hostname,
         "pid": None if process is None else process.pid,
         "since": lease.acquired_at.isoformat(),
-        "running_seconds": _age(now, lease.acquired_at),
+        "running_seconds": age(now, lease.acquired_at),
         "holding": held,
     }
-    beat_age = None if process is None else _age(now, process.last_heartbeat_at)
+    beat_age = None if process is None else age(now, process.last_heartbeat_at)
     details["last_heartbeat_seconds"] = beat_age
     where = "an unknown worker" if process is None else process.node
     summary = f"Running on {where} since {lease.acquired_at:%Y-%m-%d %H:%M:%S}."
@@ -146,7 +143,7 @@ def _parked(parked: Any, now: datetime) -> Explanation:
     details: dict[str, Any] = {
         "task": parked.task_name,
         "parked_since": parked.parked_at.isoformat(),
-        "waiting_seconds": _age(now, parked.parked_at),
+        "waiting_seconds": age(now, parked.parked_at),
     }
     if parked.woken_at is not None:
         details["woken_at"] = parked.woken_at.isoformat()
@@ -204,7 +201,7 @@ def _planned(planned: Any, now: datetime) -> Explanation:
         "tenant": planned.tenant,
         "queue": planned.queue,
         "enqueued_at": planned.enqueued_at.isoformat(),
-        "waiting_seconds": _age(now, planned.enqueued_at),
+        "waiting_seconds": age(now, planned.enqueued_at),
     }
     if planned.promoted_at is not None:
         details["promoted_at"] = planned.promoted_at.isoformat()

@@ -507,19 +507,16 @@ def end_boosts(app: Celery | None = None) -> int:
     """Put back the override of every boost whose time is up (database clock); returns
     how many ended. Run by the maintenance pass; safe to run from several processes."""
     from django.db import transaction
+    from django.db.models.functions import Now
 
-    from django_fair_jobs.managers import database_now
     from django_fair_jobs.models import LimitChange, TenantQueueSlot
 
     ended = 0
-    now = database_now()
-    for pk in TenantQueueSlot.objects.filter(boost_until__lte=now).values_list("pk", flat=True):
+    # The database's clock in the statement itself: no extra round trip on every pass.
+    due = TenantQueueSlot.objects.filter(boost_until__lte=Now())
+    for pk in due.values_list("pk", flat=True):
         with transaction.atomic():
-            row = (
-                TenantQueueSlot.objects.select_for_update()
-                .filter(pk=pk, boost_until__lte=now)
-                .first()
-            )
+            row = due.select_for_update().filter(pk=pk).first()
             if row is None:
                 continue  # another pass ended it, or it was changed meanwhile
             TenantQueueSlot.objects.filter(pk=pk).update(

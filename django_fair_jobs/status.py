@@ -38,7 +38,8 @@ def jain_index(values: list[float]) -> float | None:
     return round(sum(values) ** 2 / (len(values) * square_sum), 4)
 
 
-def _age(now: datetime, then: datetime | None) -> float | None:
+def age(now: datetime, then: datetime | None) -> float | None:
+    """Seconds from ``then`` to ``now`` (never negative, one decimal), or None."""
     return None if then is None else round(max((now - then).total_seconds(), 0.0), 1)
 
 
@@ -84,7 +85,7 @@ def tenants(now: datetime) -> list[dict[str, Any]]:
     for p in parked:
         row = entry(p["slot__tenant"])
         row["parked"] += p["n"]
-        older(row, _age(now, p["oldest"]))
+        older(row, age(now, p["oldest"]))
     pending = (
         PlannedJob.objects.filter(promoted_at__isnull=True)
         .values("tenant")
@@ -93,7 +94,7 @@ def tenants(now: datetime) -> list[dict[str, Any]]:
     for q in pending:
         row = entry(q["tenant"])
         row["pending"] += q["n"]
-        older(row, _age(now, q["oldest"]))
+        older(row, age(now, q["oldest"]))
     recent = (
         JobDecision.objects.filter(at__gte=now - timedelta(hours=1))
         .exclude(tenant="")
@@ -122,11 +123,11 @@ def nodes(now: datetime) -> list[dict[str, Any]]:
     )
     out = []
     for r in rows:
-        age = _age(now, r["last"])
+        beat = age(now, r["last"])
         out.append(
             {"node": r["node"], "node_id": str(r["node_id"]), "hostname": r["hostname"],
-             "processes": r["processes"], "last_heartbeat_seconds": age,
-             "alive": age is not None and age <= fair_settings.WORKER_TIMEOUT}
+             "processes": r["processes"], "last_heartbeat_seconds": beat,
+             "alive": beat is not None and beat <= fair_settings.WORKER_TIMEOUT}
         )  # fmt: skip
     return out
 
