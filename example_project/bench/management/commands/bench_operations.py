@@ -12,26 +12,15 @@ same run (1.00x: the cost does not grow with the data):
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import connection
 
+from bench.timing import median_seconds
 from django_fair_jobs import explain
 from django_fair_jobs.models import ParkedJob, TenantQueueSlot
 from django_fair_jobs.status import snapshot
-
-
-def _median_seconds(action: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def _fill(tenants: int, parked_per_first: int) -> str:
@@ -69,7 +58,7 @@ class Command(BaseCommand):
             per_tenant = {}
             for tenants in (100, 10_000):
                 _fill(tenants, 1)
-                seconds = _median_seconds(snapshot, repeat)
+                seconds = median_seconds(snapshot, repeat)
                 per_tenant[tenants] = seconds / tenants
                 self.stdout.write(
                     f"Dashboard snapshot, {tenants} tenants: {seconds * 1e3:.1f} ms "
@@ -84,7 +73,7 @@ class Command(BaseCommand):
                 last = _fill(100, ahead)
                 state = explain(last)
                 assert state.state == "parked", state
-                explained[ahead] = _median_seconds(lambda last=last: explain(last), repeat)  # type: ignore[misc]
+                explained[ahead] = median_seconds(lambda last=last: explain(last), repeat)  # type: ignore[misc]
                 self.stdout.write(
                     f"Explain a parked job, {ahead} ahead: {explained[ahead] * 1e3:.2f} ms"
                 )
