@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 from django import forms
 from django.contrib import admin, messages
 from django.core.paginator import Paginator
+from django.core.validators import MaxValueValidator
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
+from django_fair_jobs.conf import MAX_LIMIT
 from django_fair_jobs.models import (
     Dashboard,
     JobDecision,
@@ -58,6 +60,23 @@ else:
 
 def _user(request: HttpRequest) -> str:
     return str(getattr(request.user, "username", "") or "")
+
+
+_LIMIT_FIELDS = frozenset({"max_jobs", "max_jobs_per_worker"})
+
+
+class _BoundedLimits:
+    """Limit fields (on the change form and in the list) accept whole numbers from 0 to
+    ``MAX_LIMIT`` on every database: SQLite's columns would take more than PostgreSQL's,
+    and a value one database refuses must be a form error, never a server error."""
+
+    def formfield_for_dbfield(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        field = super().formfield_for_dbfield(db_field, request, **kwargs)  # type: ignore[misc]
+        if db_field.name in _LIMIT_FIELDS and isinstance(field, forms.IntegerField):
+            field.max_value = MAX_LIMIT
+            field.validators.append(MaxValueValidator(MAX_LIMIT))
+            field.widget.attrs["max"] = MAX_LIMIT
+        return field
 
 
 class _ReadOnly:
@@ -155,6 +174,7 @@ class TenantSlotForm(_SlotForm):
     boost_max_jobs = forms.IntegerField(
         required=False,
         min_value=0,
+        max_value=MAX_LIMIT,
         label="Boost to",
         help_text="A temporary limit; with 'boost until', it replaces max_jobs until then, "
         "and the limit comes back by itself.",
@@ -183,7 +203,7 @@ class TenantSlotForm(_SlotForm):
 
 
 @admin.register(TenantQueueSlot)
-class TenantQueueSlotAdmin(_SlotAdmin):
+class TenantQueueSlotAdmin(_BoundedLimits, _SlotAdmin):
     """Tenant limits: edit ``max_jobs`` (empty: the task's default; 0: paused) or boost
     it for a while. Every change is recorded in the limit history."""
 
@@ -313,7 +333,7 @@ class TenantQueueSlotAdmin(_SlotAdmin):
 
 
 @admin.register(QueueLimit)
-class QueueLimitAdmin(_QueueAdmin):
+class QueueLimitAdmin(_BoundedLimits, _QueueAdmin):
     """Queue limits, editable at runtime: ``max_jobs`` across the cluster, ``max_jobs per
     worker`` on each node (empty: none; 0: paused). A change applies at once and wakes the
     jobs it lets start; it survives restarts (settings only seed queues with no row)."""

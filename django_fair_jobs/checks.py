@@ -34,6 +34,7 @@ Ids are stable:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
@@ -42,7 +43,7 @@ from django.apps import AppConfig
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from django_fair_jobs.conf import ON_LIMIT_CHOICES, PREFIX, fair_settings
+from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, PREFIX, fair_settings
 from django_fair_jobs.planner import plan_errors
 from django_fair_jobs.windows import queue_name, rule_errors, scope_error
 
@@ -51,6 +52,8 @@ def _number(value: Any, minimum: float, strict: bool) -> bool:
     if isinstance(value, bool) or not isinstance(value, Real):
         return False
     number = float(value)
+    if not math.isfinite(number):
+        return False  # NaN compares false to everything; an infinite wait never ends
     return number > minimum if strict else number >= minimum
 
 
@@ -60,7 +63,7 @@ def _queue_limits(value: Any) -> bool:
         and queue
         and isinstance(limit, int)
         and not isinstance(limit, bool)
-        and limit >= 0
+        and 0 <= limit <= MAX_LIMIT
         for queue, limit in value.items()
     )
 
@@ -69,8 +72,8 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     (
         "DEFAULT_MAX_JOBS",
         "fair_jobs.E001",
-        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-        "a whole number of at least 1 (to pause a tenant, set its slot's max_jobs to 0)",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_LIMIT,
+        f"a whole number from 1 to {MAX_LIMIT} (to pause a tenant, set its slot's max_jobs to 0)",
     ),
     ("ON_LIMIT", "fair_jobs.E002", lambda v: v in ON_LIMIT_CHOICES, '"park" or "retry"'),
     ("RETRY_COUNTDOWN", "fair_jobs.E003", lambda v: _number(v, 0, False), "a number >= 0"),
@@ -80,8 +83,8 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     (
         "MAX_THROTTLING_WINDOW",
         "fair_jobs.E009",
-        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-        "a whole number of seconds >= 1 (default 86400)",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_LIMIT,
+        f"a whole number of seconds from 1 to {MAX_LIMIT} (default 86400)",
     ),
     (
         "QUEUE_LIMITS",

@@ -22,6 +22,11 @@ PREFIX = "FAIR_JOBS_"
 OnLimit = Literal["park", "retry"]
 ON_LIMIT_CHOICES: tuple[str, ...] = ("park", "retry")
 
+MAX_LIMIT = 2_147_483_647
+"""The largest limit, threshold or window (seconds) an option or setting may hold: the
+largest value of the integer columns the limits are stored in, so that no value that
+passes validation can fail in the database later, in a worker."""
+
 _env = environ.Env()
 
 

@@ -18,7 +18,6 @@ Two ways to serve it:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import weakref
@@ -42,6 +41,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.http import HttpRequest, HttpResponse
 
 from django_fair_jobs import status
+from django_fair_jobs.tenants import shorten
 
 logger = logging.getLogger("django_fair_jobs.metrics")
 
@@ -152,10 +152,9 @@ METRICS: tuple[MetricSpec, ...] = (
 def tenant_label(tenant: str) -> str:
     """The ``tenant`` label value of ``tenant``: the tenant itself up to
     :data:`TENANT_LABEL_MAX_LENGTH` characters, else a prefix and a short hash."""
-    if len(tenant) <= TENANT_LABEL_MAX_LENGTH:
-        return tenant
-    digest = hashlib.sha256(tenant.encode()).hexdigest()[:8]
-    return f"{tenant[: TENANT_LABEL_MAX_LENGTH - 9]}~{digest}"
+    # The same cut as the logs' (django_fair_jobs.tenants.for_log), so that a long
+    # tenant's label and its log lines carry the same digest.
+    return shorten(tenant, TENANT_LABEL_MAX_LENGTH)
 
 
 class _Families:

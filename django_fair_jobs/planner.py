@@ -38,7 +38,9 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import reprlib
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,7 +51,7 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 from kombu.utils.json import dumps, loads
 
-from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -106,16 +108,25 @@ def plan_errors(raw: Any) -> list[str]:
         if raw.get(key) is None:
             problems.append(f"{key} is required (how many jobs to promote, and how often)")
     interval = _seconds(raw.get("enqueue_interval"))
-    if raw.get("enqueue_interval") is not None and (interval is None or interval <= 0):
-        problems.append("enqueue_interval must be seconds > 0 or a timedelta")
+    if raw.get("enqueue_interval") is not None and (
+        interval is None or not 0 < interval <= MAX_LIMIT
+    ):
+        problems.append(
+            f"enqueue_interval must be seconds > 0 (at most {MAX_LIMIT}) or a timedelta"
+        )
     jobs = raw.get("enqueue_jobs")
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         problems.append("enqueue_jobs must be a whole number >= 1")
     for key, strict in (("latency_threshold", False), ("planner_lock_ttl", True)):
         value = raw.get(key)
         seconds = None if value is None else _seconds(value)
-        if value is not None and (seconds is None or seconds < 0 or (strict and seconds == 0)):
-            bound = "> 0" if strict else ">= 0"
+        if value is not None and (
+            seconds is None
+            or seconds < 0
+            or (strict and not 0 < seconds <= MAX_LIMIT)
+            or math.isnan(seconds)
+        ):
+            bound = f"> 0 (at most {MAX_LIMIT})" if strict else ">= 0"
             problems.append(f"{key} must be seconds {bound} or a timedelta")
     weights = raw.get("tenant_weights")
     if weights is not None:
@@ -184,12 +195,22 @@ def _row(
         not_before = timezone.now() + timedelta(seconds=float(countdown))
     queue = options.get("queue") or declared_queue(task, args, kwargs)
     signature = task.signature(args, kwargs, task_id=task_id, **options)
+    try:
+        stored = dumps(dict(signature))
+    except (TypeError, ValueError) as exc:
+        from django_fair_jobs.task import FairArgumentsError
+
+        # At publish, not in the planner: a row that cannot be read back would never run.
+        raise FairArgumentsError(
+            f"{task.name}: the job cannot be stored in its tenant's virtual queue as JSON "
+            f"({exc}); pass arguments, headers and options that JSON can hold."
+        ) from None
     return PlannedJob(
         task_name=task.name,
         tenant=str(tenant),
         queue=str(getattr(queue, "name", queue)),
         task_id=task_id,
-        signature=dumps(dict(signature)),
+        signature=stored,
         not_before=not_before,
     )
 
@@ -295,20 +316,70 @@ def wait_bound(weight: float, weights: Sequence[float], budget: int) -> int:
     return math.ceil(((total - weight) / weight + len(weights)) / budget) + 1
 
 
-def weights(plan: Plan, tenants: list[str]) -> dict[str, float]:
-    """The weights ``plan``'s ``tenant_weights`` gives ``tenants`` (all 1 without one);
-    values that are not numbers >= 0 are dropped with a warning."""
+MIN_WEIGHT = 1e-6
+"""Smallest weight above 0 a tenant is given; a smaller one is raised to it."""
+
+MAX_WEIGHT = 1e6
+"""Largest weight a tenant is given; a larger one is lowered to it. Between the two,
+passes (sums of ``1 / weight``) stay far from where floating point would stop adding a
+small weight's step to them, which would let the first tenant by name take every run."""
+
+
+def weights(plan: Plan, tenants: list[str], *, task_name: str = "") -> dict[str, float]:
+    """The weights ``plan``'s ``tenant_weights`` gives ``tenants`` (all 1 without one).
+
+    The planner keeps running whatever the callable does: if it raises or returns
+    something other than a mapping, every tenant weighs 1 in this run (logged); a value
+    that is not a finite number >= 0 (a string, None, NaN, an infinity, a negative
+    number) weighs 1 (logged); weights are kept within :data:`MIN_WEIGHT` and
+    :data:`MAX_WEIGHT` (0 stays 0: not promoted). A call that takes longer than the
+    plan's ``enqueue_interval`` is logged as a warning; the run still completes.
+    """
     if plan.tenant_weights is None:
         return {tenant: 1.0 for tenant in tenants}
-    raw = plan.tenant_weights(list(tenants)) or {}
-    weights: dict[str, float] = {}
+    name = task_name or "a planned task"
+    started = time.monotonic()
+    try:
+        raw = plan.tenant_weights(list(tenants))
+    except Exception:
+        logger.exception("tenant_weights of %s failed; every tenant weighs 1 in this run", name)
+        return {tenant: 1.0 for tenant in tenants}
+    finally:
+        elapsed = time.monotonic() - started
+        if elapsed > plan.enqueue_interval:
+            logger.warning(
+                "tenant_weights of %s took %.2f s, longer than the enqueue interval (%s s): "
+                "runs are late by as much, and past planner_lock_ttl (%s s) another planner "
+                "may start meanwhile. Cache the weights, or compute them elsewhere.",
+                name, elapsed, plan.enqueue_interval, plan.planner_lock_ttl,
+            )  # fmt: skip
+    if not isinstance(raw, Mapping):
+        logger.warning(
+            "tenant_weights of %s returned %s, not a dict of tenant to weight; every tenant "
+            "weighs 1 in this run",
+            name, reprlib.repr(raw),
+        )  # fmt: skip
+        return {tenant: 1.0 for tenant in tenants}
+    from django_fair_jobs.tenants import for_log
+
+    found: dict[str, float] = {}
     for tenant, value in raw.items():
         number = _seconds(value)  # a plain number check
-        if number is None or number < 0:
-            logger.warning("Ignoring weight %r of tenant %r: not a number >= 0", value, tenant)
-            continue
-        weights[str(tenant)] = number
-    return weights
+        if number is None or not math.isfinite(number) or number < 0:
+            logger.warning(
+                "Weight %s of tenant %s (%s) is not a finite number >= 0; it weighs 1",
+                reprlib.repr(value), for_log(tenant), name,
+            )  # fmt: skip
+            number = 1.0
+        elif number and not MIN_WEIGHT <= number <= MAX_WEIGHT:
+            bound = MIN_WEIGHT if number < MIN_WEIGHT else MAX_WEIGHT
+            logger.warning(
+                "Weight %r of tenant %s (%s) is outside [%g, %g]; it weighs %g",
+                number, for_log(tenant), name, MIN_WEIGHT, MAX_WEIGHT, bound,
+            )  # fmt: skip
+            number = bound
+        found[str(tenant)] = number
+    return found
 
 
 @dataclass(frozen=True)
@@ -381,7 +452,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
     tenants = sorted(t for t in pending if t not in paused)
     if not tenants:
         return {}
-    tenant_weights = weights(plan, tenants)
+    tenant_weights = weights(plan, tenants, task_name=name)
     state = PlannerRun.objects.get(task_name=name)
     # A row never promoted has no pass yet: allocate() starts it at the virtual time.
     passes = dict(

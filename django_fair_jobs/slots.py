@@ -29,6 +29,7 @@ from kombu.utils.json import dumps, loads
 from django_fair_jobs import decisions
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition, Woken
+from django_fair_jobs.tenants import for_log
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -268,8 +269,8 @@ def defer(
             TenantQueueSlot.objects.count_deferral(tenant=tenant, queue=queue)
         sig.apply_async()
         logger.debug(
-            "Deferred %s[%s]: tenant %r at its limit on %s; retrying in %.1f s",
-            task.name, request.id, tenant, queue, countdown,
+            "Deferred %s[%s]: tenant %s at its limit on %s; retrying in %.1f s",
+            task.name, request.id, for_log(tenant), queue, countdown,
         )  # fmt: skip
         return None
     signature = dumps(dict(task.signature_from_request(request, args, kwargs, headers=headers)))
@@ -289,8 +290,8 @@ def defer(
             return None
         if outcome != "room":
             logger.debug(
-                "Deferred %s[%s]: tenant %r at its limit on %s; %s",
-                task.name, request.id, tenant, queue, outcome.replace("_", " "),
+                "Deferred %s[%s]: tenant %s at its limit on %s; %s",
+                task.name, request.id, for_log(tenant), queue, outcome.replace("_", " "),
             )  # fmt: skip
             return None
         again = acquire(

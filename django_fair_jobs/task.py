@@ -9,6 +9,7 @@ queue's place together.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
 from typing import Any
@@ -16,11 +17,13 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Ignore
 from celery.utils import uuid
+from kombu.exceptions import EncodeError
+from kombu.utils.json import dumps
 
 from django_fair_jobs import decisions, limits, planner, slots, windows
-from django_fair_jobs.conf import ON_LIMIT_CHOICES, fair_settings
+from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, fair_settings
 from django_fair_jobs.slots import WAKE_HEADER
-from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant
+from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant, worker_tenant
 from django_fair_jobs.windows import Rule, RuleError
 
 SHADOW_PLANNED = "shadow"
@@ -33,14 +36,35 @@ class FairTaskConfigError(ValueError):
     is created (at import, so at worker start-up), never at the first job."""
 
 
+class FairArgumentsError(EncodeError):
+    """A job whose arguments kombu's JSON cannot store (an ``object()``, a ``set``, a
+    model instance...), raised at publish before anything is counted or sent: a parked or
+    planned job is stored as JSON, whatever the task's serializer, so such a job could
+    not be kept. A kombu ``EncodeError``, as Celery's own JSON serializer raises."""
+
+
+def _check_arguments(task: FairTask, args: Any, kwargs: Any) -> None:
+    try:
+        dumps([args or (), kwargs or {}])
+    except (TypeError, ValueError) as exc:
+        raise FairArgumentsError(
+            f"{task.name}: the job's arguments cannot be stored as JSON ({exc}). A job that "
+            "is parked or planned is kept as JSON whatever task_serializer says; pass ids, "
+            "strings, numbers, lists and dicts (turn sets into lists, objects into ids)."
+        ) from None
+
+
 def _validate_options(cls: type[FairTask]) -> None:
     name = getattr(cls, "name", None) or cls.__qualname__
     max_jobs = cls.fair_max_jobs
     if max_jobs is not None and (
-        isinstance(max_jobs, bool) or not isinstance(max_jobs, int) or max_jobs < 1
+        isinstance(max_jobs, bool)
+        or not isinstance(max_jobs, int)
+        or not 1 <= max_jobs <= MAX_LIMIT
     ):
         raise FairTaskConfigError(
-            f"{name}: fair_max_jobs must be a whole number of at least 1 (got {max_jobs!r}). "
+            f"{name}: fair_max_jobs must be a whole number from 1 to {MAX_LIMIT} "
+            f"(got {max_jobs!r}). "
             "To pause one tenant, set its slot's max_jobs to 0 in the admin."
         )
     on_limit = cls.fair_on_limit
@@ -51,7 +75,9 @@ def _validate_options(cls: type[FairTask]) -> None:
         )
     countdown = cls.fair_retry_countdown
     if countdown is not None and (
-        isinstance(countdown, bool) or not isinstance(countdown, Real) or countdown < 0
+        isinstance(countdown, bool)
+        or not isinstance(countdown, Real)
+        or not 0 <= float(countdown) < math.inf
     ):
         raise FairTaskConfigError(
             f"{name}: fair_retry_countdown must be a number of seconds >= 0 (got {countdown!r})."
@@ -151,8 +177,10 @@ class FairTask(Task):  # type: ignore[type-arg]
         An explicit ``fair_tenant=`` option wins over ``fair_tenant(*args, **kwargs)``; a
         re-publish (retry, wake-up) keeps the headers it already carries, so it is neither
         counted nor rerouted again. Invalid tenants raise
-        :class:`~django_fair_jobs.tenants.TenantError` here, at enqueue.
+        :class:`~django_fair_jobs.tenants.TenantError` here, at enqueue, and arguments
+        that cannot be stored as JSON raise :class:`FairArgumentsError`.
         """
+        _check_arguments(self, args, kwargs)
         headers = dict(options.get("headers") or {})
         if options.pop("fair_planned", False):
             headers[planner.PLAN_HEADER] = 1  # a promotion: it goes to the broker
@@ -232,12 +260,12 @@ class FairTask(Task):  # type: ignore[type-arg]
     def _fair_request_tenant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         headers = self.request.headers or {}
         if HEADER in headers:
-            return normalize_tenant(headers[HEADER])
+            return worker_tenant(headers[HEADER], self.name)
         value = getattr(self.request, HEADER, None)
         if value is not None:
-            return normalize_tenant(value)
+            return worker_tenant(value, self.name)
         # Published without our apply_async (send_task by name): resolve it here.
-        return normalize_tenant(self.fair_tenant(*args, **kwargs))
+        return worker_tenant(self.fair_tenant(*args, **kwargs), self.name)
 
     def _fair_retry_countdown(self) -> float:
         if self.fair_retry_countdown is None:

@@ -26,13 +26,16 @@ concurrency (the tenant's row lock serializes enqueues). See :class:`TenantWindo
 from __future__ import annotations
 
 import logging
+import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from numbers import Real
 from typing import TYPE_CHECKING, Any
 
-from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.conf import MAX_LIMIT, fair_settings
+from django_fair_jobs.tenants import for_log
 
 if TYPE_CHECKING:
     from celery import Task
@@ -72,7 +75,12 @@ class Rule:
 
 
 def _whole(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= MAX_LIMIT
+
+
+def _shown(value: Any) -> str:
+    # Error messages quote what they got, cut short: a 10 KB value must not fill a log.
+    return reprlib.repr(value)
 
 
 def _seconds(value: Any) -> float | None:
@@ -93,9 +101,10 @@ def rule_errors(raw: Any, max_window: int) -> list[str]:
     for number, rule in enumerate(raw, start=1):
         where = f"rule {number}"
         if not isinstance(rule, Mapping):
-            errors.append(f"{where} is {rule!r}, not a dict")
+            errors.append(f"{where} is {_shown(rule)}, not a dict")
             continue
-        unknown = sorted(str(k) for k in set(rule) - RULE_KEYS)
+        # str() shows a key as written; a key too long to read is cut.
+        unknown = sorted(str(k) if len(str(k)) <= 40 else _shown(k) for k in set(rule) - RULE_KEYS)
         if unknown:
             errors.append(
                 f"{where} has unknown keys {', '.join(unknown)} "
@@ -103,19 +112,25 @@ def rule_errors(raw: Any, max_window: int) -> list[str]:
             )
         queue = rule.get("queue")
         if not isinstance(queue, str) or not queue.strip():
-            errors.append(f"{where}: queue must be a queue name (got {queue!r})")
+            errors.append(f"{where}: queue must be a queue name (got {_shown(queue)})")
+        elif len(queue) > 255 or "\x00" in queue:
+            errors.append(
+                f"{where}: queue must be a queue name of at most 255 characters without "
+                f"NUL (got {_shown(queue)})"
+            )
         threshold = rule.get("threshold")
         if not _whole(threshold, 1):
             errors.append(
-                f"{where}: threshold must be a whole number >= 1, the jobs allowed in the "
-                f"window before rerouting (got {threshold!r})"
+                f"{where}: threshold must be a whole number from 1 to {MAX_LIMIT}, the jobs "
+                f"allowed in the window before rerouting (got {_shown(threshold)})"
             )
         if "per" in rule:
             per = _seconds(rule["per"])
-            if per is None or not (per > 0 and per == int(per)):
+            # NaN and infinities first: int() of them raises.
+            if per is None or not math.isfinite(per) or not (per > 0 and per == int(per)):
                 errors.append(
                     f"{where}: per must be a whole number of seconds > 0 or a timedelta "
-                    f"(got {rule['per']!r})"
+                    f"(got {_shown(rule['per'])})"
                 )
             elif int(per) > max_window:
                 errors.append(
@@ -125,7 +140,10 @@ def rule_errors(raw: Any, max_window: int) -> list[str]:
                 )
         max_jobs = rule.get("max_jobs")
         if max_jobs is not None and not _whole(max_jobs, 1):
-            errors.append(f"{where}: max_jobs must be a whole number >= 1 (got {max_jobs!r})")
+            errors.append(
+                f"{where}: max_jobs must be a whole number from 1 to {MAX_LIMIT} "
+                f"(got {_shown(max_jobs)})"
+            )
     return errors
 
 
@@ -212,7 +230,7 @@ def count(task: Task[Any, Any], tenant: str, queue: str, rules: Sequence[Rule]) 
         logger.debug(
             "Rerouted a %s job of tenant %s to %s: %s enqueues in %s s, above %s (rule %s)",
             task.name,
-            tenant,
+            for_log(tenant),
             rule.queue,
             recorded.counts[index],  # type: ignore[index]
             rule.per,
