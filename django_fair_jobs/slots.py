@@ -22,12 +22,14 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from celery import Task as CeleryTask
 from celery import current_app
 from django.db import DatabaseError
+from kombu.exceptions import EncodeError
 from kombu.utils.json import dumps, loads
 
 from django_fair_jobs import decisions
-from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition, Woken
 from django_fair_jobs.tenants import for_log
 
@@ -257,7 +259,21 @@ def defer(
     deferrals = int((request.headers or {}).get(DEFERRALS_HEADER) or 0) + 1
     headers = {**(request.headers or {}), DEFERRALS_HEADER: deferrals}
     headers.pop(WAKE_HEADER, None)
-    if on_limit == "retry":
+    signature = None
+    if on_limit != "retry":
+        try:
+            signature = dumps(
+                dict(task.signature_from_request(request, args, kwargs, headers=headers))
+            )
+        except (TypeError, ValueError) as exc:
+            # Only a job published by name with a serializer richer than JSON gets here
+            # (FairTask.apply_async refuses such arguments): it cannot be stored, so it
+            # waits through the broker instead, never lost.
+            logger.warning(
+                "%s[%s]: cannot park (%s: its arguments are not JSON); re-published to "
+                "retry in %.1f s instead", task.name, request.id, exc, retry_countdown,
+            )  # fmt: skip
+    if signature is None:
         countdown = retry_countdown * random.uniform(0.5, 1.5)
         # Like Task.retry(), but keeping request.retries: deferral is not a failure.
         sig = task.signature_from_request(
@@ -267,13 +283,17 @@ def defer(
             QueueLimit.objects.count_deferral(queue)
         elif tenant is not None:
             TenantQueueSlot.objects.count_deferral(tenant=tenant, queue=queue)
-        sig.apply_async()
+        try:
+            sig.apply_async()
+        except EncodeError:
+            # Arguments JSON cannot store (FairArgumentsError): straight to the broker in
+            # the job's own serializer, which FairTask.apply_async refuses at a first publish.
+            CeleryTask.apply_async(task, sig.args, sig.kwargs, **sig.options)
         logger.debug(
             "Deferred %s[%s]: tenant %s at its limit on %s; retrying in %.1f s",
             task.name, request.id, for_log(tenant), queue, countdown,
         )  # fmt: skip
         return None
-    signature = dumps(dict(task.signature_from_request(request, args, kwargs, headers=headers)))
     for _ in range(_PARK_ATTEMPTS):
         if limited or tenant is None:
             outcome = limits.park(
@@ -423,9 +443,12 @@ class TenantLimitError(ValueError):
 
 
 def _check_limit(value: Any, what: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LIMIT
+    ):
         raise TenantLimitError(
-            f"{what} must be a whole number >= 0 (0 pauses the tenant) or None; got {value!r}."
+            f"{what} must be a whole number from 0 (0 pauses the tenant) to {MAX_LIMIT},"
+            f" or None; got {value!r}."
         )
 
 

@@ -21,6 +21,7 @@ from celery.exceptions import Ignore
 from django.conf import settings as django_settings
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.test import Client
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
@@ -734,3 +735,46 @@ def test_pickle_serializer__parked_job_stored_as_json_and_woken_whole(
     slots.release(holder)  # wakes it: re-published through the (pickle) app
     assert broker_depth() == 1
     assert not JobRun.objects.exists()  # parked, not run and not lost
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("on_limit", ["park", "retry"])
+def test_defer__arguments_json_cannot_store__job_waits_through_the_broker(
+    on_limit: str,
+    monkeypatch: pytest.MonkeyPatch,
+    broker_env: dict[str, str],
+    process: uuid.UUID,
+) -> None:
+    # Published by name with the pickle serializer (FairTask's own publish would refuse a
+    # set): the tenant is full, the job cannot be parked as JSON, so it is re-published
+    # with a countdown instead of failing.
+    TenantQueueSlot.objects.try_acquire(
+        tenant="acme", queue="fair", task_id="holder", limit=1, process_id=process, timeout=60
+    )
+    task = tasks.limited1
+    monkeypatch.setattr(task, "serializer", "pickle")
+    monkeypatch.setattr(task, "fair_on_limit", on_limit)
+    task.push_request(
+        id="by-name",
+        headers={"fair_tenant": "acme"},
+        delivery_info={"routing_key": "fair"},
+        hostname="bad@host",
+        is_eager=False,
+    )
+    try:
+        with pytest.raises(Ignore):
+            task("acme", {1, 2})
+    finally:
+        task.pop_request()
+    assert not ParkedJob.objects.exists()
+    assert broker_depth() == 1
+    message = json.loads(redis.Redis.from_url(django_settings.CELERY_BROKER_URL).lindex("fair", 0))
+    assert message["headers"]["id"] == "by-name"
+    assert message["content-type"] == "application/x-python-serialize"
+
+
+@pytest.mark.django_db
+def test_limit_command__tenant_max_jobs_above_the_column__clear_error() -> None:
+    with pytest.raises(CommandError, match="2147483647"):
+        call_command("fair_jobs_limit", "fair", "--tenant", "a", "--max-jobs", str(10**12))
+    assert not TenantQueueSlot.objects.exists()
