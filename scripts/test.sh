@@ -6,6 +6,9 @@
 # Needs PostgreSQL on 127.0.0.1:5432 (role postgres, trust auth) and Redis on
 # 127.0.0.1:6379; override with DATABASE_URL / CELERY_BROKER_URL. Extra arguments go to
 # pytest (e.g. -k race).
+# The chaos suite's fast subset (tests/chaos/) runs in the PostgreSQL pass only: it starts
+# its own PostgreSQL server (the server binaries must be installed) and needs RabbitMQ on
+# 127.0.0.1:5672 (FAIR_JOBS_CHAOS_BROKER). The whole of it: bash scripts/chaos.sh.
 # Installs Debian's chromium and chromium-driver (apt-get) if missing, for the admin's
 # browser test (tests/test_browser.py).
 set -uo pipefail
@@ -19,8 +22,10 @@ fi
 PG_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/fair_jobs}
 BROKER=${CELERY_BROKER_URL:-redis://127.0.0.1:6379/15}
 .venv/bin/python - "$PG_URL" "$BROKER" <<'PY' || exit 1
+import os
 import sys
 
+import kombu
 import psycopg
 import redis
 
@@ -33,6 +38,12 @@ try:
     redis.Redis.from_url(broker, socket_connect_timeout=5).ping()
 except Exception as exc:
     sys.exit(f"Redis is not reachable ({exc}); start it (see README: Running the tests).")
+chaos_broker = os.environ.get("FAIR_JOBS_CHAOS_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
+try:
+    with kombu.Connection(chaos_broker, connect_timeout=5) as conn:
+        conn.ensure_connection(max_retries=1)
+except Exception as exc:
+    sys.exit(f"RabbitMQ is not reachable ({exc}); start it (see README: Running the tests).")
 PY
 
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
@@ -59,5 +70,5 @@ DATABASE_URL=$PG_URL CELERY_BROKER_URL=$BROKER \
 echo "=== SQLite ==="
 DATABASE_URL=sqlite:///$SQLITE_DIR/test.sqlite3 CELERY_BROKER_URL=redis://127.0.0.1:6379/13 \
     CELERY_RESULT_BACKEND=redis://127.0.0.1:6379/12 \
-    .venv/bin/python -m pytest "$@" || status=1
+    .venv/bin/python -m pytest -m "not chaos" "$@" || status=1
 exit $status

@@ -13,3 +13,5 @@ django.setup()
 app = Celery("tests")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["tests.testapp"])
+# The chaos suite's workload (tests/chaos/).
+app.autodiscover_tasks(["tests.testapp"], related_name="chaos_tasks")

@@ -87,6 +87,26 @@ def wait_for(predicate: Callable[[], Any], timeout: float, message: str) -> Any:
         time.sleep(0.05)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--chaos-full``: run the whole chaos suite, not only its fast subset."""
+    parser.addoption(
+        "--chaos-full",
+        action="store_true",
+        help="run the whole chaos suite (tests marked chaos_full); see scripts/chaos.sh",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave the slow chaos runs out unless ``--chaos-full`` is given: they are reported as
+    deselected, and ``bash scripts/chaos.sh`` runs them."""
+    if config.getoption("--chaos-full"):
+        return
+    kept = [item for item in items if "chaos_full" not in item.keywords]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if "chaos_full" in i.keywords])
+        items[:] = kept
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _configured_celery_app() -> None:
     """Configure the publishing side: importing the app makes it current, with the test

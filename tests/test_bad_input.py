@@ -768,7 +768,9 @@ def test_defer__arguments_json_cannot_store__job_waits_through_the_broker(
         task.pop_request()
     assert not ParkedJob.objects.exists()
     assert broker_depth() == 1
-    message = json.loads(redis.Redis.from_url(django_settings.CELERY_BROKER_URL).lindex("fair", 0))
+    raw = redis.Redis.from_url(django_settings.CELERY_BROKER_URL).lindex("fair", 0)
+    assert isinstance(raw, bytes)
+    message = json.loads(raw)
     assert message["headers"]["id"] == "by-name"
     assert message["content-type"] == "application/x-python-serialize"
 

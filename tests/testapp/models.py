@@ -15,6 +15,9 @@ class JobRun(models.Model):
     retries = models.IntegerField(default=0)
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True)
+    interrupted = models.BooleanField(
+        default=False, help_text="Ended by an exception (a time limit), not by finishing."
+    )
 
     class Meta:
         db_table = "testapp_jobrun"

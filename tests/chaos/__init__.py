@@ -1,0 +1,1 @@
+"""The chaos suite: faults injected into real workers, PostgreSQL and RabbitMQ."""
