@@ -182,8 +182,10 @@ def test_broker_restart__durable_queues__every_job_runs(cluster: Cluster) -> Non
 
 @full
 def test_combined_faults(cluster: Cluster) -> None:
-    cluster.start("a", env=skewed(300))
-    cluster.start("b", "c")
+    # No skewed clock here: Celery's own countdowns (a postponed duplicate) are set by the
+    # publishing worker's clock, so a skewed node would delay such a job by its skew; the
+    # clock skew test covers what the library does with time.
+    cluster.start("a", "b", "c")
     a, b, c = (cluster.node(n) for n in "abc")
     with cluster.sampling():
         reapers = cluster.reapers(2, seconds=20)
