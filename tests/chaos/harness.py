@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -33,7 +33,8 @@ from typing import Any
 import psycopg
 
 from tests.chaos.pgserver import ThrowawayPostgres
-from tests.conftest import wait_for
+from tests.conftest import Worker, wait_for
+from tests.test_workers import max_overlap
 from tests.testapp.chaos_tasks import (
     HARD_TIME_LIMIT,
     OVERRUN_LIMIT,
@@ -127,26 +128,8 @@ def workload(scale: int = 1, overrun: int = 0) -> list[dict[str, Any]]:
 
 
 @dataclass
-class Node:
-    """A ``celery worker`` process (with its prefork children) started by the harness."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def output(self) -> str:
-        """The node's log so far."""
-        return self.log.read_text(errors="replace")
-
-    def child_pids(self) -> list[int]:
-        """The pool processes' pids."""
-        out = subprocess.run(
-            ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
-        return [int(p) for p in out.split()]
+class Node(Worker):
+    """A ``celery worker`` node (with its prefork children) started by the harness."""
 
     def pids(self) -> list[int]:
         """The main process's pid and its children's."""
@@ -157,13 +140,11 @@ class Node:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
 
-    def stop(self) -> None:
-        """Warm shutdown, then SIGKILL to the whole group if it does not end in 20 s."""
+    def stop(self, timeout: float = 20) -> None:
+        """Warm shutdown (a frozen node is continued first), then SIGKILL to the whole
+        group: no process of a test outlives it."""
         self.signal_all(signal.SIGCONT)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(20)
+        super().stop(timeout)
         self.signal_all(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
@@ -196,20 +177,6 @@ class Outcome:
 def skewed(seconds: float) -> dict[str, str]:
     """Environment for a worker whose wall clock is ``seconds`` off (see skew/)."""
     return {"PYTHONPATH": f"{SKEW_DIR}{os.pathsep}{ROOT}", "FAIR_JOBS_CHAOS_SKEW": str(seconds)}
-
-
-def max_overlap(intervals: Iterable[tuple[datetime, datetime]]) -> int:
-    """The largest number of intervals open at once (an end sorts before a start at a tie:
-    a slot handed over at one instant is not an overlap)."""
-    events: list[tuple[datetime, int]] = []
-    for start, end in intervals:
-        events += [(start, 1), (end, -1)]
-    events.sort()
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    return peak
 
 
 class Cluster:
