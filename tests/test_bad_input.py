@@ -753,6 +753,9 @@ def test_defer__arguments_json_cannot_store__job_waits_through_the_broker(
     )
     task = tasks.limited1
     monkeypatch.setattr(task, "serializer", "pickle")
+    # Celery caches a task's publish options (the serializer among them) at its first
+    # publish: drop the cache so that this test's serializer is the one used.
+    monkeypatch.setattr(task, "_exec_options", None)
     monkeypatch.setattr(task, "fair_on_limit", on_limit)
     task.push_request(
         id="by-name",
