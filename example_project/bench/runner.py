@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psycopg
 from django.core.management import call_command
 from django.db import OperationalError, connection
 from django.test import override_settings
@@ -118,6 +117,10 @@ def _reason(exc: BaseException) -> str:
 
 
 def _create_database() -> None:
+    # Imported here: only a PostgreSQL run gets this far, and psycopg is then installed
+    # as Django's driver; the demo (SQLite, the `demo` extra) must import without it.
+    import psycopg
+
     s = connection.settings_dict
     params = connection.get_connection_params()
     params["dbname"] = "postgres"
