@@ -14,13 +14,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
-from celery import Task
+from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Ignore
 from celery.utils import uuid
 from kombu.exceptions import EncodeError
 from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, limits, planner, slots, windows
+from django_fair_jobs import decisions, limits, planner, publishing, slots, windows
 from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, fair_settings
 from django_fair_jobs.slots import WAKE_HEADER
 from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant, worker_tenant
@@ -84,11 +84,14 @@ def _validate_options(cls: type[FairTask]) -> None:
         )
 
 
-class FairTask(Task):  # type: ignore[type-arg]
+class FairTask(DjangoTask):  # type: ignore[type-arg]
     """Base class for tasks whose jobs are limited per tenant and per queue.
 
     Subclass it, or pass ``base=FairTask`` to ``@shared_task``; every ``fair_*`` attribute
-    may also be given as a ``@shared_task(...)`` keyword.
+    may also be given as a ``@shared_task(...)`` keyword. It extends Celery's
+    ``DjangoTask`` (the task class Celery's Django integration gives every task), so
+    ``delay_on_commit()`` and ``apply_async_on_commit()`` publish, fairly, once the
+    current transaction commits. Publishing works from async code too.
     """
 
     fair_max_jobs: int | None = None
@@ -179,7 +182,27 @@ class FairTask(Task):  # type: ignore[type-arg]
         counted nor rerouted again. Invalid tenants raise
         :class:`~django_fair_jobs.tenants.TenantError` here, at enqueue, and arguments
         that cannot be stored as JSON raise :class:`FairArgumentsError`.
+
+        Called from a thread that runs an event loop (an async view), the publish runs on
+        a publisher thread, since it may use the database; the caller waits for it.
         """
+        return publishing.off_event_loop(
+            lambda: self._fair_apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        )
+
+    def _fair_apply_async(
+        self,
+        args: Any,
+        kwargs: Any,
+        task_id: str | None,
+        producer: Any,
+        link: Any,
+        link_error: Any,
+        shadow: str | None,
+        **options: Any,
+    ) -> Any:
         _check_arguments(self, args, kwargs)
         headers = dict(options.get("headers") or {})
         if options.pop("fair_planned", False):
@@ -251,6 +274,11 @@ class FairTask(Task):  # type: ignore[type-arg]
         each (no ``task_id``). Returns their ``AsyncResult``s."""
         if not self.fair_plan:
             raise planner.PlanError(f"{self.name}: bulk_enqueue needs a fair_plan.")
+        return publishing.off_event_loop(lambda: self._fair_bulk_enqueue(items, options))
+
+    def _fair_bulk_enqueue(
+        self, items: Iterable[tuple[Sequence[Any], Mapping[str, Any]]], options: dict[str, Any]
+    ) -> list[Any]:
         if not decisions.enforcing():
             # Shadow mode: nothing waits in a virtual queue; each job is published (and
             # its would-be hold recorded) as apply_async does.

@@ -3,4 +3,9 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import path
 
-urlpatterns = [path("admin/", admin.site.urls)]
+from tests.testapp import views
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("publish/<str:tenant>/", views.publish),
+]

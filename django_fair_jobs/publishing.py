@@ -1,0 +1,66 @@
+"""The publish side's bridge from async code to the database.
+
+A ``FairTask`` publish may read and write rows (a rerouting count, a planned job, a
+shadow-mode decision, and whatever a task's ``fair_tenant`` looks up). Django refuses
+database access from a thread that runs an event loop (``SynchronousOnlyOperation``), so
+``delay()`` from an async view would fail where plain Celery's works. Called from such a
+thread, the publish runs on a small pool of publisher threads instead, and the caller waits
+for it, as it waits for the broker in plain Celery's ``delay()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from django.db import close_old_connections
+
+T = TypeVar("T")
+
+PUBLISHER_THREADS = 4
+"""Threads that run publishes called from event loops; each keeps its own connection."""
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def in_event_loop() -> bool:
+    """True where Django would raise ``SynchronousOnlyOperation``: this thread runs an event
+    loop and ``DJANGO_ALLOW_ASYNC_UNSAFE`` is not set."""
+    if os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE"):
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _publisher_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(PUBLISHER_THREADS, thread_name_prefix="fair-jobs-publish")
+        return _pool
+
+
+def _as_a_request(call: Callable[[], T]) -> T:
+    # The pool thread's connection lives as a request's would: closed when broken or older
+    # than CONN_MAX_AGE, before and after each publish, so it is never left open forever.
+    close_old_connections()
+    try:
+        return call()
+    finally:
+        close_old_connections()
+
+
+def off_event_loop(call: Callable[[], T]) -> T:
+    """Run ``call()`` here, or on a publisher thread when this thread runs an event loop;
+    either way return its result or raise its exception."""
+    if not in_event_loop():
+        return call()
+    return _publisher_pool().submit(_as_a_request, call).result()

@@ -1,0 +1,78 @@
+"""What Celery's Django integration gives every task, kept by FairTask: publishing when
+the transaction commits, and publishing from async views."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+import pytest
+from celery.contrib.django.task import DjangoTask
+from django.db import transaction
+from django.test import AsyncClient
+
+from django_fair_jobs.models import PlannedJob, TenantWindow
+from django_fair_jobs.task import FairTask
+from tests.conftest import Worker, wait_for
+from tests.testapp import tasks
+from tests.testapp.models import JobRun
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _tenant(label: str) -> str:
+    return f"{label}-{uuid.uuid4().hex[:8]}"
+
+
+def _ran(tenant: str) -> bool:
+    return JobRun.objects.filter(tenant=tenant, finished_at__isnull=False).exists()
+
+
+def test_fair_task__is_a_django_task() -> None:
+    assert issubclass(FairTask, DjangoTask)
+    assert isinstance(tasks.limited3, DjangoTask)
+
+
+@pytest.mark.workers
+def test_delay_on_commit__commit__job_runs_after_commit(
+    start_worker: Callable[..., Worker],
+) -> None:
+    tenant = _tenant("committed")
+    worker = start_worker()
+    with transaction.atomic():
+        tasks.limited3.delay_on_commit(tenant, 0.01)
+        tasks.limited3.apply_async_on_commit((tenant, 0.01))
+        # Nothing is published before the commit: no worker can have started it.
+        assert not JobRun.objects.filter(tenant=tenant).exists()
+    wait_for(
+        lambda: JobRun.objects.filter(tenant=tenant, finished_at__isnull=False).count() == 2,
+        60,
+        f"both on-commit jobs of {tenant} to run\n{worker.output()}",
+    )
+
+
+@pytest.mark.workers
+def test_delay_on_commit__rollback__nothing_published(start_worker: Callable[..., Worker]) -> None:
+    rolled_back, after = _tenant("rolled-back"), _tenant("after")
+    start_worker(concurrency=1)
+    with transaction.atomic():
+        tasks.limited3.delay_on_commit(rolled_back, 0.01)
+        tasks.limited3.apply_async_on_commit((rolled_back, 0.01))
+        transaction.set_rollback(True)
+    # A job published after the rollback runs; one worker process takes jobs in order, so
+    # a job published at the rollback would have run before it.
+    tasks.limited3.delay(after, 0.01)
+    wait_for(lambda: _ran(after), 60, f"the job of {after} to run")
+    assert not JobRun.objects.filter(tenant=rolled_back).exists()
+
+
+def test_async_view__publishes_rerouted_and_planned_jobs() -> None:
+    tenant = _tenant("async")
+    response = asyncio.run(AsyncClient().get(f"/publish/{tenant}/"))
+    assert response.status_code == 200, response.content
+    ids = response.json()
+    # The rerouting rule counted the enqueue, and the planned job waits in its tenant's
+    # virtual queue: both statements ran, from the event loop's publish.
+    assert TenantWindow.objects.filter(tenant=tenant).exists()
+    assert PlannedJob.objects.filter(task_id=ids["planned"], tenant=tenant).exists()
