@@ -27,14 +27,31 @@ Ids are stable:
   ``FAIR_JOBS_DECISION_RETENTION`` is not a whole number >= 3600 (the dashboard counts
   reroutes over the last hour), or ``FAIR_JOBS_DASHBOARD_REFRESH`` is not a whole number
   >= 0.
+* ``fair_jobs.E018`` the Celery app's task modules cannot be imported (so their options
+  cannot be checked, and a worker could not start either).
 * ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
   (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
   worker consumes it.
+* ``fair_jobs.W002`` a ``FAIR_JOBS_*`` Django setting or environment variable that is not a
+  setting of the library (a typo: the message names the closest valid one).
+* ``fair_jobs.W003`` a ``fair_*`` attribute of a fair task that is not a task option (a typo:
+  the message names the closest valid one).
+* ``fair_jobs.W004`` Celery's Django integration closes the worker's database connection
+  around every job (``CELERY_DB_REUSE_MAX`` unset, or ``CONN_MAX_AGE`` 0), so every job
+  pays a reconnect.
+
+The task checks read the tasks of the current Celery app after importing its task modules,
+as a worker does at start-up (``autodiscover_tasks()``, ``imports``, ``include``): the app
+is the one the project's package imports (``from .celery import app as celery_app`` in
+``proj/__init__.py``, as Celery's Django guide sets it up).
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
@@ -43,9 +60,12 @@ from django.apps import AppConfig
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, PREFIX, fair_settings
+from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, PREFIX, SETTING_NAMES, fair_settings
 from django_fair_jobs.planner import plan_errors
+from django_fair_jobs.task import TASK_OPTIONS, FairTask
 from django_fair_jobs.windows import queue_name, rule_errors, scope_error
+
+logger = logging.getLogger("django_fair_jobs.checks")
 
 
 def _number(value: Any, minimum: float, strict: bool) -> bool:
@@ -202,19 +222,26 @@ def _known_queues(app: Any) -> set[str]:
 def check_task_rules(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
-    """Validate the rerouting options of every fair task of the current Celery app."""
+    """Validate the ``fair_*`` options of every fair task of the current Celery app, once
+    its task modules are imported."""
     from celery import current_app
 
-    from django_fair_jobs.task import FairTask
-
     messages: list[checks.CheckMessage] = []
+    problem = _import_task_modules(current_app)
+    if problem is not None:
+        messages.append(
+            checks.Error(
+                f"The Celery app's task modules cannot be imported: {problem}",
+                hint="Fix the error above: a worker of this app could not start either.",
+                id="fair_jobs.E018",
+            )
+        )
     try:
         max_window = int(fair_settings.MAX_THROTTLING_WINDOW)
     except (ImproperlyConfigured, ValueError, TypeError):
         return messages  # reported by check_settings
-    tasks = [t for t in current_app.tasks.values() if isinstance(t, FairTask)]
     known: set[str] | None = None
-    for task in sorted(tasks, key=lambda t: t.name):
+    for task in fair_tasks(current_app):
         raw = task.fair_tenant_queues
         for problem in rule_errors(raw, max_window):
             messages.append(
@@ -263,8 +290,125 @@ def check_task_rules(
     return messages
 
 
+_importing = False
+"""True while :func:`_import_task_modules` runs: importing the task modules makes Celery's
+Django integration run the system checks again, which must not import them again."""
+
+
+def _import_task_modules(app: Any) -> str | None:
+    """Import the app's task modules as a worker does at start-up; the error, if any."""
+    global _importing
+    if _importing:
+        return None
+    _importing = True
+    try:
+        app.loader.import_default_modules()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        _importing = False
+    return None
+
+
+def fair_tasks(app: Any) -> list[Any]:
+    """The app's registered :class:`~django_fair_jobs.task.FairTask` instances, by name."""
+    return sorted((t for t in app.tasks.values() if isinstance(t, FairTask)), key=lambda t: t.name)
+
+
+def _closest(name: str, known: Sequence[str]) -> str:
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"did you mean {match[0]}?" if match else f"the known ones are {', '.join(known)}."
+
+
+@checks.register("fair_jobs")
+def check_unknown_names(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """Warn about ``FAIR_JOBS_*`` settings and ``fair_*`` task options that the library does
+    not know: a typo would otherwise be silently ignored."""
+    from celery import current_app
+    from django.conf import settings
+
+    _import_task_modules(current_app)  # an import error is check_task_rules' E018
+    messages: list[checks.CheckMessage] = []
+    known = [PREFIX + name for name in SETTING_NAMES]
+    sources = [("setting", name) for name in dir(settings) if name.startswith(PREFIX)] + [
+        ("environment variable", name) for name in os.environ if name.startswith(PREFIX)
+    ]
+    for source, name in sorted(set(sources)):
+        if name not in known:
+            messages.append(
+                checks.Warning(
+                    f"The {source} {name} is not a django-fair-jobs setting; "
+                    f"{_closest(name, known)}",
+                    hint="Rename it, or remove it (the settings are listed in the docs' "
+                    "Reference page).",
+                    id="fair_jobs.W002",
+                )
+            )
+    for task in fair_tasks(current_app):
+        for klass in type(task).__mro__:
+            if klass is FairTask:
+                break
+            for name in sorted(vars(klass)):
+                if name.startswith("fair_") and name not in TASK_OPTIONS:
+                    messages.append(
+                        checks.Warning(
+                            f"Task {task.name}: {name} is not a FairTask option; "
+                            f"{_closest(name, TASK_OPTIONS)}",
+                            hint="Rename it; an unknown fair_* option is ignored.",
+                            id="fair_jobs.W003",
+                        )
+                    )
+    return messages
+
+
+@checks.register("fair_jobs")
+def check_worker_connections(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """Warn when Celery's Django integration would close the library's database connection
+    around every job: each job would open a new connection, which costs more than the
+    library's own statements."""
+    from celery import current_app
+    from celery.fixups.django import DjangoFixup
+    from django.db import connections, router
+
+    from django_fair_jobs.models import TenantQueueSlot
+
+    if not any(isinstance(f, DjangoFixup) for f in getattr(current_app, "_fixups", ())):
+        return []  # not a Django-integrated Celery app: nothing closes connections per job
+    alias = router.db_for_write(TenantQueueSlot)
+    database = connections[alias].settings_dict
+    if database["ENGINE"] == "django.db.backends.sqlite3":
+        return []  # opening a SQLite file costs next to nothing
+    causes = []
+    if not current_app.conf.get("CELERY_DB_REUSE_MAX"):
+        causes.append(
+            "CELERY_DB_REUSE_MAX is not set, so Celery closes it before and after each job"
+        )
+    if database.get("CONN_MAX_AGE", 0) == 0:
+        causes.append(f'DATABASES["{alias}"]["CONN_MAX_AGE"] is 0, so it is closed after each job')
+    if not causes:
+        return []
+    return [
+        checks.Warning(
+            "Celery workers open a new database connection for every job: "
+            + "; ".join(causes)
+            + ".",
+            hint=(
+                'Set CELERY_DB_REUSE_MAX = 1000, DATABASES["' + alias + '"]["CONN_MAX_AGE"] = '
+                '600 and CONN_HEALTH_CHECKS = True (see the how-to "Keep worker connections '
+                'open"), or silence fair_jobs.W004.'
+            ),
+            id="fair_jobs.W004",
+        )
+    ]
+
+
 def fail_fast_on_bad_settings() -> None:
-    """Stop a Celery worker at start-up when a ``FAIR_JOBS_*`` setting is invalid.
+    """Stop a Celery worker at start-up when a ``FAIR_JOBS_*`` setting is invalid; log the
+    warnings that concern workers (connections closed per job, shadow mode).
 
     Celery runs Django's checks but does not stop on them; a worker with, say, a heartbeat
     interval above the timeout would get live workers reaped. ``SystemExit`` is used
@@ -277,3 +421,11 @@ def fail_fast_on_bad_settings() -> None:
         for error in errors:
             print(f"{error.id}: {error.msg} HINT: {error.hint}", file=sys.stderr)
         raise SystemExit("django-fair-jobs: invalid settings; the worker will not start.")
+    # Celery runs the checks at start-up too, but shows nothing; these concern the worker.
+    for warning in check_worker_connections():
+        logger.warning("%s: %s HINT: %s", warning.id, warning.msg, warning.hint)
+    if not fair_settings.ENFORCE:
+        logger.warning(
+            "Shadow mode (FAIR_JOBS_ENFORCE = False): this worker evaluates and records every "
+            "rule but defers, parks, reroutes and holds nothing."
+        )

@@ -41,11 +41,13 @@ def _json_object(raw: str) -> dict[str, Any]:
 
 
 def _boolean(raw: str) -> bool:
-    """Parse an environment value the way django-environ does (true/1/yes/on)."""
+    """Parse an environment value the way django-environ does (true/1/yes/on), except that
+    an empty value is an error: ``FAIR_JOBS_ENFORCE=`` is more likely a template left blank
+    than a request for shadow mode."""
     lowered = raw.lower()
     if lowered in ("true", "1", "yes", "on", "y", "t"):
         return True
-    if lowered in ("false", "0", "no", "off", "n", "f", ""):
+    if lowered in ("false", "0", "no", "off", "n", "f"):
         return False
     raise ValueError("expected true or false")
 

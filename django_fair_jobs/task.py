@@ -371,3 +371,8 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             return super().__call__(*args, **kwargs)
         finally:
             slots.release(grant, app=self.app)
+
+
+TASK_OPTIONS: tuple[str, ...] = tuple(name for name in vars(FairTask) if name.startswith("fair_"))
+"""Every ``fair_*`` name a fair task may set (options and overridable methods); the checks
+warn about any other (``fair_jobs.W003``)."""

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
+from django.db import connection
 
-from django_fair_jobs.checks import check_settings
+from django_fair_jobs import FairTask, decisions
+from django_fair_jobs.checks import check_settings, check_unknown_names, check_worker_connections
 from django_fair_jobs.conf import fair_settings
 
 
@@ -86,3 +92,162 @@ def test_settings__django_setting_beats_environment(
     assert fair_settings.DEFAULT_MAX_JOBS == 7
     monkeypatch.delenv("FAIR_JOBS_DEFAULT_MAX_JOBS")
     assert fair_settings.DEFAULT_MAX_JOBS == 1
+
+
+def test_e008__empty_enforce_is_an_error_not_shadow_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `FAIR_JOBS_ENFORCE=` (a template left blank) once meant False: shadow mode, silently.
+    monkeypatch.setenv("FAIR_JOBS_ENFORCE", "")
+    messages = [m for m in check_settings() if m.id]
+    assert [m.id for m in messages] == ["fair_jobs.E008"]
+    assert "FAIR_JOBS_ENFORCE" in messages[0].msg and "True or False" in (messages[0].hint or "")
+    with pytest.raises(ValueError, match="FAIR_JOBS_ENFORCE"):
+        decisions.enforcing()
+
+
+def warnings_of(check: Any, warning_id: str) -> list[str]:
+    return [m.msg for m in check() if m.id == warning_id]
+
+
+def test_w002__unknown_setting__names_the_closest(
+    monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    assert warnings_of(check_unknown_names, "fair_jobs.W002") == []
+    settings.FAIR_JOBS_DEFAULT_MAX_JOB = 3
+    monkeypatch.setenv("FAIR_JOBS_ENFORSE", "false")
+    messages = warnings_of(check_unknown_names, "fair_jobs.W002")
+    assert messages == [
+        "The environment variable FAIR_JOBS_ENFORSE is not a django-fair-jobs setting; "
+        "did you mean FAIR_JOBS_ENFORCE?",
+        "The setting FAIR_JOBS_DEFAULT_MAX_JOB is not a django-fair-jobs setting; "
+        "did you mean FAIR_JOBS_DEFAULT_MAX_JOBS?",
+    ]
+
+
+def test_w003__unknown_task_option__names_the_closest() -> None:
+    from tests.celery_app import app
+
+    assert warnings_of(check_unknown_names, "fair_jobs.W003") == []
+
+    @app.task(base=FairTask, name="tests.typo_task", fair_max_job=2, fair_tenant_queue=[])
+    def typo_task() -> None:
+        """A task whose options are misspelt."""
+
+    try:
+        assert warnings_of(check_unknown_names, "fair_jobs.W003") == [
+            "Task tests.typo_task: fair_max_job is not a FairTask option; "
+            "did you mean fair_max_jobs?",
+            "Task tests.typo_task: fair_tenant_queue is not a FairTask option; "
+            "did you mean fair_tenant_queues?",
+        ]
+    finally:
+        app.tasks.unregister("tests.typo_task")
+
+
+@pytest.mark.django_db
+def test_w004__worker_connections_closed_per_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.celery_app import app
+
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 0)
+    monkeypatch.setitem(app.conf, "CELERY_DB_REUSE_MAX", None)
+    messages = warnings_of(check_worker_connections, "fair_jobs.W004")
+    if connection.vendor == "sqlite":
+        assert messages == []  # opening a SQLite file costs next to nothing
+        return
+    assert len(messages) == 1
+    assert "CELERY_DB_REUSE_MAX is not set" in messages[0] and "CONN_MAX_AGE" in messages[0]
+    monkeypatch.setitem(app.conf, "CELERY_DB_REUSE_MAX", 1000)
+    messages = warnings_of(check_worker_connections, "fair_jobs.W004")
+    assert len(messages) == 1 and "CELERY_DB_REUSE_MAX" not in messages[0]
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 600)
+    assert warnings_of(check_worker_connections, "fair_jobs.W004") == []
+
+
+_PROJECT_FILES = {
+    "manage.py": """
+import os, sys
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+from django.core.management import execute_from_command_line
+execute_from_command_line(sys.argv)
+""",
+    "proj/__init__.py": "from .celery import app as celery_app\n",
+    "proj/celery.py": """
+import os
+from celery import Celery
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
+app = Celery("proj")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()
+""",
+    "proj/settings.py": """
+SECRET_KEY = "x"
+USE_TZ = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+INSTALLED_APPS = ["django.contrib.contenttypes", "django.contrib.auth", "django_fair_jobs",
+                  "shop"]
+DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "db.sqlite3"}}
+CELERY_BROKER_URL = "memory://"
+""",
+    "shop/__init__.py": "",
+}
+
+
+def _project(tmp_path: Path, tasks_py: str) -> Path:
+    for name, text in {**_PROJECT_FILES, "shop/tasks.py": tasks_py}.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def _manage(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "FAIR_JOBS_"))}
+    env["PYTHONPATH"] = str(project)
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+_BAD_PLAN = """
+from celery import shared_task
+from django_fair_jobs import FairTask
+
+@shared_task(base=FairTask, fair_plan={"enqueue_interval": 0, "enqueue_jobs": 5})
+def sync_catalog(merchant_id):
+    pass
+"""
+
+
+def test_check_command__sees_task_options_of_a_project_like_the_example(tmp_path: Path) -> None:
+    # Nothing imports shop/tasks.py before the checks run: they load the task modules as a
+    # worker does, so the bad fair_plan fails `check` (in CI), not the worker's start.
+    project = _project(tmp_path, _BAD_PLAN)
+    result = _manage(project, "check")
+    assert result.returncode != 0
+    assert "fair_jobs.E015" in result.stderr
+    assert "Task shop.tasks.sync_catalog: fair_plan: enqueue_interval" in result.stderr
+    fixed = _project(tmp_path, _BAD_PLAN.replace('"enqueue_interval": 0', '"enqueue_interval": 1'))
+    result = _manage(fixed, "check")
+    assert result.returncode == 0, result.stderr
+
+
+def test_healthcheck_command__sees_task_options(tmp_path: Path) -> None:
+    project = _project(tmp_path, _BAD_PLAN)
+    assert _manage(project, "migrate", "-v0", "--skip-checks").returncode == 0
+    result = _manage(project, "fair_jobs_healthcheck")
+    assert result.returncode != 0
+    assert "settings FAILED: fair_jobs.E015: Task shop.tasks.sync_catalog" in result.stdout
+
+
+def test_e018__task_module_that_cannot_import__reported_by_check(tmp_path: Path) -> None:
+    project = _project(tmp_path, _BAD_PLAN.replace("fair_plan=", "fair_max_jobs=0, fair_plan="))
+    result = _manage(project, "check")
+    assert result.returncode != 0
+    assert "fair_jobs.E018" in result.stderr
+    assert "FairTaskConfigError" in result.stderr and "fair_max_jobs must be" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -416,10 +416,12 @@ def test_shadow__real_worker__nothing_deferred_parked_rerouted_or_held__all_reco
     start_worker: Callable[..., Worker],
 ) -> None:
     limits.set_limits("limited", max_jobs=1)
-    start_worker(
+    worker = start_worker(
         "shadow", concurrency=3, queues="fair,fair_slow,limited",
         extra_env={"FAIR_JOBS_ENFORCE": "false"},
     )  # fmt: skip
+    # An operator reading the worker's log learns that it enforces nothing.
+    assert "Shadow mode (FAIR_JOBS_ENFORCE = False)" in worker.output()
     with override_settings(FAIR_JOBS_ENFORCE=False):
         crowd = [tasks.limited1.delay("acme", 0.8).id for _ in range(3)]  # limit 1
         wait_finished(crowd, timeout=60)
