@@ -1,4 +1,5 @@
-"""Celery signal handlers: give slots back when a process stops or a job is revoked."""
+"""Celery signal handlers: check at worker start, keep the worker's database connection
+sound between jobs, give slots back when a process stops or a job is revoked."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 from typing import Any
 
 from celery.signals import (
+    task_prerun,
     task_revoked,
     worker_init,
     worker_process_init,
@@ -42,6 +44,19 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
         app = getattr(sender, "app", None)
         wrapped = limits.install(app)
         logger.info("Queue limits apply to %s plain tasks", len(wrapped))
+
+
+@task_prerun.connect
+def _on_task_prerun(sender: Any = None, **kwargs: Any) -> None:
+    # With CELERY_DB_REUSE_MAX set, Celery's Django integration keeps connections between
+    # jobs; as Django does before each request, drop those that are broken or older than
+    # CONN_MAX_AGE and re-arm CONN_HEALTH_CHECKS, so a restarted database server costs one
+    # reconnect instead of a failed job. An eager call runs inside its caller's transaction.
+    if getattr(getattr(sender, "request", None), "is_eager", False):
+        return
+    from django.db import close_old_connections
+
+    close_old_connections()
 
 
 @worker_process_init.connect

@@ -25,6 +25,9 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 DATABASES = {
     "default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/fair_jobs")
 }
+# Worker connection reuse, as tests of it start workers with (the suite's default: none).
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=0)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("CONN_HEALTH_CHECKS", default=False)
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A file, not memory, so that worker processes see the test database.
     DATABASES["default"]["TEST"] = {"NAME": DATABASES["default"]["NAME"]}
@@ -67,6 +70,7 @@ CELERY_TASK_ACKS_LATE = True
 # The chaos suite turns it on: a job whose pool process is killed goes back to the broker.
 CELERY_TASK_REJECT_ON_WORKER_LOST = env.bool("CELERY_TASK_REJECT_ON_WORKER_LOST", default=False)
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_DB_REUSE_MAX = env.int("CELERY_DB_REUSE_MAX", default=0) or None
 CELERY_TASK_DEFAULT_QUEUE = "default"
 
 FAIR_JOBS_HEARTBEAT_INTERVAL = env.float("FAIR_JOBS_HEARTBEAT_INTERVAL", default=0.5)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 from celery.contrib.django.task import DjangoTask
-from django.db import transaction
+from django.db import connection, transaction
 from django.test import AsyncClient
 
 from django_fair_jobs.models import PlannedJob, TenantWindow
@@ -76,3 +76,48 @@ def test_async_view__publishes_rerouted_and_planned_jobs() -> None:
     # virtual queue: both statements ran, from the event loop's publish.
     assert TenantWindow.objects.filter(tenant=tenant).exists()
     assert PlannedJob.objects.filter(task_id=ids["planned"], tenant=tenant).exists()
+
+
+def _serials(count: int) -> list[str]:
+    # One at a time: each job starts after the previous one ended.
+    return [
+        str(tasks.connection_serial.delay(_tenant("conn")).get(timeout=60)) for _ in range(count)
+    ]
+
+
+_REUSE = {"CELERY_DB_REUSE_MAX": "1000", "CONN_HEALTH_CHECKS": "true"}
+
+
+@pytest.mark.workers
+def test_worker_connection__reused_between_jobs_within_conn_max_age(
+    start_worker: Callable[..., Worker],
+) -> None:
+    start_worker(pool="solo", concurrency=1, extra_env={**_REUSE, "CONN_MAX_AGE": "600"})
+    first, *rest = _serials(3)
+    assert rest == [first, first]
+    if connection.vendor != "postgresql":
+        return
+    # The server drops the connection between two jobs (a restart, a failover, an idle
+    # timeout): the next job checks it before use and reconnects instead of failing.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [int(first.split()[1])])
+    wait_for(lambda: not _backend_alive(int(first.split()[1])), 10, "the backend to be terminated")
+    after = _serials(1)[0]
+    assert after != first
+
+
+def _backend_alive(pid: int) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+        return bool(cursor.fetchone()[0])
+
+
+@pytest.mark.workers
+def test_worker_connection__conn_max_age_0__new_connection_per_job(
+    start_worker: Callable[..., Worker],
+) -> None:
+    # Celery keeps connections (CELERY_DB_REUSE_MAX), but CONN_MAX_AGE = 0 means "one
+    # connection per unit of work", as per request in Django: each job gets its own.
+    start_worker(pool="solo", concurrency=1, extra_env={**_REUSE, "CONN_MAX_AGE": "0"})
+    serials = _serials(3)
+    assert len(set(serials)) == 3, serials

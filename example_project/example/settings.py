@@ -36,8 +36,7 @@ DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{DEMO_DIR / '
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"]["OPTIONS"] = dict(RECOMMENDED_SQLITE_OPTIONS)
 # Persistent connections, checked before reuse. Celery workers also need
-# CELERY_DB_REUSE_MAX and the task_prerun hook in example/celery.py; see docs/howto.md,
-# "Keep worker connections open".
+# CELERY_DB_REUSE_MAX (below); see docs/howto.md, "Keep worker connections open".
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=600)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 
@@ -85,8 +84,9 @@ if not CELERY_BROKER_URL:
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-# Celery's Django fixup closes every connection after every task unless this is set; it
-# then closes them every 2 x N tasks instead (example/celery.py drops broken ones).
+# Celery's Django fixup closes every connection before and after every task unless this is
+# set; it then closes them every 2 x N tasks instead (django-fair-jobs drops broken and
+# old ones before each job, and warns with fair_jobs.W004 when this is missing).
 CELERY_DB_REUSE_MAX = env.int("CELERY_DB_REUSE_MAX", default=1000)
 
 # FAIR_JOBS_* settings are read from the environment by the library itself.

@@ -194,3 +194,24 @@ def plan_weights(tenants: list[str]) -> dict[str, float]:
 def planned(self: Any, tenant: str, duration: float = 0.01) -> str:
     """A planned job: it waits in its tenant's virtual queue until a planner promotes it."""
     return _run(self, tenant, duration)
+
+
+_CONNECTIONS: list[Any] = []
+"""Every database connection ``connection_serial`` has seen, kept alive so that each
+keeps its place (an id could be reused once a connection is freed)."""
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair")
+def connection_serial(self: Any, tenant: str) -> str:
+    """Which database connection this job ran on: the server's backend pid on PostgreSQL,
+    else the connection's serial number in this worker process."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT pg_backend_pid()")
+            return f"pid {cursor.fetchone()[0]}"
+    raw = connection.connection
+    if not any(seen is raw for seen in _CONNECTIONS):
+        _CONNECTIONS.append(raw)
+    return f"serial {next(i for i, seen in enumerate(_CONNECTIONS) if seen is raw)}"
