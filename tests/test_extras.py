@@ -58,10 +58,14 @@ def _closure(extra: str) -> set[str]:
     from importlib.metadata import PackageNotFoundError, distribution
 
     seen: set[str] = set()
+    done: set[tuple[str, frozenset[str]]] = set()
     todo: list[tuple[str, frozenset[str]]] = [(PROJECT, frozenset({extra}))]
     while todo:
         name, extras = todo.pop()
         key = canonicalize_name(name)
+        if (key, extras) in done:
+            continue
+        done.add((key, extras))
         try:
             dist = distribution(name)
         except PackageNotFoundError:
@@ -72,9 +76,7 @@ def _closure(extra: str) -> set[str]:
             wanted = [{"extra": e} for e in extras] or [{"extra": ""}]
             if req.marker is not None and not any(req.marker.evaluate(env) for env in wanted):
                 continue
-            child = canonicalize_name(req.name)
-            if child not in seen or req.extras:
-                todo.append((req.name, frozenset(req.extras)))
+            todo.append((req.name, frozenset(req.extras)))
     return seen
 
 

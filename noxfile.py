@@ -1,0 +1,96 @@
+"""The test matrix: every supported Python, Django and Celery together.
+
+Run it with ``bash scripts/matrix.sh`` (it installs nox and finds pyenv's interpreters), or
+``nox`` if you have it. ``nox -l`` lists the sessions:
+
+* ``tests(py3.13-dj6.1-cel5.7)``: the whole suite on PostgreSQL (workers and the chaos
+  subset included), on one combination;
+* ``fast(py3.12-dj6.0-cel5.6)``: the suite on PostgreSQL without the tests that start
+  worker processes: about 4 minutes a cell.
+
+Every combination is a session of both kinds; ``nox -s tests`` runs them all (hours),
+``nox -t ci`` the cells CI runs beside the main one (``bash scripts/test.sh``). The services
+are those of ``scripts/test.sh`` (``DATABASE_URL``, ``CELERY_BROKER_URL`` override them).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["fast"]
+
+PYTHONS = ("3.11", "3.12", "3.13")
+DJANGOS = ("5.2", "6.0", "6.1")
+CELERYS = ("5.5", "5.6", "5.7")
+
+CI_TESTS = {("3.13", "6.1", "5.7")}
+"""Cells whose whole PostgreSQL suite CI runs (the main one, 3.11 / 5.2 / 5.7, is
+``scripts/test.sh``)."""
+CI_FAST = {("3.12", "6.0", "5.6"), ("3.11", "5.2", "5.5")}
+"""Cells CI runs without worker processes: the other Django release and the oldest
+Celery."""
+
+
+def _supported(python: str, django: str) -> bool:
+    # Django 6.0 and later need Python 3.12 or later.
+    return not (django >= "6.0" and python < "3.12")
+
+
+def _cells(ci: set[tuple[str, str, str]]) -> list[Any]:
+    return [
+        nox.param(
+            python,
+            django,
+            celery,
+            id=f"py{python}-dj{django}-cel{celery}",
+            tags=["ci"] if (python, django, celery) in ci else [],
+        )
+        for python in PYTHONS
+        for django in DJANGOS
+        for celery in CELERYS
+        if _supported(python, django)
+    ]
+
+
+def _install(session: nox.Session, django: str, celery: str) -> None:
+    session.install("-e", ".[test]", f"Django~={django}.0", f"celery~={celery}.0")
+    session.run(
+        "python", "-c", "import django, celery; print('Django', django.__version__, "
+        "'Celery', celery.__version__)",
+    )  # fmt: skip
+
+
+def _services() -> dict[str, str]:
+    return {
+        "DATABASE_URL": os.environ.get(
+            "DATABASE_URL", "postgres://postgres@127.0.0.1:5432/fair_jobs"
+        ),
+        "CELERY_BROKER_URL": os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15"),
+        "CELERY_RESULT_BACKEND": os.environ.get(
+            "CELERY_RESULT_BACKEND", "redis://127.0.0.1:6379/14"
+        ),
+    }
+
+
+@nox.session
+@nox.parametrize(("python", "django", "celery"), _cells(CI_TESTS))
+def tests(session: nox.Session, django: str, celery: str) -> None:
+    """The whole suite on PostgreSQL, real worker processes and the chaos subset included."""
+    _install(session, django, celery)
+    session.run("python", "-m", "pytest", *session.posargs, env=_services())
+
+
+@nox.session
+@nox.parametrize(("python", "django", "celery"), _cells(CI_FAST))
+def fast(session: nox.Session, django: str, celery: str) -> None:
+    """The suite on PostgreSQL without the tests that start worker processes.
+
+    Tests marked ``workers`` or ``chaos`` are left out; SQLite is left to the main cell."""
+    _install(session, django, celery)
+    subset = ["-m", "not workers and not chaos"]
+    session.run("python", "-m", "pytest", *subset, *session.posargs, env=_services())

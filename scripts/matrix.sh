@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The test matrix (noxfile.py): the suite on each supported Python, Django and Celery.
+# Creates .venv with the dev extras (nox among them) on first use; nox then builds one
+# virtualenv per cell under .nox/. Arguments go to nox, e.g.:
+#
+#   bash scripts/matrix.sh -l                                  # list the cells
+#   bash scripts/matrix.sh                                     # every fast cell
+#   bash scripts/matrix.sh -s "tests(py3.13-dj6.1-cel5.7)"     # one whole cell
+#   bash scripts/matrix.sh -t ci                               # the cells CI runs
+#
+# Needs the services of scripts/test.sh, and python3.11, 3.12 and 3.13: on PATH, or
+# installed with pyenv (found here even when pyenv does not select them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv || exit 1
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" || exit 1
+
+if command -v pyenv >/dev/null; then
+    root=$(pyenv root)
+    for minor in 3.11 3.12 3.13; do
+        # pyenv's shim answers for every version but runs only the selected ones.
+        if ! "python$minor" -c '' 2>/dev/null; then
+            found=$(ls -d "$root/versions/$minor".* 2>/dev/null | sort -V | tail -n 1)
+            [ -n "$found" ] && PATH="$found/bin:$PATH"
+        fi
+    done
+    export PATH
+fi
+exec .venv/bin/nox "$@"
