@@ -363,6 +363,14 @@ def check_unknown_names(
     return messages
 
 
+def _celery_closes_every_connection() -> bool:
+    # Celery 5.6 and later close every connection around each job unless
+    # CELERY_DB_REUSE_MAX is set; 5.5 only closed those past CONN_MAX_AGE.
+    import celery
+
+    return tuple(celery.VERSION[:2]) >= (5, 6)
+
+
 @checks.register("fair_jobs")
 def check_worker_connections(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
@@ -383,7 +391,7 @@ def check_worker_connections(
     if database["ENGINE"] == "django.db.backends.sqlite3":
         return []  # opening a SQLite file costs next to nothing
     causes = []
-    if not current_app.conf.get("CELERY_DB_REUSE_MAX"):
+    if _celery_closes_every_connection() and not current_app.conf.get("CELERY_DB_REUSE_MAX"):
         causes.append(
             "CELERY_DB_REUSE_MAX is not set, so Celery closes it before and after each job"
         )
