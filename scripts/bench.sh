@@ -9,11 +9,7 @@
 # DATABASE_URL and CELERY_BROKER_URL. Results go to benchmark-output/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
-fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[bench]"
+. scripts/venv.sh bench
 
 BROKER=${CELERY_BROKER_URL:-redis://127.0.0.1:6379/2}
 if [ "${1:-}" = "--rabbitmq" ]; then

@@ -10,11 +10,7 @@
 # your own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv || exit 1
-fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" || exit 1
+. scripts/venv.sh dev
 
 FIGURES=$(mktemp)
 trap 'rm -f "$FIGURES"' EXIT

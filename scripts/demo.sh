@@ -3,11 +3,7 @@
 # as the broker): no service needed. Creates .venv and installs what it needs on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
-fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[demo]"
+. scripts/venv.sh demo
 export DEMO_DIR=${DEMO_DIR:-$PWD/example_project/.demo}
 rm -rf "$DEMO_DIR"
 exec .venv/bin/python example_project/manage.py run_demo "$@"

@@ -8,11 +8,7 @@
 # mkdocs serve).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv || exit 1
-fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" || exit 1
+. scripts/venv.sh dev
 
 export NO_MKDOCS_2_WARNING=1  # mkdocs-material's banner about its successor
 if [ "${1:-}" = "serve" ]; then

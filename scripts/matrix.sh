@@ -12,11 +12,7 @@
 # installed with pyenv (found here even when pyenv does not select them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv || exit 1
-fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" || exit 1
+. scripts/venv.sh dev
 
 if command -v pyenv >/dev/null; then
     root=$(pyenv root)

@@ -13,11 +13,7 @@
 # browser test (tests/test_browser.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv || exit 1
-fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" || exit 1
+. scripts/venv.sh dev
 
 PG_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/fair_jobs}
 BROKER=${CELERY_BROKER_URL:-redis://127.0.0.1:6379/15}

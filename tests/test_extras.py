@@ -1,6 +1,7 @@
 """Each script that installs an extra runs with that extra alone.
 
-``scripts/demo.sh`` installs ``.[demo]`` and ``scripts/bench.sh`` installs ``.[bench]``, but
+``scripts/demo.sh`` installs ``.[demo]`` and ``scripts/bench.sh`` installs ``.[bench]`` (each
+through ``scripts/venv.sh``), but
 all scripts share ``.venv``: once ``scripts/test.sh`` has installed the ``dev`` extras, a
 command that imports a package its own extra lacks still works, and only a newcomer's fresh
 clone shows the failure. These tests run each script's management command in a process where
@@ -86,7 +87,7 @@ def _script_commands() -> list[tuple[str, str, str]]:
     found = []
     for script in sorted((ROOT / "scripts").glob("*.sh")):
         text = script.read_text()
-        extra = re.search(r'-e "\.\[(\w+)\]"', text)
+        extra = re.search(r"^\. scripts/venv\.sh (\w+)$", text, re.MULTILINE)
         command = re.search(r"manage\.py (\w+)", text)
         if extra and command and extra.group(1) != "dev":
             found.append((script.name, extra.group(1), command.group(1)))
