@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,7 +100,10 @@ def test_fairbench__refuses_clearly_when_the_broker_is_down(tmp_path: Path) -> N
         tmp_path, "fairbench", "demo", env={"CELERY_BROKER_URL": "redis://127.0.0.1:9/0"}
     )
     assert result.returncode != 0
-    assert "The broker redis://:**@127.0.0.1:9/0 is not reachable" in result.stderr
+    # kombu 5.7 masks an empty password (redis://:**@host); kombu 5.5 leaves it out.
+    assert re.search(
+        r"The broker redis://(:\*\*@)?127\.0\.0\.1:9/0 is not reachable", result.stderr
+    )
     assert "point CELERY_BROKER_URL at one" in result.stderr
 
 
