@@ -387,12 +387,25 @@ class Cluster:
         return moment
 
     def kill_child(self, node: Node) -> int:
-        """SIGKILL one pool process of ``node`` that is running a job; returns its pid."""
-        self.wait_running(node)
-        busy = {
-            pid for (pid,) in self.sql("SELECT pid FROM testapp_jobrun WHERE finished_at IS NULL")
-        }
-        pid = next(p for p in node.child_pids() if p in busy)
+        """SIGKILL one pool process of ``node`` that is running a job with time left;
+        returns its pid.
+
+        The job is a tenant slot job (0.8 s) that started at most 0.3 s ago: a job picked
+        merely for running could end between the read and the kill (a planned job lasts
+        0.1 s), and then no job would be cut off and redelivered.
+        """
+        children = set(node.child_pids())
+
+        def fresh_slot_job() -> int | None:
+            rows = self.sql(
+                "SELECT pid FROM testapp_jobrun WHERE finished_at IS NULL AND tenant LIKE %s "
+                "AND started_at > clock_timestamp() - interval '300 milliseconds' "
+                "ORDER BY started_at DESC",
+                ["s%"],
+            )
+            return next((pid for (pid,) in rows if pid in children), None)
+
+        pid: int = wait_for(fresh_slot_job, 60, "a tenant slot job to start on the node")
         os.kill(pid, signal.SIGKILL)
         self.killed[pid] = self.now()
         return pid
