@@ -29,6 +29,8 @@ Ids are stable:
   >= 0.
 * ``fair_jobs.E018`` the Celery app's task modules cannot be imported (so their options
   cannot be checked, and a worker could not start either).
+* ``fair_jobs.E019`` a ``FAIR_JOBS_DISPATCH_*`` setting is invalid, or a task's
+  ``fair_dispatch`` option is (unknown key, ``tenant_weights`` not a callable).
 * ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
   (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
   worker consumes it.
@@ -61,9 +63,11 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, PREFIX, SETTING_NAMES, fair_settings
+from django_fair_jobs.dispatch import option_errors as dispatch_option_errors
 from django_fair_jobs.planner import plan_errors
+from django_fair_jobs.routing import queue_name
 from django_fair_jobs.task import TASK_OPTIONS, FairTask
-from django_fair_jobs.windows import queue_name, rule_errors, scope_error
+from django_fair_jobs.windows import rule_errors, scope_error
 
 logger = logging.getLogger("django_fair_jobs.checks")
 
@@ -149,6 +153,13 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         ),
         "None, a callable or the dotted path of one",
     ),
+    (
+        "DISPATCH_SLACK",
+        "fair_jobs.E019",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1000,
+        "a whole number of messages per worker node from 0 to 1000 (default 1)",
+    ),
+    ("DISPATCH_LOST_AFTER", "fair_jobs.E019", lambda v: _number(v, 0, True), "seconds > 0"),
     (
         "WINDOW_SCOPE",
         "fair_jobs.E010",
@@ -261,6 +272,14 @@ def check_task_rules(
                     "optional tenant_weights, latency_threshold, planner_queue, "
                     "planner_lock_ttl.",
                     id="fair_jobs.E015",
+                )
+            )
+        for problem in dispatch_option_errors(getattr(task, "fair_dispatch", None)):
+            messages.append(
+                checks.Error(
+                    f"Task {task.name}: {problem}.",
+                    hint='fair_dispatch = True, or {"tenant_weights": callable or dotted path}.',
+                    id="fair_jobs.E019",
                 )
             )
         scope = task.fair_window_scope

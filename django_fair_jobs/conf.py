@@ -192,6 +192,22 @@ class Settings:
         return value
 
     @property
+    def DISPATCH_SLACK(self) -> int:
+        """Messages fair dispatch may publish to a queue beyond its capacity, per live worker
+        node that consumes it: a process that frees finds its next job already delivered,
+        at the cost of that many jobs ahead of a newcomer's. Default 1."""
+        value: int = self._get("DISPATCH_SLACK", 1, int)
+        return value
+
+    @property
+    def DISPATCH_LOST_AFTER(self) -> float:
+        """Seconds a dispatched job may stay published and not started before maintenance
+        publishes it again (its message may be lost: a purged queue, a publisher that
+        died); a copy that arrives twice runs once. Default 60."""
+        value: float = self._get("DISPATCH_LOST_AFTER", 60.0, float)
+        return value
+
+    @property
     def LIMIT_PLAIN_TASKS(self) -> bool:
         """True: queue limits also apply to tasks that are not ``FairTask``, by a hook the
         worker installs at start-up (no change to the tasks). Default False: only

@@ -1047,14 +1047,19 @@ class WorkerProcessManager(models.Manager["WorkerProcess"]):
         hostname: str,
         pid: int,
         node_id: uuid.UUID | None = None,
+        queues: list[str] | None = None,
+        concurrency: int = 1,
     ) -> None:
         """Insert this process's row, or refresh it if it exists (re-registration after a
         stall during which it was reaped). ``node_id``: the worker node's identity (a new
-        one if not given)."""
+        one if not given); ``queues`` and ``concurrency``: what it consumes and how many
+        jobs it runs at once (fair dispatch's capacity)."""
         self.update_or_create(
             pk=process_id,
             defaults={
                 "node": node,
+                "queues": list(queues or ()),
+                "concurrency": concurrency,
                 "node_id": node_id or uuid.uuid4(),
                 "hostname": hostname,
                 "pid": pid,

@@ -9,6 +9,8 @@
 * :class:`QueueLimit`: one row per limited queue: its limits and counters.
 * :class:`PlannedJob`, :class:`PlannerTenant`, :class:`PlannerRun`: the fair planner's
   virtual queues, tenants' standing and runs.
+* :class:`DispatchQueue`, :class:`DispatchTenant`, :class:`DispatchJob`: fair dispatch's
+  capacities, tenants' lines and jobs (defined in :mod:`django_fair_jobs.dispatch.models`).
 * :class:`JobDecision`: what a rule did, or in shadow mode would have done, to one job.
 * :class:`LimitChange`: the history of limit changes (who, what, when).
 * :class:`Dashboard`: the admin's dashboard page (a proxy, for its permission).
@@ -24,6 +26,11 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models.functions import Now
 
+from django_fair_jobs.dispatch.models import (  # noqa: F401  (registered with the app)
+    DispatchJob,
+    DispatchQueue,
+    DispatchTenant,
+)
 from django_fair_jobs.managers import (
     MaintenanceManager,
     ParkedJobManager,
@@ -133,6 +140,14 @@ class WorkerProcess(models.Model):
     )
     hostname = models.CharField(max_length=255)
     pid = models.PositiveIntegerField()
+    queues = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="The queues the process consumes (fair dispatch's capacity).",
+    )
+    concurrency = models.PositiveIntegerField(
+        default=1, help_text="Jobs the process runs at once (1 for a prefork child)."
+    )
     started_at = models.DateTimeField(db_default=Now())
     last_heartbeat_at = models.DateTimeField(db_default=Now())
 

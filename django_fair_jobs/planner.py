@@ -176,8 +176,8 @@ def _row(
     task: Task[Any, Any], tenant: Any, args: Any, kwargs: Any, options: dict[str, Any]
 ) -> PlannedJob:
     from django_fair_jobs.models import PlannedJob
+    from django_fair_jobs.routing import declared_queue
     from django_fair_jobs.tenants import normalize_tenant
-    from django_fair_jobs.windows import declared_queue
 
     tenant = normalize_tenant(tenant) or fair_settings.PLANNER_DEFAULT_TENANT
     if tenant is None:

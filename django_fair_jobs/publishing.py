@@ -1,4 +1,5 @@
-"""The publish side's bridge from async code to the database.
+"""The publish side: the bridge from async code to the database, and the hold of a
+fair dispatch job in its tenant's line.
 
 A ``FairTask`` publish may read and write rows (a rerouting count, a planned job, a
 shadow-mode decision, and whatever a task's ``fair_tenant`` looks up). Django refuses
@@ -15,9 +16,15 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import close_old_connections
+
+from django_fair_jobs import dispatch
+
+if TYPE_CHECKING:
+    from celery import Task
+    from celery.result import AsyncResult
 
 T = TypeVar("T")
 
@@ -64,3 +71,28 @@ def off_event_loop(call: Callable[[], T]) -> T:
     if not in_event_loop():
         return call()
     return _publisher_pool().submit(_as_a_request, call).result()
+
+
+def hold_for_dispatch(
+    task: Task[Any, Any],
+    tenant: str | None,
+    args: Any,
+    kwargs: Any,
+    options: dict[str, Any],
+) -> AsyncResult[Any]:
+    """Store a job of a ``fair_dispatch`` task in its tenant's line (one round trip) and
+    publish whatever that dispatched at once (this job, while its queue has room);
+    returns its ``AsyncResult``. See :mod:`django_fair_jobs.dispatch`."""
+    raw = getattr(task, "fair_dispatch", None)
+    # Parsed once per task (it imports the weights callable), not at every enqueue.
+    cached = task.__dict__.get("_fair_dispatch_options")
+    if cached is not None and cached[0] is raw:
+        parsed = cached[1]
+    else:
+        parsed = dispatch.parse(raw)
+        task.__dict__["_fair_dispatch_options"] = (raw, parsed)
+    if parsed is None:
+        raise dispatch.DispatchError(f"{task.name}: fair_dispatch is not set.")
+    job = dispatch.prepare(task, parsed, tenant, args, kwargs, options)
+    dispatch.publish(task.app, dispatch.enqueue(job))
+    return task.AsyncResult(job.task_id)

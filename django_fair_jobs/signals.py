@@ -76,10 +76,13 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     # The solo and threads pools run tasks in the main process, which beats from now on.
     # A prefork parent runs no task and does not register: the children it forks later
     # must not inherit a live database connection.
-    from django_fair_jobs.workers import start_process
+    from django_fair_jobs.workers import set_concurrency, start_process
 
     pool = getattr(sender, "pool", None)
     if pool is not None and type(pool).__module__ != "celery.concurrency.prefork":
+        # A threads pool runs as many jobs at once as it has threads (fair dispatch's
+        # capacity); solo runs one.
+        set_concurrency(int(getattr(pool, "limit", None) or 1))
         start_process()
 
 
@@ -113,6 +116,11 @@ def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: An
 
         started(str(task_id))  # a revoked planned job's row goes: it no longer counts
         forget_task(str(task_id), terminated=bool(terminated))
+        from celery import current_app
+
+        from django_fair_jobs import dispatch
+
+        dispatch.forget(current_app, str(task_id), terminated=bool(terminated))
     except Exception:
         logger.exception("Could not drop the slots of revoked job %s", task_id)
     finally:

@@ -20,7 +20,16 @@ from celery.utils import uuid
 from kombu.exceptions import EncodeError
 from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, limits, planner, publishing, slots, windows
+from django_fair_jobs import (
+    admission,
+    decisions,
+    dispatch,
+    limits,
+    planner,
+    publishing,
+    slots,
+    windows,
+)
 from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, fair_settings
 from django_fair_jobs.slots import WAKE_HEADER
 from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant, worker_tenant
@@ -73,6 +82,18 @@ def _validate_options(cls: type[FairTask]) -> None:
             f"{name}: fair_on_limit must be one of {', '.join(ON_LIMIT_CHOICES)} "
             f"(got {on_limit!r})."
         )
+    wanted = cls.fair_dispatch
+    if wanted is not None and not isinstance(wanted, bool | Mapping):
+        raise FairTaskConfigError(
+            f"{name}: fair_dispatch must be True, False or a dict such as "
+            f'{{"tenant_weights": "myapp.weights"}} (got {wanted!r}).'
+        )
+    if wanted and (cls.fair_plan or cls.fair_tenant_queues):
+        raise FairTaskConfigError(
+            f"{name}: fair_dispatch replaces fair_plan and fair_tenant_queues (it decides "
+            "who runs next when a worker frees); use one or the other. Add fair_max_jobs to "
+            "cap a tenant."
+        )
     countdown = cls.fair_retry_countdown
     if countdown is not None and (
         isinstance(countdown, bool)
@@ -121,6 +142,13 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     callable or dotted path, "latency_threshold": seconds, "planner_queue": name,
     "planner_lock_ttl": seconds}``. Jobs wait in their tenant's virtual queue and are
     promoted in weighted rounds; see :mod:`django_fair_jobs.planner`."""
+
+    fair_dispatch: bool | Mapping[str, Any] | None = None
+    """Fair dispatch: ``True``, or ``{"tenant_weights": callable or dotted path}``. Jobs
+    wait in their tenant's line in the database, and whenever a worker process of the
+    queue frees, the next job goes to the tenant with the fewest jobs in flight per weight
+    (then the lowest virtual time, then the oldest job). ``fair_max_jobs``, if set, caps
+    each tenant. See :mod:`django_fair_jobs.dispatch`."""
 
     fair_window_scope: str | None = None
     """What the rules count under: ``"task"``, ``"queue"`` or ``"group:<name>"``.
@@ -205,6 +233,12 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     ) -> Any:
         _check_arguments(self, args, kwargs)
         headers = dict(options.get("headers") or {})
+        # A dispatched job's header names its row; a re-publish built from its request (a
+        # retry) must wait in line again, so only the dispatch itself carries it.
+        headers.pop(dispatch.HEADER, None)
+        dispatched = options.pop("fair_dispatched", None)
+        if dispatched is not None:
+            headers[dispatch.HEADER] = int(dispatched)
         if options.pop("fair_planned", False):
             headers[planner.PLAN_HEADER] = 1  # a promotion: it goes to the broker
         # The wake number marks one specific re-publish of a parked job; a retry or any
@@ -218,6 +252,24 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             headers[HEADER] = normalize_tenant(explicit)
         elif HEADER not in headers:
             headers[HEADER] = normalize_tenant(self.fair_tenant(*(args or ()), **(kwargs or {})))
+        if self.fair_dispatch and dispatched is None and not self.app.conf.task_always_eager:
+            if decisions.enforcing():
+                options["headers"] = headers
+                if link is not None:
+                    options["link"] = link
+                if link_error is not None:
+                    options["link_error"] = link_error
+                return publishing.hold_for_dispatch(
+                    self, headers[HEADER], args, kwargs, {**options, "task_id": task_id}
+                )
+            # Shadow mode: the job would wait in its tenant's line; it goes to the broker.
+            task_id = task_id or uuid()
+            decisions.record(
+                task_id=task_id, task_name=self.name, tenant=headers[HEADER],
+                queue=str(options.get("queue") or getattr(self, "queue", None)
+                          or self.app.conf.task_default_queue),
+                mechanism="dispatch", action="hold",
+            )  # fmt: skip
         if (
             self.fair_plan
             and planner.PLAN_HEADER not in headers
@@ -272,16 +324,17 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         """Store many jobs of a planned task (``fair_plan``) in their tenants' virtual
         queues in one INSERT: ``items`` are ``(args, kwargs)`` pairs, ``options`` apply to
         each (no ``task_id``). Returns their ``AsyncResult``s."""
-        if not self.fair_plan:
-            raise planner.PlanError(f"{self.name}: bulk_enqueue needs a fair_plan.")
+        if not self.fair_plan and not self.fair_dispatch:
+            raise planner.PlanError(f"{self.name}: bulk_enqueue needs fair_plan or fair_dispatch.")
         return publishing.off_event_loop(lambda: self._fair_bulk_enqueue(items, options))
 
     def _fair_bulk_enqueue(
         self, items: Iterable[tuple[Sequence[Any], Mapping[str, Any]]], options: dict[str, Any]
     ) -> list[Any]:
-        if not decisions.enforcing():
+        if not decisions.enforcing() or self.fair_dispatch:
             # Shadow mode: nothing waits in a virtual queue; each job is published (and
-            # its would-be hold recorded) as apply_async does.
+            # its would-be hold recorded) as apply_async does. Fair dispatch stores each
+            # job in its line in one round trip (and may publish it at once).
             return [self.apply_async(args, kwargs, **options) for args, kwargs in items]
         return planner.bulk_enqueue(self, self.fair_tenant, items, options)
 
@@ -339,6 +392,15 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         request = self.request
         if request.is_eager or request.id is None:
             return super().__call__(*args, **kwargs)
+        dispatched = (request.headers or {}).get(dispatch.HEADER)
+        if self.fair_dispatch and dispatched is not None:
+            tenant = self._fair_request_tenant(args, kwargs)
+            if tenant is None:
+                warn_missing_tenant(self.name)
+            return admission.run_dispatched(
+                self, int(dispatched), tenant, slots.request_queue(self),
+                lambda: super(FairTask, self).__call__(*args, **kwargs),
+            )  # fmt: skip
         planned = (request.headers or {}).get(planner.PLAN_HEADER)
         if self.fair_plan and planned is not None and planned != SHADOW_PLANNED:
             planner.started(str(request.id))

@@ -35,6 +35,7 @@ from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
+from django_fair_jobs.routing import declared_queue, queue_name
 from django_fair_jobs.tenants import for_log
 
 if TYPE_CHECKING:
@@ -181,23 +182,6 @@ def counting_key(task: Task[Any, Any], declared_queue: str) -> str:
     if scope == "queue":
         return f"queue:{declared_queue}"
     return str(scope)
-
-
-def queue_name(queue: Any) -> str:
-    """The name of a queue given as a string or a kombu ``Queue``."""
-    return queue if isinstance(queue, str) else str(queue.name)
-
-
-def declared_queue(task: Task[Any, Any], args: Any, kwargs: Any) -> str:
-    """The queue Celery sends the task to when the caller names none: the task's ``queue``
-    option, else its ``task_routes`` entry, else ``task_default_queue``."""
-    own = getattr(task, "queue", None)
-    if own:
-        return queue_name(own)
-    # Celery passes the task itself as task_type (its stubs say a class).
-    task_type: Any = task
-    route = task.app.amqp.router.route({}, task.name, args or (), kwargs or {}, task_type=task_type)
-    return queue_name(route["queue"])
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import socket
 import threading
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.db import close_old_connections, connections
 
@@ -45,6 +46,25 @@ _identity: _Identity | None = None
 _lock = threading.Lock()
 _node_id: uuid.UUID | None = None
 _node_name: str | None = None
+_concurrency = 1
+"""Jobs this process runs at once: 1 for a prefork child or a solo pool; a threads pool
+sets its thread count at ``worker_ready``."""
+
+
+def set_concurrency(value: int) -> None:
+    """Record how many jobs this process runs at once (a threads pool's size)."""
+    global _concurrency
+    _concurrency = max(int(value), 1)
+
+
+def consumed_queues() -> list[str]:
+    """The queues this worker consumes (``-Q``), or none outside a worker."""
+    from celery import current_app
+
+    try:
+        return sorted(current_app.amqp.queues.consume_from or ())
+    except Exception:
+        return []
 
 
 def start_node(name: str | None = None) -> uuid.UUID:
@@ -62,6 +82,7 @@ def start_process() -> None:
     database error is logged and registration is left to the first job."""
     try:
         current_process_id()
+        dispatch_into_new_capacity()
     except Exception:
         logger.exception("Could not register this worker process; will retry at the first job")
     finally:
@@ -97,7 +118,7 @@ def _register(node: str) -> _Identity:
     ident = _Identity(process_id=uuid.uuid4(), pid=os.getpid(), node=node)
     WorkerProcess.objects.register(
         process_id=ident.process_id, node=node, hostname=socket.gethostname(), pid=ident.pid,
-        node_id=current_node_id(),
+        node_id=current_node_id(), queues=consumed_queues(), concurrency=_concurrency,
     )  # fmt: skip
     ident.thread = threading.Thread(
         target=_heartbeat_loop, args=(ident,), name="fair-jobs-heartbeat", daemon=True
@@ -132,8 +153,11 @@ def _heartbeat_loop(ident: _Identity) -> None:
                         hostname=socket.gethostname(),
                         pid=ident.pid,
                         node_id=current_node_id(),
+                        queues=consumed_queues(),
+                        concurrency=_concurrency,
                     )
                 retry_pending_releases()
+                _retry_pending_ends()
                 maybe_run_maintenance()
             except Exception:
                 # A database outage must not kill the heartbeat: drop the connection and
@@ -158,6 +182,7 @@ def shutdown() -> None:
     ident.stop.set()
     try:
         WorkerProcess.objects.retire(ident.process_id)
+        _refresh_capacity()
         # Ungated: this process's own leases are what must come back now.
         run_maintenance()
     except Exception:
@@ -182,6 +207,10 @@ class MaintenanceReport:
     windows_pruned: int = 0
     boosts_ended: int = 0
     decisions_pruned: int = 0
+    dispatch_requeued: int = 0
+    dispatch_dropped: int = 0
+    dispatch_republished: int = 0
+    dispatch_dispatched: int = 0
 
 
 def maybe_run_maintenance() -> MaintenanceReport | None:
@@ -239,6 +268,7 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         decisions_pruned = decisions.prune()
     else:
         decisions_pruned = 0
+    repaired = _repair_dispatch()
     report = MaintenanceReport(
         leases_reaped=reaped.leases,
         slots_reaped=len(reaped.slots),
@@ -249,7 +279,17 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         windows_pruned=pruned,
         boosts_ended=boosts_ended,
         decisions_pruned=decisions_pruned,
+        dispatch_requeued=repaired.requeued,
+        dispatch_dropped=repaired.dropped,
+        dispatch_republished=repaired.republished,
+        dispatch_dispatched=repaired.dispatched,
     )
+    if repaired.requeued or repaired.dropped or repaired.republished:
+        logger.info(
+            "Maintenance: fair dispatch put %s jobs of dead workers back in line, dropped %s "
+            "(not acks_late), published %s again (not started in time), dispatched %s",
+            repaired.requeued, repaired.dropped, repaired.republished, repaired.dispatched,
+        )  # fmt: skip
     if reaped.leases or woken or lost or fixed or pruned or boosts_ended or decisions_pruned:
         logger.info(
             "Maintenance: reaped %s leases on %s tenant slots and %s queues, re-queued %s "
@@ -259,3 +299,47 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
             fixed, pruned, decisions_pruned, boosts_ended,
         )  # fmt: skip
     return report
+
+
+def _refresh_capacity() -> dict[str, int]:
+    from django_fair_jobs import dispatch
+
+    return dispatch.refresh_capacity(fair_settings.DISPATCH_SLACK, fair_settings.WORKER_TIMEOUT)
+
+
+def dispatch_into_new_capacity() -> int:
+    """After this process registered: recount every queue's capacity and dispatch into
+    the queues whose room grew. Returns how many jobs were published."""
+    from celery import current_app
+
+    from django_fair_jobs import dispatch
+
+    published = 0
+    for queue in _refresh_capacity():
+        published += dispatch.publish(current_app, dispatch.dispatch(queue))
+    return published
+
+
+def _retry_pending_ends() -> int:
+    from celery import current_app
+
+    from django_fair_jobs import admission
+
+    return admission.retry_pending_ends(current_app)
+
+
+def _repair_dispatch() -> Any:
+    from celery import current_app
+
+    from django_fair_jobs import dispatch
+
+    try:
+        return dispatch.repair(
+            current_app,
+            timeout=fair_settings.WORKER_TIMEOUT,
+            lost_after=fair_settings.DISPATCH_LOST_AFTER,
+            slack_per_node=fair_settings.DISPATCH_SLACK,
+        )
+    except Exception:
+        logger.exception("Fair dispatch maintenance failed; it runs again next pass")
+        return dispatch.Repaired()

@@ -1,0 +1,350 @@
+"""Fair dispatch: jobs wait in PostgreSQL, and the next one is chosen when a worker frees.
+
+A task with ``fair_dispatch = True`` publishes nothing at ``delay()``: the job (task id,
+arguments, headers, links, countdown or ETA) is stored in its tenant's line on its queue
+(:class:`~django_fair_jobs.dispatch.models.DispatchJob`) and ``AsyncResult`` works as
+usual. The broker holds, per queue, no more messages than the queue's **capacity** (the
+live worker processes consuming it) plus a small **slack** (``FAIR_JOBS_DISPATCH_SLACK``
+per worker node), counting jobs published and not started and jobs running.
+
+**When.** A job's end dispatches the next job in the same statement that ends it; an
+enqueue dispatches at once while the queue has room; a worker process that starts or
+stops changes the capacity and dispatches; the maintenance pass (every heartbeat
+interval) repairs what was missed: a lost message, a purged queue, a crashed publisher, a
+worker that died mid-job.
+
+**Who.** One rule, per queue: among tenants with jobs due and below their cap, the one
+with the fewest jobs in flight per weight (``floor(in_flight / weight)``: max-min fair),
+then the lowest virtual time (stride: each dispatch adds ``1 / weight``; a tenant whose
+line was empty re-enters at the queue's virtual time, so idleness banks no credit), then
+the oldest job. It is an index scan in that order, whatever the number of tenants.
+
+**Caps are filters.** A tenant at its cap (the task's ``fair_max_jobs``, or its tenant
+slot's ``max_jobs`` override, boost or pause) is skipped and the room goes to the next
+tenant; at start the job still takes its tenant slot, the fence that keeps the limit.
+
+**At-least-once.** A dispatched job's row is marked before its message is published: a
+publisher that dies in between leaves a row the maintenance pass publishes again. Every
+copy of a message names its row, and only the first copy to start runs (the row moves to
+running under one conditional UPDATE); later copies are acknowledged without running. A
+job whose worker process died while running it goes back to its line if the task has
+``acks_late`` (Celery would redeliver it), and is dropped otherwise (Celery acknowledged
+it when it started).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import connections, router
+from django.utils import timezone
+from django.utils.module_loading import import_string
+from kombu.utils.json import dumps, loads
+
+from django_fair_jobs.routing import declared_queue, queue_name
+from django_fair_jobs.tenants import for_log
+
+if TYPE_CHECKING:
+    from celery import Celery, Task
+
+logger = logging.getLogger("django_fair_jobs.dispatch")
+
+HEADER = "fair_dispatch"
+"""Message header of a dispatched job: the id of its row. A job that carries it was
+dispatched (it starts and ends its row); a re-publish built from its request (a retry)
+goes back through its tenant's line."""
+
+KNOWN_KEYS = frozenset({"tenant_weights"})
+
+WEIGHT_TTL = 60.0
+"""Seconds a process reuses a tenant's weight before asking ``tenant_weights`` again."""
+
+MIN_WEIGHT = 1e-6
+MAX_WEIGHT = 1e6
+
+FENCE_DELAY = 1.0
+"""Seconds a job waits in line again when its tenant slot was full at start (a job of
+another task, or an operator's lowered limit, took the room after it was dispatched)."""
+
+BATCH = 1000
+"""Most jobs one step dispatches at once (a new worker node's whole capacity)."""
+
+
+class DispatchError(ValueError):
+    """A ``fair_dispatch`` option that cannot work, or a job that cannot wait in line (no
+    tenant, arguments JSON cannot hold); raised at import or at publish."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """A validated ``fair_dispatch`` option."""
+
+    tenant_weights: Callable[[list[str]], Mapping[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A job dispatched and to be published now: its row id and stored signature."""
+
+    job_id: int
+    signature: str
+
+
+@dataclass(frozen=True)
+class Started:
+    """What the start of a dispatched job found: ``"started"`` (it runs; ``cap`` is its
+    tenant's cap in force, or None) or ``"duplicate"`` (another copy ran or runs)."""
+
+    status: str
+    cap: int | None = None
+
+
+def option_errors(raw: Any) -> list[str]:
+    """What is wrong with a ``fair_dispatch`` value (empty if nothing)."""
+    if raw is None or isinstance(raw, bool):
+        return []
+    if not isinstance(raw, Mapping):
+        return [f"fair_dispatch must be True, False or a dict, got {type(raw).__name__}"]
+    problems = [f"unknown key {key!r}" for key in sorted(set(raw) - KNOWN_KEYS)]
+    weights = raw.get("tenant_weights")
+    if weights is not None:
+        try:
+            _callable(weights)
+        except (ImportError, TypeError) as exc:
+            problems.append(f"tenant_weights {exc}")
+    return problems
+
+
+def _callable(spec: Any) -> Callable[[list[str]], Mapping[str, Any]]:
+    target = import_string(spec) if isinstance(spec, str) else spec
+    if not callable(target):
+        raise TypeError("must be a callable or the dotted path of one")
+    return target  # type: ignore[no-any-return]
+
+
+def parse(raw: Any) -> Options | None:
+    """The task's dispatch options, or None if it does not dispatch."""
+    if not raw:
+        return None
+    problems = option_errors(raw)
+    if problems:
+        raise DispatchError("; ".join(problems))
+    from django_fair_jobs.conf import fair_settings
+
+    spec = raw.get("tenant_weights") if isinstance(raw, Mapping) else None
+    if spec is None:
+        spec = fair_settings.PLANNER_TENANT_WEIGHTS
+    return Options(tenant_weights=None if spec is None else _callable(spec))
+
+
+def clean_weight(value: Any) -> float | None:
+    """A weight as stored: a finite number >= 0 kept within ``[MIN_WEIGHT, MAX_WEIGHT]``
+    (0 becomes ``MIN_WEIGHT``: such a tenant runs when no other waits); None if not one."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    weight = float(value)
+    if math.isnan(weight) or weight < 0 or math.isinf(weight):
+        return None
+    return min(max(weight, MIN_WEIGHT), MAX_WEIGHT)
+
+
+_weights: dict[tuple[str, str], tuple[float, float]] = {}
+
+
+def weight_of(options: Options, queue: str, tenant: str, task_name: str) -> float | None:
+    """The tenant's weight to store with this enqueue, or None to keep the stored one.
+    ``tenant_weights`` is asked at most once per ``WEIGHT_TTL`` per tenant and process;
+    if it fails or answers something that is not a weight, the tenant weighs 1 (logged)."""
+    if options.tenant_weights is None:
+        return None
+    now = time.monotonic()
+    cached = _weights.get((queue, tenant))
+    if cached is not None and cached[1] > now:
+        return None
+    try:
+        answer = options.tenant_weights([tenant])
+        raw = answer.get(tenant, 1) if isinstance(answer, Mapping) else None
+    except Exception:
+        logger.exception("tenant_weights of %s failed; %s weighs 1", task_name, for_log(tenant))
+        raw = 1
+    weight = clean_weight(raw)
+    if weight is None:
+        logger.warning(
+            "tenant_weights of %s gave %r for %s; it weighs 1", task_name, raw, for_log(tenant)
+        )
+        weight = 1.0
+    _weights[(queue, tenant)] = (weight, now + WEIGHT_TTL)
+    return weight
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job ready to be stored in its line."""
+
+    queue: str
+    tenant: str
+    task_name: str
+    task_id: str
+    signature: str
+    not_before: datetime | None
+    weight: float | None
+    cap: int | None
+
+
+def prepare(
+    task: Task[Any, Any],
+    options: Options,
+    tenant: str | None,
+    args: Any,
+    kwargs: Any,
+    publish_options: dict[str, Any],
+) -> Job:
+    """Freeze a job to wait in its tenant's line: its queue, its due time and the
+    signature that re-publishes it unchanged. Raises :class:`DispatchError` without a
+    tenant or when the job cannot be stored as JSON."""
+    from django_fair_jobs.conf import fair_settings
+
+    tenant = tenant if tenant is not None else fair_settings.PLANNER_DEFAULT_TENANT
+    if tenant is None:
+        raise DispatchError(
+            f"{task.name}: the job's tenant is None, so it cannot wait in a tenant's line. "
+            "Return a tenant from fair_tenant(), pass fair_tenant=, or set "
+            "FAIR_JOBS_PLANNER_DEFAULT_TENANT."
+        )
+    publish_options = dict(publish_options)
+    task_id = str(publish_options.pop("task_id", None) or uuid.uuid4())
+    countdown, eta = publish_options.pop("countdown", None), publish_options.pop("eta", None)
+    not_before = None
+    if eta is not None:
+        if isinstance(eta, str):
+            eta = datetime.fromisoformat(eta)
+        not_before = eta if timezone.is_aware(eta) else timezone.make_aware(eta, UTC)
+    elif countdown:
+        not_before = timezone.now() + timedelta(seconds=float(countdown))
+    queue = queue_name(publish_options.get("queue") or declared_queue(task, args, kwargs))
+    publish_options["queue"] = queue
+    signature = task.signature(args, kwargs, task_id=task_id, **publish_options)
+    try:
+        stored = dumps(dict(signature))
+    except (TypeError, ValueError) as exc:
+        raise DispatchError(
+            f"{task.name}: the job cannot wait in its tenant's line as JSON ({exc}); pass "
+            "arguments, headers and options that JSON can hold."
+        ) from None
+    return Job(
+        queue=queue,
+        tenant=str(tenant),
+        task_name=task.name,
+        task_id=task_id,
+        signature=stored,
+        not_before=not_before,
+        weight=weight_of(options, queue, str(tenant), task.name),
+        cap=getattr(task, "fair_max_jobs", None),
+    )
+
+
+def _store() -> Any:
+    from django_fair_jobs.dispatch.models import DispatchJob
+
+    alias = router.db_for_write(DispatchJob)
+    if connections[alias].vendor == "postgresql":
+        from django_fair_jobs.dispatch import store
+
+        return store.Store(alias)
+    from django_fair_jobs.dispatch import store_orm
+
+    return store_orm.Store(alias)
+
+
+def enqueue(job: Job) -> list[Ready]:
+    """Store ``job`` in its line and dispatch at once while its queue has room; returns
+    the jobs to publish now."""
+    return _store().enqueue(job)  # type: ignore[no-any-return]
+
+
+def start(job_id: int, process_id: uuid.UUID) -> Started:
+    """A dispatched job starts in ``process_id``; one round trip."""
+    return _store().start(job_id, process_id)  # type: ignore[no-any-return]
+
+
+def end(job_id: int, process_id: uuid.UUID, *, delay: float | None = None) -> list[Ready]:
+    """A running job ends (``delay`` None), or goes back to its line (after ``delay``
+    seconds); either way the room it leaves is dispatched in the same round trip.
+    Returns the jobs to publish."""
+    return _store().end(job_id, process_id, delay=delay)  # type: ignore[no-any-return]
+
+
+def dispatch(queue: str, limit: int = BATCH) -> list[Ready]:
+    """Dispatch into whatever room ``queue`` has; returns the jobs to publish."""
+    return _store().dispatch(queue, limit)  # type: ignore[no-any-return]
+
+
+def publish(app: Celery, ready: list[Ready]) -> int:
+    """Publish dispatched jobs. One that cannot be published (a broker error, a message
+    the serializer refuses) goes back to its line after a growing delay, and the room it
+    leaves goes to the next job: a poison job never stalls the others. Returns how many
+    were published."""
+    published = 0
+    pending = list(ready)
+    while pending:
+        item = pending.pop(0)
+        try:
+            signature = app.signature(loads(item.signature))
+            signature.apply_async(fair_dispatched=item.job_id)
+            published += 1
+        except Exception:
+            logger.exception(
+                "Could not publish dispatched job %s; it goes back in line", item.job_id
+            )
+            try:
+                pending.extend(_store().take_back(item.job_id))
+            except Exception:
+                logger.exception("Could not put job %s back in line; maintenance will", item.job_id)
+    return published
+
+
+def forget(app: Celery, task_id: str, *, terminated: bool) -> None:
+    """A revoked job's message was dropped by the worker: its dispatched row goes (and a
+    terminated running one), and the room it leaves is dispatched."""
+    publish(app, _store().forget(task_id, terminated=terminated))
+
+
+@dataclass(frozen=True)
+class Repaired:
+    """What one maintenance pass of dispatch did."""
+
+    requeued: int = 0
+    dropped: int = 0
+    republished: int = 0
+    dispatched: int = 0
+
+
+def refresh_capacity(slack_per_node: int, timeout: float) -> dict[str, int]:
+    """Set every queue's capacity from the live worker processes (their queues and
+    concurrency, heartbeat within ``timeout``) and its slack from their nodes; returns
+    ``{queue: capacity}`` of the queues whose room grew."""
+    return _store().refresh_capacity(slack_per_node, timeout)  # type: ignore[no-any-return]
+
+
+def repair(app: Celery, *, timeout: float, lost_after: float, slack_per_node: int) -> Repaired:
+    """The maintenance of dispatch: capacity from live processes; running jobs of dead
+    processes back to line (``acks_late`` tasks) or dropped; dispatched jobs not started
+    within ``lost_after`` seconds published again (a copy that arrives twice runs once);
+    every queue with room and jobs waiting dispatched."""
+    store = _store()
+    store.refresh_capacity(slack_per_node, timeout)
+    requeue_tasks = [name for name, task in app.tasks.items() if getattr(task, "acks_late", False)]
+    requeued, dropped = store.reap(timeout, requeue_tasks)
+    lost = store.lost(lost_after)
+    republished = publish(app, lost)
+    dispatched = 0
+    for queue in store.queues_with_room():
+        dispatched += publish(app, store.dispatch(queue, BATCH))
+    return Repaired(requeued, dropped, republished, dispatched)

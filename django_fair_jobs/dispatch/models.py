@@ -1,0 +1,145 @@
+"""The rows of fair dispatch: each queue's capacity, each tenant's line, each job.
+
+A job's state says where it is: ``SCHEDULED`` (a countdown or ETA not yet due),
+``WAITING`` (due, in its tenant's line), ``DISPATCHED`` (published, not yet started),
+``RUNNING``. A job's row is deleted when it ends. ``in_flight`` counters count the jobs
+dispatched or running; ``waiting`` counters count the jobs waiting. Both only change
+inside the statements of :mod:`django_fair_jobs.dispatch.store` (one transaction each).
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import F
+from django.db.models.functions import Floor, Now
+
+from django_fair_jobs.tenants import TENANT_MAX_LENGTH
+
+#: A tenant's jobs in flight per weight, rounded down: the first key of the selection
+#: rule. ``dispatch.sql`` and the test of the plan spell it ``floor(t.in_flight / t.weight)``
+#: so that PostgreSQL matches the index.
+LOAD = Floor(F("in_flight") / F("weight"))
+
+SCHEDULED, WAITING, DISPATCHED, RUNNING = 0, 1, 2, 3
+STATES = ((SCHEDULED, "scheduled"), (WAITING, "waiting"), (DISPATCHED, "dispatched"),
+          (RUNNING, "running"))  # fmt: skip
+
+
+class DispatchQueue(models.Model):
+    """One Celery queue's capacity (the live worker processes that consume it) and the
+    jobs dispatched to it and not yet ended."""
+
+    queue = models.CharField(max_length=255, primary_key=True)
+    capacity = models.PositiveIntegerField(
+        default=0, help_text="Worker processes (or threads) that consume this queue, alive."
+    )
+    slack = models.PositiveIntegerField(
+        default=0,
+        help_text="Messages allowed beyond the capacity, so that a freed process finds its "
+        "next job already delivered (FAIR_JOBS_DISPATCH_SLACK per live worker node).",
+    )
+    in_flight = models.PositiveIntegerField(default=0, help_text="Jobs dispatched or running.")
+    virtual_time = models.FloatField(
+        default=0.0, help_text="The virtual time of the last tenant served (stride floor)."
+    )
+    dispatched_total = models.PositiveBigIntegerField(default=0)
+    updated_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "fair_jobs_dispatchqueue"
+        verbose_name = "dispatch queue"
+
+    def __str__(self) -> str:
+        return self.queue
+
+
+class DispatchTenant(models.Model):
+    """One tenant's line on one queue: its jobs waiting and in flight, its weight, its
+    virtual time, and the id of its oldest waiting job."""
+
+    queue = models.CharField(max_length=255)
+    tenant = models.CharField(max_length=TENANT_MAX_LENGTH)
+    weight = models.FloatField(default=1.0)
+    cap = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="The task's fair_max_jobs; a tenant slot's max_jobs override wins. "
+        "Empty: no tenant cap.",
+    )
+    waiting = models.PositiveIntegerField(default=0)
+    in_flight = models.PositiveIntegerField(default=0)
+    pass_value = models.FloatField(default=0.0)
+    head_id = models.BigIntegerField(null=True, blank=True)
+    dispatched_total = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        db_table = "fair_jobs_dispatchtenant"
+        verbose_name = "dispatch tenant"
+        constraints = [
+            models.UniqueConstraint(fields=["queue", "tenant"], name="fair_jobs_dispatch_tenant"),
+        ]
+        indexes = [
+            # The selection rule, in index order: fewest in flight per weight (LOAD),
+            # lowest virtual time, oldest job; only tenants with jobs waiting. An
+            # expression, not a generated column: Django's check of a generated column
+            # asks the database for its features, so a worker could not start while the
+            # database is down.
+            models.Index(
+                F("queue"),
+                LOAD,
+                F("pass_value"),
+                F("head_id"),
+                name="fair_jobs_dispatch_next",
+                condition=models.Q(waiting__gt=0),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} on {self.queue}"
+
+
+class DispatchJob(models.Model):
+    """A job of a task with ``fair_dispatch``, from ``delay()`` to its end.
+
+    ``signature`` re-publishes the job unchanged (task id, arguments, headers, links)."""
+
+    queue = models.CharField(max_length=255)
+    tenant = models.CharField(max_length=TENANT_MAX_LENGTH)
+    task_name = models.CharField(max_length=255)
+    task_id = models.CharField(max_length=255)
+    signature = models.TextField()
+    state = models.SmallIntegerField(choices=STATES, default=WAITING)
+    not_before = models.DateTimeField(null=True, blank=True)
+    enqueued_at = models.DateTimeField(db_default=Now())
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    process_id = models.UUIDField(null=True, blank=True)
+    publish_failures = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        db_table = "fair_jobs_dispatchjob"
+        verbose_name = "dispatched job"
+        indexes = [
+            # A tenant's line, FIFO.
+            models.Index(
+                fields=["queue", "tenant", "id"],
+                name="fair_jobs_dispatch_line",
+                condition=models.Q(state=WAITING),
+            ),
+            # Countdowns and ETAs that come due.
+            models.Index(
+                fields=["queue", "not_before"],
+                name="fair_jobs_dispatch_due",
+                condition=models.Q(state=SCHEDULED),
+            ),
+            # Jobs in flight (few: at most the capacity plus the slack per queue).
+            models.Index(
+                fields=["queue", "tenant"],
+                name="fair_jobs_dispatch_flight",
+                condition=models.Q(state__in=[DISPATCHED, RUNNING]),
+            ),
+            models.Index(fields=["task_id"], name="fair_jobs_dispatch_task"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}] for {self.tenant}"
