@@ -61,23 +61,26 @@ SCENARIO = Scenario(
 """
 
 
+MODES = ("plain", "slots", "reroute", "queue-limits", "planner", "dispatch", "combined")
+
+
 def test_fairbench__runs_every_mode_through_real_workers_and_cleans_up(tmp_path: Path) -> None:
     scenario = tmp_path / "tiny.py"
     scenario.write_text(TINY)
     out = tmp_path / "out"
     result = run_manage(tmp_path, "fairbench", str(scenario), "--output", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for mode in ("plain", "slots", "reroute", "queue-limits", "planner", "combined"):
+    for mode in MODES:
         assert f"| {mode} |" in result.stdout
-    assert "Headline (combined): small-tenant p95 wait" in result.stdout
+    assert "Headline (dispatch): small-tenant p95 wait" in result.stdout
     report = json.loads((out / "tiny.json").read_text())
     assert report["scenario"]["tenant_limit"] == 1  # half of 1 node x 2
-    for mode in ("plain", "slots", "reroute", "queue-limits", "planner", "combined"):
+    for mode in MODES:
         s = report["summaries"][mode]
         assert (s["jobs"], s["completed"], s["lost"], s["run_twice"]) == (18, 18, 0, 0)
         assert report["modes"][mode]["leftover"] == {
             "leases": 0, "parked": 0, "parked_rows": 0, "slot_jobs": 0, "queue_jobs": 0,
-            "planned": 0,
+            "planned": 0, "dispatch_rows": 0, "dispatch_in_flight": 0,
         }  # fmt: skip
     # The limit held, by the jobs' own records. Plain Celery jobs send no library statement:
     # what plain workers count is every process's heartbeat and maintenance.
@@ -113,7 +116,7 @@ def test_fairbench__rejects_unknown_scenarios_and_modes(tmp_path: Path) -> None:
     assert "Unknown scenario 'nope'" in result.stderr and "flood" in result.stderr
     result = run_manage(tmp_path, "fairbench", "demo", "--modes", "plain,fast")
     assert result.returncode != 0
-    available = "available: plain, slots, reroute, queue-limits, planner, combined"
+    available = "available: plain, slots, reroute, queue-limits, planner, dispatch, combined"
     assert f"Unknown mode(s) fast; {available}" in result.stderr
 
 

@@ -215,3 +215,57 @@ def connection_serial(self: Any, tenant: str) -> str:
     if not any(seen is raw for seen in _CONNECTIONS):
         _CONNECTIONS.append(raw)
     return f"serial {next(i for i, seen in enumerate(_CONNECTIONS) if seen is raw)}"
+
+
+DISPATCH_WEIGHTS: dict[str, float] = {}
+"""Weights of the dispatched tasks' tenants (tests set them); a tenant not named weighs 1."""
+
+
+def dispatch_weights(tenants: list[str]) -> dict[str, float]:
+    """``tenant_weights`` of the dispatched tasks."""
+    return {tenant: DISPATCH_WEIGHTS.get(tenant, 1) for tenant in tenants}
+
+
+DISPATCH: dict[str, Any] = {"tenant_weights": "tests.testapp.tasks.dispatch_weights"}
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_dispatch=DISPATCH)
+def dispatched(self: Any, tenant: str, duration: float = 0.01) -> str:
+    """A job of fair dispatch: it waits in its tenant's line until a worker frees."""
+    return _run(self, tenant, duration)
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_dispatch=True, fair_max_jobs=2)
+def dispatched_capped(self: Any, tenant: str, duration: float = 0.05) -> str:
+    """Fair dispatch with a tenant cap of 2."""
+    return _run(self, tenant, duration)
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_dispatch=True, max_retries=2)
+def dispatched_retrying(self: Any, tenant: str, duration: float = 0.01) -> str:
+    """Fair dispatch; the first run asks for a retry in 0.2 s (max_retries 2)."""
+    result = _run(self, tenant, duration)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.2)
+    return result
+
+
+@shared_task(bind=True, queue="fair", fair_dispatch=True, base=TenantFromFirstArg, acks_late=True)
+def dispatched_late(self: Any, tenant: str, duration: float = 0.01) -> str:
+    """Fair dispatch of an ``acks_late`` task: a job whose worker dies runs again."""
+    return _run(self, tenant, duration)
+
+
+class TenantFromKeyword(FairTask):
+    """The tenant is the ``tenant`` keyword argument (chains pass results positionally)."""
+
+    @classmethod
+    def fair_tenant(cls, *args: Any, **kwargs: Any) -> Any:
+        return kwargs.get("tenant")
+
+
+@shared_task(bind=True, queue="fair", fair_dispatch=True, base=TenantFromKeyword)
+def dispatched_add(self: Any, value: int, *, tenant: str) -> int:
+    """Fair dispatch in a chain: records its run and returns ``value + 1``."""
+    _run(self, tenant, 0.0)
+    return value + 1

@@ -1,0 +1,294 @@
+"""Fair dispatch's selection rule and bookkeeping, on the real database (no worker): jobs
+are enqueued through the task, dispatched into a capacity the test sets, and started and
+ended through the same calls a worker makes."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from django_fair_jobs import dispatch
+from django_fair_jobs.dispatch.models import (
+    DISPATCHED,
+    RUNNING,
+    WAITING,
+    DispatchJob,
+    DispatchQueue,
+    DispatchTenant,
+)
+from django_fair_jobs.models import TenantQueueSlot
+from tests.conftest import is_postgres
+from tests.testapp import tasks
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PROCESS = uuid.uuid4()
+PUBLISHED: list[int] = []
+"""Row ids of the jobs dispatched in this test, in order (nothing reaches a broker)."""
+
+
+@pytest.fixture(autouse=True)
+def published(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Nothing is published: dispatched jobs are collected (their row ids) instead."""
+    published = PUBLISHED
+    published.clear()
+
+    def collect(app: Any, ready: list[dispatch.Ready]) -> int:
+        published.extend(r.job_id for r in ready)
+        return len(ready)
+
+    monkeypatch.setattr(dispatch, "publish", collect)
+    tasks.DISPATCH_WEIGHTS.clear()
+    dispatch._weights.clear()
+    yield published
+    tasks.DISPATCH_WEIGHTS.clear()
+    dispatch._weights.clear()
+
+
+def set_capacity(capacity: int, queue: str = "fair", slack: int = 0) -> None:
+    DispatchQueue.objects.update_or_create(
+        queue=queue, defaults={"capacity": capacity, "slack": slack}
+    )
+
+
+def tenant_of(job_id: int) -> str:
+    return DispatchJob.objects.values_list("tenant", flat=True).get(pk=job_id)
+
+
+def run_one(job_id: int) -> list[dispatch.Ready]:
+    """Start and end a dispatched job as a worker would; returns what its end dispatched."""
+    assert dispatch.start(job_id, PROCESS).status == "started"
+    ready = dispatch.end(job_id, PROCESS)
+    PUBLISHED.extend(r.job_id for r in ready)
+    return ready
+
+
+def pump() -> list[dispatch.Ready]:
+    """Dispatch into the queue's room, as maintenance does."""
+    ready = dispatch.dispatch("fair")
+    PUBLISHED.extend(r.job_id for r in ready)
+    return ready
+
+
+def enqueue(tenant: str, n: int = 1, task: Any = tasks.dispatched) -> list[str]:
+    return [task.delay(tenant).id for _ in range(n)]
+
+
+def dispatched_tenants() -> list[str]:
+    rows = DispatchJob.objects.filter(state=DISPATCHED).order_by("dispatched_at", "id")
+    return list(rows.values_list("tenant", flat=True))
+
+
+def test_enqueue_without_capacity__waits_in_line__nothing_published(published: list[int]) -> None:
+    ids = enqueue("a", 3)
+    assert published == []
+    rows = DispatchJob.objects.order_by("id")
+    assert [r.task_id for r in rows] == ids and {r.state for r in rows} == {WAITING}
+    line = DispatchTenant.objects.get(tenant="a")
+    assert (line.waiting, line.in_flight, line.head_id) == (3, 0, rows[0].pk)
+
+
+def test_enqueue_with_room__dispatched_at_once__up_to_capacity_plus_slack(
+    published: list[int],
+) -> None:
+    set_capacity(2, slack=1)
+    enqueue("a", 5)
+    assert len(published) == 3
+    assert DispatchQueue.objects.get().in_flight == 3
+    assert DispatchJob.objects.filter(state=WAITING).count() == 2
+
+
+def test_max_min__the_tenant_with_fewest_in_flight_goes_first(published: list[int]) -> None:
+    enqueue("greedy", 20)
+    set_capacity(3)
+    pump()  # greedy alone: it takes the whole queue
+    assert Counter(dispatched_tenants()) == {"greedy": 3}
+    enqueue("small", 2)
+    first = published[0]
+    ready = run_one(first)  # a greedy job ends: the room goes to the newcomer
+    assert [tenant_of(r.job_id) for r in ready] == ["small"]
+
+
+def test_newcomer__served_before_a_backlogged_tenant_with_equal_load(published: list[int]) -> None:
+    # Both have nothing in flight; greedy has been served often (its virtual time is
+    # ahead), small enters at the queue's virtual time: small first.
+    set_capacity(1)
+    enqueue("greedy", 10)
+    for _ in range(5):
+        run_one(published[-1])
+    enqueue("small", 1)
+    ready = run_one(published[-1])
+    assert [tenant_of(r.job_id) for r in ready] == ["small"]
+
+
+def test_floor__an_idle_tenant_banks_no_credit(published: list[int]) -> None:
+    set_capacity(1)
+    enqueue("early", 1)
+    run_one(published[-1])  # early is served once, then idles
+    enqueue("busy", 30)
+    for _ in range(20):
+        run_one(published[-1])
+    enqueue("early", 3)
+    # Back after idling: it re-enters at the queue's virtual time, not 19 turns ahead:
+    # the next dispatches alternate instead of giving early three in a row.
+    served = []
+    for _ in range(4):
+        ready = run_one(published[-1])
+        served.append(tenant_of(ready[0].job_id))
+    assert served.count("early") == 2, served
+    early = DispatchTenant.objects.get(tenant="early")
+    busy = DispatchTenant.objects.get(tenant="busy")
+    assert abs(early.pass_value - busy.pass_value) <= 1.0
+
+
+def test_oldest_job__within_a_tenant_fifo(published: list[int]) -> None:
+    ids = enqueue("a", 3)
+    set_capacity(3)
+    pump()
+    order = DispatchJob.objects.filter(pk__in=published).order_by("dispatched_at", "id")
+    assert [r.task_id for r in order] == ids
+
+
+def test_weights__one_three_six__shares_of_starts_within_five_percent(
+    published: list[int],
+) -> None:
+    tasks.DISPATCH_WEIGHTS.update({"w1": 1, "w3": 3, "w6": 6})
+    for tenant in ("w1", "w3", "w6"):
+        enqueue(tenant, 150)
+    set_capacity(4)
+    pump()
+    starts: Counter[str] = Counter()
+    flying = list(published)
+    for _ in range(200):
+        job = flying.pop(0)
+        starts[tenant_of(job)] += 1
+        flying += [r.job_id for r in run_one(job)]
+    total = sum(starts.values())
+    for tenant, weight in (("w1", 0.1), ("w3", 0.3), ("w6", 0.6)):
+        assert abs(starts[tenant] / total - weight) <= 0.05 * weight + 0.01, starts
+
+
+def test_cap__a_tenant_at_its_cap_is_skipped__the_room_goes_to_the_next(
+    published: list[int],
+) -> None:
+    enqueue("capped", 10, task=tasks.dispatched_capped)
+    set_capacity(4)
+    pump()
+    assert DispatchTenant.objects.get(tenant="capped").in_flight == 2  # fair_max_jobs=2
+    assert DispatchQueue.objects.get().in_flight == 2  # two processes stay free...
+    enqueue("other", 5, task=tasks.dispatched_capped)  # ...for the next tenant
+    assert Counter(dispatched_tenants()) == {"capped": 2, "other": 2}
+
+
+def test_cap__slot_override_and_pause_win_over_the_task(published: list[int]) -> None:
+    TenantQueueSlot.objects.create(tenant="vip", queue="fair", max_jobs=3)
+    TenantQueueSlot.objects.create(tenant="paused", queue="fair", max_jobs=0)
+    enqueue("vip", 5, task=tasks.dispatched_capped)
+    enqueue("paused", 5, task=tasks.dispatched_capped)
+    set_capacity(8)
+    pump()
+    assert Counter(dispatched_tenants()) == {"vip": 3}
+    started = dispatch.start(published[0], PROCESS)
+    assert (started.status, started.cap) == ("started", 3)
+
+
+def test_second_copy_of_a_message__duplicate__does_not_run(published: list[int]) -> None:
+    enqueue("a", 1)
+    set_capacity(1)
+    pump()
+    job = published[0]
+    assert dispatch.start(job, PROCESS).status == "started"
+    assert dispatch.start(job, uuid.uuid4()).status == "duplicate"
+    assert DispatchJob.objects.get(pk=job).state == RUNNING
+
+
+def test_end__fenced_by_the_process_that_started_it(published: list[int]) -> None:
+    enqueue("a", 2)
+    set_capacity(1)
+    pump()
+    job = published[0]
+    dispatch.start(job, PROCESS)
+    assert dispatch.end(job, uuid.uuid4()) == []  # not its holder: nothing changes
+    assert DispatchJob.objects.filter(pk=job).exists()
+    assert [r.job_id for r in dispatch.end(job, PROCESS)] != []
+    assert not DispatchJob.objects.filter(pk=job).exists()
+
+
+def test_countdown__not_dispatched_before_it_is_due(published: list[int]) -> None:
+    set_capacity(2)
+    tasks.dispatched.apply_async(("a",), countdown=3600)
+    late = tasks.dispatched.apply_async(("a",), countdown=0.2)
+    assert published == []
+    import time
+
+    time.sleep(0.3)
+    pump()
+    assert [DispatchJob.objects.get(pk=j).task_id for j in published] == [late.id]
+
+
+def test_publish_failure__back_in_line_later__the_room_goes_to_the_next(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    monkeypatch.undo()  # the real publish, with a broker that refuses one job
+    enqueue("poison", 1)
+    enqueue("fine", 1)
+    sent: list[str] = []
+
+    def apply_async(self: Any, *args: Any, **kwargs: Any) -> None:
+        if self.args[0] == "poison":
+            raise RuntimeError("cannot publish")
+        sent.append(self.args[0])
+
+    monkeypatch.setattr("celery.canvas.Signature.apply_async", apply_async)
+    set_capacity(1)
+    ready = dispatch.dispatch("fair")
+    assert [tenant_of(r.job_id) for r in ready] == ["poison"]
+    dispatch.publish(celery_app, ready)
+    assert sent == ["fine"]
+    poison = DispatchJob.objects.get(tenant="poison")
+    assert poison.publish_failures == 1 and poison.not_before is not None
+
+
+def test_statements__enqueue_start_end__one_each_on_postgresql(published: list[int]) -> None:
+    if not is_postgres():
+        pytest.skip("statement counts are a PostgreSQL figure; SQLite runs the ORM store")
+    set_capacity(1)
+    enqueue("a", 1)
+    tasks.dispatched.delay("b")  # warm up the task's weights cache for b
+    with CaptureQueriesContext(connection) as enqueue_queries:
+        tasks.dispatched.delay("b")
+    job = published[0]
+    with CaptureQueriesContext(connection) as start_queries:
+        dispatch.start(job, PROCESS)
+    with CaptureQueriesContext(connection) as end_queries:
+        ready = dispatch.end(job, PROCESS)
+    assert ready  # the end dispatched b's job in the same round trip
+    assert (len(enqueue_queries), len(start_queries), len(end_queries)) == (1, 1, 1)
+
+
+def test_selection__index_order__no_scan_and_no_sort(published: list[int]) -> None:
+    if not is_postgres():
+        pytest.skip("the plan is PostgreSQL's")
+    rows = [
+        DispatchTenant(queue="fair", tenant=f"t{i}", waiting=i % 3, in_flight=i % 5)
+        for i in range(3000)
+    ]
+    DispatchTenant.objects.bulk_create(rows)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE fair_jobs_dispatchtenant")
+        cursor.execute(
+            "EXPLAIN SELECT t.id FROM fair_jobs_dispatchtenant AS t "
+            "LEFT JOIN fair_jobs_tenantqueueslot AS s ON s.tenant = t.tenant AND s.queue = t.queue "
+            "WHERE t.queue = 'fair' AND t.waiting > 0 AND (COALESCE(s.max_jobs, t.cap) IS NULL "
+            "OR t.in_flight < COALESCE(s.max_jobs, t.cap)) "
+            "ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id "
+            "LIMIT 1 FOR UPDATE OF t SKIP LOCKED"
+        )
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "fair_jobs_dispatch_next" in plan and "Sort" not in plan, plan

@@ -1,0 +1,183 @@
+"""Fair dispatch with real Celery worker processes, a real broker and the real database."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from celery import chain
+
+from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue, DispatchTenant
+from django_fair_jobs.models import ParkedJob
+from tests.conftest import Worker, wait_for
+from tests.test_workers import wait_finished
+from tests.testapp import tasks
+from tests.testapp.models import JobRun
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.workers]
+
+FAST = {"FAIR_JOBS_HEARTBEAT_INTERVAL": "0.5", "FAIR_JOBS_WORKER_TIMEOUT": "3"}
+"""Worker settings that make maintenance run every half second."""
+
+
+def max_overlap(runs: list[tuple[float, float]]) -> int:
+    """The most runs that overlapped at any instant."""
+    events = sorted([(s, 1) for s, _ in runs] + [(e, -1) for _, e in runs])
+    peak = now = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+def intervals(tenant: str | None = None) -> list[tuple[float, float]]:
+    rows = JobRun.objects.filter(finished_at__isnull=False)
+    if tenant is not None:
+        rows = rows.filter(tenant=tenant)
+    return [
+        (r.started_at.timestamp(), r.finished_at.timestamp())
+        for r in rows
+        if r.started_at is not None and r.finished_at is not None
+    ]
+
+
+def settled() -> bool:
+    """Every row gone and every counter back to zero."""
+    return (
+        not DispatchJob.objects.exists()
+        and not DispatchQueue.objects.filter(in_flight__gt=0).exists()
+        and not DispatchTenant.objects.filter(in_flight__gt=0).exists()
+        and not DispatchTenant.objects.filter(waiting__gt=0).exists()
+    )
+
+
+def test_jobs_run__results_as_usual__rows_and_counters_settle(
+    start_worker: Callable[..., Worker],
+) -> None:
+    start_worker("d", concurrency=2, extra_env=FAST)
+    results = [tasks.dispatched.delay(f"t{i % 3}") for i in range(12)]
+    assert [r.get(timeout=60) for r in results] == [f"t{i % 3}:done" for i in range(12)]
+    wait_for(settled, 20, "dispatch rows and counters to settle")
+    assert JobRun.objects.count() == 12
+
+
+def test_jobs_enqueued_before_any_worker__run_when_one_starts(
+    start_worker: Callable[..., Worker],
+) -> None:
+    ids = [tasks.dispatched.delay("early").id for _ in range(5)]
+    assert DispatchJob.objects.count() == 5  # nothing consumes the queue yet: they wait
+    start_worker("d", concurrency=2, extra_env=FAST)
+    wait_finished(ids, timeout=60)
+
+
+def test_work_conserving__no_process_idles_while_eligible_work_waits(
+    start_worker: Callable[..., Worker],
+) -> None:
+    # Sampled throughout a run: whenever jobs wait (no tenant has a cap), the queue is
+    # full (in flight == capacity + slack) within a bound; an idle slot that stays idle
+    # while work waits fails the test. The bound is half the maintenance interval, so
+    # that only dispatch at enqueue and at each job's end can keep it.
+    start_worker("d", concurrency=2, extra_env=FAST)
+    wait_for(
+        lambda: DispatchQueue.objects.filter(queue="fair", capacity=2).exists(), 30, "capacity"
+    )
+    ids = [tasks.dispatched.delay(f"t{i % 4}", 0.05).id for i in range(60)]
+    idle_since: float | None = None
+    worst = 0.0
+    while JobRun.objects.filter(task_id__in=ids, finished_at__isnull=False).count() < len(ids):
+        queue = DispatchQueue.objects.get(queue="fair")
+        waiting = DispatchJob.objects.filter(state=1).exists()
+        if waiting and queue.in_flight < queue.capacity + queue.slack:
+            idle_since = idle_since or time.monotonic()
+            worst = max(worst, time.monotonic() - idle_since)
+        else:
+            idle_since = None
+        time.sleep(0.01)
+    assert worst < 0.25, f"a slot stayed free for {worst:.2f} s while jobs waited"
+    wait_for(settled, 20, "dispatch rows and counters to settle")
+
+
+def test_two_nodes_with_a_tenant_cap__never_exceeded__nothing_parked(
+    start_worker: Callable[..., Worker],
+) -> None:
+    start_worker("n1", concurrency=2, extra_env=FAST)
+    start_worker("n2", concurrency=2, extra_env=FAST)
+    parked = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        from django.db import connections
+
+        try:
+            while not stop.is_set():
+                parked.append(ParkedJob.objects.count())
+                time.sleep(0.05)
+        finally:
+            connections.close_all()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        ids = [tasks.dispatched_capped.delay("capped", 0.1).id for _ in range(12)]
+        ids += [tasks.dispatched_capped.delay("other", 0.1).id for _ in range(4)]
+        wait_finished(ids, timeout=90)
+    finally:
+        stop.set()
+        watcher.join()
+    assert max_overlap(intervals("capped")) <= 2
+    assert max(parked) == 0
+    # The cap is a filter: while capped waited at its cap, other got the free processes.
+    assert max_overlap(intervals()) >= 3
+
+
+def test_retry__back_through_the_line__runs_again_and_succeeds(
+    start_worker: Callable[..., Worker],
+) -> None:
+    start_worker("d", concurrency=2, extra_env=FAST)
+    result = tasks.dispatched_retrying.delay("r")
+    assert result.get(timeout=60) == "r:done"
+    runs = JobRun.objects.filter(task_id=result.id).order_by("started_at")
+    assert [r.retries for r in runs] == [0, 1]
+    wait_for(settled, 20, "dispatch rows and counters to settle")
+
+
+def test_chain__each_link_dispatched__result_flows(start_worker: Callable[..., Worker]) -> None:
+    start_worker("d", concurrency=2, extra_env=FAST)
+    result = chain(
+        tasks.dispatched_add.s(0, tenant="c"),
+        tasks.dispatched_add.s(tenant="c"),
+        tasks.dispatched_add.s(tenant="c"),
+    ).delay()
+    assert result.get(timeout=60) == 3
+    assert JobRun.objects.filter(tenant="c").count() == 3
+
+
+def test_purged_queue__messages_lost__published_again_and_run(
+    start_worker: Callable[..., Worker], celery_app: Any
+) -> None:
+    # Dispatched into a capacity that a worker left behind, then the broker loses them.
+    DispatchQueue.objects.create(queue="fair", capacity=2, slack=0)
+    ids = [tasks.dispatched.delay("lost").id for _ in range(4)]
+    assert DispatchJob.objects.filter(state=2).count() == 2
+    with celery_app.connection_for_write() as conn:
+        conn.default_channel.queue_purge("fair")
+    start_worker("d", concurrency=2, extra_env={**FAST, "FAIR_JOBS_DISPATCH_LOST_AFTER": "1"})
+    wait_finished(ids, timeout=60)
+    wait_for(settled, 20, "dispatch rows and counters to settle")
+
+
+def test_worker_killed_mid_job__acks_late_job_runs_again__the_line_goes_on(
+    start_worker: Callable[..., Worker],
+) -> None:
+    doomed = start_worker("doomed", concurrency=1, extra_env=FAST)
+    long = tasks.dispatched_late.delay("k", 8)
+    wait_for(lambda: JobRun.objects.filter(task_id=long.id).exists(), 30, "the long job to start")
+    others = [tasks.dispatched.delay("k2").id for _ in range(3)]
+    doomed.kill()
+    start_worker("rescuer", concurrency=2, extra_env=FAST)
+    wait_finished(others, timeout=60)
+    # The killed job's row went back to its line once its process stopped beating.
+    wait_for(lambda: JobRun.objects.filter(task_id=long.id).count() >= 2, 60, "a second run")
