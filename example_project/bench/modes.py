@@ -80,6 +80,11 @@ MODES: dict[str, Mode] = {
         ),
         Mode("planner", "bench.planner_job", "FairTask, the fair planner only (mechanism C)"),
         Mode(
+            "dispatch",
+            "bench.dispatch_job",
+            "FairTask, fair dispatch: the next job chosen when a worker frees (recommended)",
+        ),
+        Mode(
             "combined",
             "bench.combined_job",
             "FairTask, planner, tenant slots, rerouting and the capped slow queue (all)",
@@ -103,5 +108,5 @@ DEFAULT_MODES: tuple[str, ...] = tuple(name for name, m in MODES.items() if not 
 REFERENCE = "plain"
 """The mode every ratio's denominator comes from (except the ideal's)."""
 
-RECOMMENDED = "combined"
-"""The recommended combination: every mechanism available today."""
+RECOMMENDED = "dispatch"
+"""The recommended setup: fair dispatch (one option on the task)."""

@@ -33,6 +33,7 @@ from bench.metrics import Record
 from bench.models import JobRecord, StatementCount
 from bench.modes import Mode, slow_queue_limit
 from bench.scenario import Job, Scenario
+from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue, DispatchTenant
 from django_fair_jobs.limits import set_limits
 from django_fair_jobs.models import (
     JobDecision,
@@ -155,6 +156,9 @@ def clear_library_state() -> None:
     PlannerRun.objects.all().delete()
     JobDecision.objects.all().delete()
     LimitChange.objects.all().delete()
+    DispatchJob.objects.all().delete()
+    DispatchTenant.objects.all().delete()
+    DispatchQueue.objects.all().delete()
 
 
 def library_leftover() -> dict[str, int]:
@@ -166,6 +170,8 @@ def library_leftover() -> dict[str, int]:
         "slot_jobs": sum(TenantQueueSlot.objects.values_list("current_jobs", flat=True)),
         "queue_jobs": sum(QueueLimit.objects.values_list("current_jobs", flat=True)),
         "planned": PlannedJob.objects.count(),
+        "dispatch_rows": DispatchJob.objects.count(),
+        "dispatch_in_flight": sum(DispatchQueue.objects.values_list("in_flight", flat=True)),
     }
 
 

@@ -104,6 +104,13 @@ def combined_job(**kwargs: Any) -> None:
     work(**kwargs)
 
 
+@shared_task(base=PerTenant, name="bench.dispatch_job", ignore_result=True, fair_dispatch=True)
+def dispatch_job(**kwargs: Any) -> None:
+    """The same job through fair dispatch: it waits in its tenant's line in the database
+    and is published when a worker process of its queue frees."""
+    work(**kwargs)
+
+
 def _configure_from_env() -> None:
     """In the benchmark's worker processes: the run's queue and rerouting rules of the
     mode's task, which the publisher sets at runtime (queues are per run). Workers need
@@ -115,9 +122,9 @@ def _configure_from_env() -> None:
     mode, queue = os.environ.get("BENCH_MODE"), os.environ.get("BENCH_QUEUE")
     if not mode or not queue or mode not in MODES:
         return
-    task = {t.name: t for t in (queue_limits_job, reroute_job, combined_job, planner_job)}.get(
-        MODES[mode].task
-    )
+    task = {
+        t.name: t for t in (queue_limits_job, reroute_job, combined_job, planner_job, dispatch_job)
+    }.get(MODES[mode].task)
     # Only this mode's task plans: other modes' planners would poll for nothing.
     for planned in (planner_job, combined_job):
         if planned is not task:
