@@ -7,11 +7,31 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench.metrics import Record, peak_overlap, percentile, progress, ratio, summarize
-from bench.report import IDEAL, ModeData, build, ideal_records, table, write_figure, write_json
+from bench.metrics import (
+    Record,
+    peak_overlap,
+    percentile,
+    progress,
+    ratio,
+    share_error,
+    shares,
+    summarize,
+)
+from bench.report import (
+    IDEAL,
+    ModeData,
+    aggregate,
+    aggregate_table,
+    build,
+    ideal_records,
+    table,
+    write_figure,
+    write_json,
+)
 from bench.scenario import Scenario, ScenarioError, Stream, load, tenants
 from bench.simulate import SimJob, SimRun, simulate
 
@@ -108,6 +128,23 @@ def test_summarize__no_small_tenants_and_no_records() -> None:
     assert s.small_wait_p95 is None and s.peak_tenant is None and s.statements_per_job is None
 
 
+def test_shares__counted_while_every_weighted_tenant_is_backlogged() -> None:
+    # "a" starts its last job at t=4: from then on it has nothing left to take its share,
+    # so only the starts before t=4 count: a 1 (t=0), b 3 (t=1, 2, 3).
+    records = [Record(1, "a", 0, 0, 1), Record(2, "a", 0, 4, 5)]
+    records += [Record(10 + i, "b", 0, float(i), i + 1.0) for i in range(1, 7)]
+    weights = {"a": 1.0, "b": 3.0}
+    assert shares(records, weights) == {"a": 0.25, "b": 0.75}
+    assert share_error(shares(records, weights), weights) == 0.0
+    # Weights 1:1 would want half each: b took 50% more than its share, a half of it.
+    assert share_error({"a": 0.25, "b": 0.75}, {"a": 1.0, "b": 1.0}) == 0.5
+    assert shares(records, {"a": 1.0, "c": 1.0}) is None  # c never started
+    assert share_error(None, weights) is None
+    s = summarize(records, [1, 2, *range(11, 17)], frozenset(), 0.0, weights=weights)
+    assert (s.shares, s.share_error) == ({"a": 0.25, "b": 0.75}, 0.0)
+    assert summarize(records, [1], frozenset(), 0.0).shares is None
+
+
 def test_ratio_and_progress() -> None:
     assert ratio(3.0, 2.0) == 1.5
     assert ratio(None, 2.0) is None and ratio(1.0, 0.0) is None
@@ -141,11 +178,25 @@ def test_steady_scenario__poisson_arrivals_are_seeded_and_one_tenant_turns_greed
     assert min(j.offset for j in steady.jobs if j.greedy) > 8.0
 
 
+def test_weighted_and_nodes_scenarios_are_the_specified_ones() -> None:
+    weighted = load("weighted")
+    assert weighted.weights == {"weight-1": 1.0, "weight-3": 3.0, "weight-6": 6.0}
+    assert {j.tenant for j in weighted.jobs} == set(weighted.weights)
+    assert all(j.offset == 0.0 for j in weighted.jobs)  # all backlogged from the start
+    nodes, flood = load("nodes"), load("flood")
+    assert (nodes.nodes, nodes.concurrency) == (2, 2)
+    assert nodes.jobs == flood.jobs and flood.nodes == 1 and flood.weights == {}
+
+
 def test_scenario__validation_says_what_to_fix(tmp_path: Path) -> None:
     with pytest.raises(ScenarioError, match="jobs must be at least 1"):
         Scenario("x", "", (Stream(("a",), jobs=0, seconds=1),))
     with pytest.raises(ScenarioError, match="rate must be > 0"):
         Scenario("x", "", (Stream(("a",), jobs=1, seconds=1, rate=0),))
+    with pytest.raises(ScenarioError, match="weight must be a finite number > 0"):
+        Scenario("x", "", (Stream(("a",), jobs=1, seconds=1, weight=0),))
+    with pytest.raises(ScenarioError, match="concurrency and nodes must be at least 1"):
+        Scenario("x", "", (Stream(("a",), jobs=1, seconds=1),), nodes=0)
     with pytest.raises(ScenarioError, match="no streams"):
         Scenario("x", "", ())
     with pytest.raises(ScenarioError, match=r"Unknown scenario 'nope'.*flood"):
@@ -205,3 +256,19 @@ def test_report__ratios_table_json_and_figure(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "r.json").read_text())["recommended"] == "slots"
     write_figure(report, "t", tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_aggregate__median_and_spread_over_runs() -> None:
+    def run(p95: float, lost: int, gap: float | None) -> dict[str, Any]:
+        fig = {
+            "small_p95_vs_ideal": p95, "makespan_vs_plain": 1.0, "throughput_vs_plain": 1.0,
+            "statements_per_job": 3.0, "share_error": gap, "lost": lost, "run_twice": 0,
+        }  # fmt: skip
+        return {"summaries": {"dispatch": fig}}
+
+    a = aggregate([run(1.2, 0, 0.01), run(1.9, 1, None), run(1.3, 0, 0.03)])["dispatch"]
+    assert a["runs"] == 3 and a["lost"] == 1
+    assert a["small_p95_vs_ideal"] == {"median": 1.3, "min": 1.2, "max": 1.9}
+    assert a["share_error"] == {"median": 0.02, "min": 0.01, "max": 0.03}  # the runs that had one
+    text = aggregate_table({"dispatch": a})
+    assert "| dispatch | 3 | 1.30x (1.20-1.90) |" in text and "| 2.0% (1.0-3.0) | 1 | 0 |" in text

@@ -98,6 +98,48 @@ def test_fairbench__runs_every_mode_through_real_workers_and_cleans_up(tmp_path:
     assert leftover.stdout == b""
 
 
+WEIGHTED = """
+from bench.scenario import Scenario, Stream
+
+SCENARIO = Scenario(
+    name="tinyweighted",
+    description="two backlogged tenants of weights 1 and 3, on two nodes of one process",
+    concurrency=1,
+    nodes=2,
+    streams=(
+        Stream(tenants=("light",), jobs=16, seconds=0.05, weight=1.0),
+        Stream(tenants=("heavy",), jobs=16, seconds=0.05, weight=3.0),
+    ),
+)
+"""
+
+
+def test_fairbench__repeat_weights_and_nodes(tmp_path: Path) -> None:
+    scenario = tmp_path / "tinyweighted.py"
+    scenario.write_text(WEIGHTED)
+    out = tmp_path / "out"
+    result = run_manage(
+        tmp_path, "fairbench", str(scenario), "--modes", "plain,dispatch", "--repeat", "2",
+        "--output", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (
+        result.stdout.count("Run ") >= 2 and "Median (lowest-highest) of 2 runs:" in result.stdout
+    )
+    assert "Headline (dispatch, median of 2 runs)" in result.stdout
+    report = json.loads((out / "tinyweighted.json").read_text())
+    assert report["scenario"]["nodes"] == 2  # the scenario's, no --nodes given
+    assert (out / "logs" / "dispatch-node2.log").exists()
+    assert len(report["runs"]) == 2
+    dispatch = report["aggregate"]["dispatch"]
+    assert (dispatch["runs"], dispatch["lost"], dispatch["run_twice"]) == (2, 0, 0)
+    # The weights reached the dispatching publisher: while both were backlogged, heavy
+    # (weight 3) started about three jobs to light's one; unweighted it would be one to one.
+    for run in report["runs"]:
+        assert run["dispatch"]["shares"]["heavy"] > 0.6, run["dispatch"]["shares"]
+    assert report["weights"] == {"light": 1.0, "heavy": 3.0}
+
+
 def test_fairbench__refuses_clearly_when_the_broker_is_down(tmp_path: Path) -> None:
     result = run_manage(
         tmp_path, "fairbench", "demo", env={"CELERY_BROKER_URL": "redis://127.0.0.1:9/0"}

@@ -7,7 +7,7 @@ records and the ideal scheduler's runs go through exactly the same code as real 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,6 +41,10 @@ class Summary:
     peak_jobs: int
     greedy_peak: int | None
     statements_per_job: float | None
+    shares: dict[str, float] | None = None
+    """With weights: each weighted tenant's share of the starts while all were backlogged."""
+    share_error: float | None = None
+    """With weights: the largest relative gap between a share and its weight's share."""
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -80,18 +84,47 @@ def first_runs(records: Iterable[Record]) -> dict[int, Record]:
     return first
 
 
+def shares(records: Iterable[Record], weights: Mapping[str, float]) -> dict[str, float] | None:
+    """Each of ``weights``' tenants' share of the jobs started while every one of them was
+    backlogged, i.e. before the first of them started its last job (after that, a tenant
+    with nothing left cannot take its share). None without weights or starts."""
+    starts: dict[str, list[float]] = {t: [] for t in weights}
+    for r in first_runs(records).values():
+        if r.tenant in starts:
+            starts[r.tenant].append(r.started_at)
+    if not weights or any(not s for s in starts.values()):
+        return None
+    end = min(max(s) for s in starts.values())
+    counts = {t: sum(1 for x in s if x < end) for t, s in starts.items()}
+    total = sum(counts.values())
+    if total == 0:
+        return None
+    return {t: n / total for t, n in counts.items()}
+
+
+def share_error(observed: Mapping[str, float] | None, weights: Mapping[str, float]) -> float | None:
+    """The largest ``|share / fair share - 1|`` over the tenants, where a tenant's fair
+    share is its weight over the sum of weights; None if ``observed`` is None."""
+    if observed is None:
+        return None
+    total = sum(weights.values())
+    return max(abs(observed[t] / (w / total) - 1) for t, w in weights.items())
+
+
 def summarize(
     records: Sequence[Record],
     expected: Iterable[int],
     greedy: frozenset[str],
     origin: float,
     statements: int | None = None,
+    weights: Mapping[str, float] | None = None,
 ) -> Summary:
     """Summarize one mode.
 
     ``expected`` are the job ids that were enqueued; ``greedy`` the greedy tenants (every
     other tenant is small); ``origin`` the time the mode's first job was enqueued;
-    ``statements`` the statements on the library's tables during the mode, if counted.
+    ``statements`` the statements on the library's tables during the mode, if counted;
+    ``weights`` the tenants' weights, if the scenario weighs them.
     """
     expected_ids = set(expected)
     first = first_runs(records)
@@ -127,6 +160,8 @@ def summarize(
         statements_per_job=(statements / len(expected_ids))
         if statements is not None and expected_ids
         else None,
+        shares=shares(records, weights) if weights else None,
+        share_error=share_error(shares(records, weights), weights) if weights else None,
     )
 
 

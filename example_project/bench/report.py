@@ -60,14 +60,20 @@ def build(
     concurrency: int,
     reference: str,
     recommended: str,
+    weights: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Summaries per mode plus the ideal, and the ratios; JSON-ready."""
+    """Summaries per mode plus the ideal, and the ratios; JSON-ready.
+
+    With ``weights``, each mode's summary has the tenants' shares and their largest gap to
+    the weights (the ideal's runs are unweighted, so it has none)."""
     ideal = ideal_records(modes, nominal, concurrency)
     summaries: dict[str, Summary] = {
         IDEAL: summarize(ideal, nominal, greedy, origin=0.0),
     }
     for m in modes:
-        summaries[m.name] = summarize(m.records, nominal, greedy, m.origin, m.statements)
+        summaries[m.name] = summarize(
+            m.records, nominal, greedy, m.origin, m.statements, weights or None
+        )
     ref = summaries.get(reference)
     out: dict[str, Any] = {}
     for name, s in summaries.items():
@@ -82,6 +88,7 @@ def build(
         "reference": reference,
         "recommended": recommended if recommended in out else None,
         "greedy_tenants": sorted(greedy),
+        "weights": weights or {},
         "progress": {
             IDEAL: progress(ideal, 0.0),
             **{m.name: progress(m.records, m.origin) for m in modes},
@@ -102,13 +109,30 @@ def _f(value: float | None, unit: str = "", digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}{unit}"
 
 
+def _shares(s: dict[str, Any], weights: dict[str, float]) -> str:
+    if s.get("shares") is None:
+        return "n/a | n/a"
+    total = sum(weights.values())
+    shares = " / ".join(
+        f"{s['shares'][t]:.1%} ({w / total:.0%})" for t, w in sorted(weights.items(), key=_by_w)
+    )
+    return f"{shares} | {s['share_error']:.1%}"
+
+
+def _by_w(item: tuple[str, float]) -> tuple[float, str]:
+    return item[1], item[0]
+
+
 def table(report: dict[str, Any]) -> str:
-    """The markdown table of every mode (the ideal first)."""
+    """The markdown table of every mode (the ideal first); with weights, each mode's shares
+    (and, in brackets, the weights' shares) and the largest relative gap between them."""
+    weights: dict[str, float] = report.get("weights") or {}
     lines = [
         "| mode | small wait p50 | p95 | max | p95 / ideal | greedy makespan | makespan "
         "| makespan / plain | jobs/s | jobs/s / plain | most of one tenant at once "
-        "| lost | run twice | library statements / job |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| lost | run twice | library statements / job |"
+        + (" shares while all backlogged | share gap |" if weights else ""),
+        "|---" * (16 if weights else 14) + "|",
     ]
     for name, s in report["summaries"].items():
         peak = f"{s['peak_jobs']} ({s['peak_tenant']})" if s["peak_tenant"] else "n/a"
@@ -120,6 +144,7 @@ def table(report: dict[str, Any]) -> str:
             f"| {_f(s['throughput_vs_plain'], 'x')} | {peak} "
             f"| {'-' if name == IDEAL else s['lost']} | {'-' if name == IDEAL else s['run_twice']} "
             f"| {'-' if name == IDEAL else _f(s['statements_per_job'], '', 1)} |"
+            + (f" {'- | -' if name == IDEAL else _shares(s, weights)} |" if weights else "")
         )
     return "\n".join(lines)
 
@@ -130,11 +155,79 @@ def headline(report: dict[str, Any]) -> str:
     if name is None:
         return "The recommended mode did not run; no headline."
     s = report["summaries"][name]
+    shares = (
+        f" Shares within {s['share_error']:.1%} of the weights."
+        if s.get("share_error") is not None
+        else ""
+    )
     return (
         f"Headline ({name}): small-tenant p95 wait {_f(s['small_p95_vs_ideal'], 'x')} of the "
         f"ideal; makespan {_f(s['makespan_vs_plain'], 'x')} of plain Celery; throughput "
-        f"{_f(s['throughput_vs_plain'], 'x')} of plain Celery."
+        f"{_f(s['throughput_vs_plain'], 'x')} of plain Celery.{shares}"
     )
+
+
+RATIOS = (
+    "small_p95_vs_ideal",
+    "makespan_vs_plain",
+    "throughput_vs_plain",
+    "statements_per_job",
+    "share_error",
+)
+"""The figures ``--repeat`` reports as median and spread over the runs."""
+
+
+def aggregate(reports: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per mode, over several runs' reports: the median, lowest and highest of each of
+    :data:`RATIOS` (None where no run has it), and the jobs lost and run twice in all."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in reports[0]["summaries"]:
+        runs = [r["summaries"][name] for r in reports if name in r["summaries"]]
+        figures: dict[str, Any] = {"runs": len(runs)}
+        for key in RATIOS:
+            values = [s[key] for s in runs if s.get(key) is not None]
+            figures[key] = (
+                {"median": statistics.median(values), "min": min(values), "max": max(values)}
+                if values
+                else None
+            )
+        figures["lost"] = sum(s["lost"] for s in runs)
+        figures["run_twice"] = sum(s["run_twice"] for s in runs)
+        out[name] = figures
+    return out
+
+
+def median_of(figures: dict[str, Any], key: str) -> str:
+    """An aggregated figure's median, two decimals, or "n/a"."""
+    figure = figures.get(key)
+    return "n/a" if figure is None else f"{figure['median']:.2f}"
+
+
+def _spread(figure: dict[str, float] | None, unit: str, digits: int = 2) -> str:
+    if figure is None:
+        return "n/a"
+    lo, hi = _f(figure["min"], "", digits), _f(figure["max"], "", digits)
+    return f"{_f(figure['median'], unit, digits)} ({lo}-{hi})"
+
+
+def aggregate_table(aggregated: dict[str, dict[str, Any]]) -> str:
+    """The markdown table of :func:`aggregate`: each figure's median (lowest-highest)."""
+    lines = [
+        "| mode | runs | p95 / ideal | makespan / plain | jobs/s / plain "
+        "| library statements / job | share gap | lost | run twice |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, a in aggregated.items():
+        gap = a["share_error"]
+        lost, twice = ("-", "-") if name == IDEAL else (a["lost"], a["run_twice"])
+        lines.append(
+            f"| {name} | {a['runs']} | {_spread(a['small_p95_vs_ideal'], 'x')} "
+            f"| {_spread(a['makespan_vs_plain'], 'x')} | {_spread(a['throughput_vs_plain'], 'x')} "
+            f"| {_spread(a['statements_per_job'], '', 1)} "
+            f"| {'n/a' if gap is None else _spread({k: v * 100 for k, v in gap.items()}, '%', 1)} "
+            f"| {lost} | {twice} |"
+        )
+    return "\n".join(lines)
 
 
 def write_json(report: dict[str, Any], meta: dict[str, Any], path: Path) -> None:

@@ -311,7 +311,10 @@ def run_mode(
         "BENCH_RULES": json.dumps(mode.rules(run)),
         "FAIR_JOBS_DEFAULT_MAX_JOBS": str(tenant_limit),
         "FAIR_JOBS_ENFORCE": "false" if mode.shadow else "true",
+        "BENCH_WEIGHTS": json.dumps(scenario.weights),
     }
+    # The publisher asks the weights too (at enqueue), in this process.
+    os.environ["BENCH_WEIGHTS"] = env["BENCH_WEIGHTS"]
     if mode.caps_slow_queue:
         set_limits(mode.slow_queue(run), max_jobs=slow_queue_limit(nodes * concurrency))
     workers: list[WorkerNode] = []

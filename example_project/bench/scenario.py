@@ -39,6 +39,8 @@ class Stream:
     rate: float | None = None
     work: Work = "sleep"
     greedy: bool = False
+    weight: float = 1.0
+    """The tenants' weight (the ``tenant_weights`` of the modes that weigh tenants)."""
 
 
 @dataclass(frozen=True)
@@ -58,14 +60,16 @@ class Scenario:
     """A named workload.
 
     ``concurrency`` is the worker concurrency it is meant for (the command can override
-    it). ``tenant_limit`` is the tenant slot limit the fair modes use; unset, it is half the
-    total concurrency, so a greedy tenant keeps at most half the workers.
+    it), ``nodes`` the worker nodes it runs on. ``tenant_limit`` is the tenant slot limit
+    the fair modes use; unset, it is half the total concurrency, so a greedy tenant keeps
+    at most half the workers.
     """
 
     name: str
     description: str
     streams: tuple[Stream, ...]
     concurrency: int = 4
+    nodes: int = 1
     tenant_limit: int | None = None
     seed: int = 1
     jobs: tuple[Job, ...] = field(init=False, repr=False, compare=False)
@@ -78,6 +82,13 @@ class Scenario:
     def greedy_tenants(self) -> frozenset[str]:
         """The tenants whose streams are marked greedy."""
         return frozenset(j.tenant for j in self.jobs if j.greedy)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Each tenant's weight, if any stream weighs its tenants; else empty (all equal)."""
+        if all(s.weight == 1.0 for s in self.streams):
+            return {}
+        return {t: s.weight for s in self.streams for t in s.tenants}
 
     def limit_for(self, total_concurrency: int) -> int:
         """The tenant slot limit for fair modes, given the total worker concurrency."""
@@ -96,8 +107,8 @@ def validate(scenario: Scenario) -> None:
     where = f"Scenario {scenario.name!r}"
     if not scenario.streams:
         raise ScenarioError(f"{where} has no streams; add at least one Stream(...).")
-    if scenario.concurrency < 1:
-        raise ScenarioError(f"{where}: concurrency must be at least 1.")
+    if scenario.concurrency < 1 or scenario.nodes < 1:
+        raise ScenarioError(f"{where}: concurrency and nodes must be at least 1.")
     if scenario.tenant_limit is not None and scenario.tenant_limit < 1:
         raise ScenarioError(f"{where}: tenant_limit must be at least 1 (or None).")
     for i, s in enumerate(scenario.streams):
@@ -110,6 +121,8 @@ def validate(scenario: Scenario) -> None:
             raise ScenarioError(f"{here}: seconds and at must be >= 0.")
         if s.rate is not None and s.rate <= 0:
             raise ScenarioError(f"{here}: rate must be > 0 jobs/s (or None for a burst).")
+        if not s.weight > 0 or s.weight == float("inf"):
+            raise ScenarioError(f"{here}: weight must be a finite number > 0, not {s.weight!r}.")
         if s.work not in ("sleep", "cpu"):
             raise ScenarioError(f"{here}: work must be 'sleep' or 'cpu', not {s.work!r}.")
 

@@ -83,10 +83,25 @@ def queue_limits_job(**kwargs: Any) -> None:
     work(**kwargs)
 
 
-PLAN: dict[str, Any] = {"enqueue_interval": 0.2, "enqueue_jobs": 50, "latency_threshold": 0.2}
+def tenant_weights(tenants: list[str]) -> dict[str, float]:
+    """The scenario's tenant weights (``BENCH_WEIGHTS``, JSON, set by the runner for the
+    publisher and the workers); a tenant not named weighs 1."""
+    import json
+
+    weights = json.loads(os.environ.get("BENCH_WEIGHTS") or "{}")
+    return {t: float(weights.get(t, 1.0)) for t in tenants}
+
+
+PLAN: dict[str, Any] = {
+    "enqueue_interval": 0.2,
+    "enqueue_jobs": 50,
+    "latency_threshold": 0.2,
+    "tenant_weights": tenant_weights,
+}
 """The benchmark's fair plan: every 0.2 s up to 50 jobs (a little more than 4 workers run
 in that time), held back while the oldest promoted job has waited over 0.2 s, so the
-broker's queue stays short and a new tenant's job is never far from the front."""
+broker's queue stays short and a new tenant's job is never far from the front; the
+scenario's weights."""
 
 
 @shared_task(
@@ -104,10 +119,15 @@ def combined_job(**kwargs: Any) -> None:
     work(**kwargs)
 
 
-@shared_task(base=PerTenant, name="bench.dispatch_job", ignore_result=True, fair_dispatch=True)
+@shared_task(
+    base=PerTenant,
+    name="bench.dispatch_job",
+    ignore_result=True,
+    fair_dispatch={"tenant_weights": tenant_weights},
+)
 def dispatch_job(**kwargs: Any) -> None:
     """The same job through fair dispatch: it waits in its tenant's line in the database
-    and is published when a worker process of its queue frees."""
+    and is published when a worker process of its queue frees; the scenario's weights."""
     work(**kwargs)
 
 

@@ -52,7 +52,16 @@ class Command(BaseCommand):
         parser.add_argument(
             "--concurrency", type=int, help="Pool size per worker node (default: the scenario's)."
         )
-        parser.add_argument("--nodes", type=int, default=1, help="Worker nodes (default 1).")
+        parser.add_argument(
+            "--nodes", type=int, help="Worker nodes (default: the scenario's, else 1)."
+        )
+        parser.add_argument(
+            "--repeat",
+            type=int,
+            default=1,
+            help="Run every mode this many times and report each figure's median and spread "
+            "(default 1).",
+        )
         parser.add_argument(
             "--pool",
             default="prefork",
@@ -86,9 +95,9 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         modes = self._modes(options["modes"])
         concurrency = options["concurrency"] or scenario.concurrency
-        nodes = options["nodes"]
-        if concurrency < 1 or nodes < 1:
-            raise CommandError("--concurrency and --nodes must be at least 1.")
+        nodes = options["nodes"] or scenario.nodes
+        if concurrency < 1 or nodes < 1 or options["repeat"] < 1:
+            raise CommandError("--concurrency, --nodes and --repeat must be at least 1.")
         limit = options["tenant_limit"] or scenario.limit_for(concurrency * nodes)
         if limit < 1:
             raise CommandError("--tenant-limit must be at least 1.")
@@ -130,39 +139,21 @@ class Command(BaseCommand):
             f"({options['pool']} pool); tenant limit of fair modes: {limit}."
         )
         self.stdout.write(f"Database: {database}. Broker: {broker}.")
-        run = runner.new_run_id()
-        results: list[runner.ModeResult] = []
-        self._shown = -1
-        try:
-            for mode in modes:
-                self._shown = -1
-                results.append(
-                    runner.run_mode(
-                        mode,
-                        scenario,
-                        run=run,
-                        nodes=nodes,
-                        concurrency=concurrency,
-                        pool=options["pool"],
-                        tenant_limit=limit,
-                        timeout=options["timeout"],
-                        log_dir=log_dir,
-                        progress=self._progress,
-                    )
-                )
-        except runner.BenchError as exc:
-            raise CommandError(str(exc)) from exc
-        finally:
-            runner.cleanup(run)
-        nominal = {j.id: (j.tenant, j.offset, j.seconds) for j in scenario.jobs}
-        data = [
-            report.ModeData(r.mode.name, r.mode.description, r.origin, r.records, r.statements)
-            for r in results
-        ]
-        built = report.build(
-            data, nominal, scenario.greedy_tenants, concurrency * nodes, REFERENCE, RECOMMENDED
-        )
-        meta = {
+        repeat: int = options["repeat"]
+        reports: list[dict[str, Any]] = []
+        problems: list[str] = []
+        for i in range(repeat):
+            if repeat > 1:
+                self.stdout.write(f"Run {i + 1} of {repeat}")
+            built, results = self._run_once(
+                scenario, modes, concurrency, nodes, limit, options, log_dir
+            )
+            reports.append(built)
+            problems += self._problems(built, results)
+            if repeat > 1:
+                self.stdout.write(report.table(built))
+                self.stdout.write("")
+        meta: dict[str, Any] = {
             "scenario": {
                 "name": scenario.name,
                 "description": scenario.description,
@@ -193,13 +184,21 @@ class Command(BaseCommand):
         }
         json_path = out_dir / f"{scenario.name}.json"
         png_path = out_dir / f"{scenario.name}.png"
+        aggregated = report.aggregate(reports)
+        if repeat > 1:
+            # The last run's report in full, each run's summaries, and the medians.
+            meta["runs"] = [r["summaries"] for r in reports]
+            meta["aggregate"] = aggregated
         report.write_json(built, meta, json_path)
         report.write_figure(built, scenario.name, png_path)
         self.stdout.write("")
-        self.stdout.write(report.table(built))
+        if repeat > 1:
+            self.stdout.write(f"Median (lowest-highest) of {repeat} runs:")
+            self.stdout.write(report.aggregate_table(aggregated))
+        else:
+            self.stdout.write(report.table(built))
         self.stdout.write("")
-        self.stdout.write(report.headline(built))
-        problems = self._problems(built, results)
+        self.stdout.write(report.headline(built) if repeat == 1 else _median_headline(aggregated))
         for p in problems:
             self.stderr.write(f"PROBLEM: {p}")
         self.stdout.write(f"Results: {json_path}")
@@ -207,6 +206,57 @@ class Command(BaseCommand):
         if problems:
             raise CommandError("The benchmark found problems (above).")
         return built
+
+    def _run_once(
+        self,
+        scenario: Scenario,
+        modes: list[Mode],
+        concurrency: int,
+        nodes: int,
+        limit: int,
+        options: dict[str, Any],
+        log_dir: Path,
+    ) -> tuple[dict[str, Any], list[runner.ModeResult]]:
+        """Run every mode once; return the report and each mode's result."""
+        run = runner.new_run_id()
+        results: list[runner.ModeResult] = []
+        self._shown = -1
+        try:
+            for mode in modes:
+                self._shown = -1
+                results.append(
+                    runner.run_mode(
+                        mode,
+                        scenario,
+                        run=run,
+                        nodes=nodes,
+                        concurrency=concurrency,
+                        pool=options["pool"],
+                        tenant_limit=limit,
+                        timeout=options["timeout"],
+                        log_dir=log_dir,
+                        progress=self._progress,
+                    )
+                )
+        except runner.BenchError as exc:
+            raise CommandError(str(exc)) from exc
+        finally:
+            runner.cleanup(run)
+        nominal = {j.id: (j.tenant, j.offset, j.seconds) for j in scenario.jobs}
+        data = [
+            report.ModeData(r.mode.name, r.mode.description, r.origin, r.records, r.statements)
+            for r in results
+        ]
+        built = report.build(
+            data,
+            nominal,
+            scenario.greedy_tenants,
+            concurrency * nodes,
+            REFERENCE,
+            RECOMMENDED,
+            scenario.weights,
+        )
+        return built, results
 
     def _problems(self, built: dict[str, Any], results: list[runner.ModeResult]) -> list[str]:
         problems = []
@@ -234,3 +284,18 @@ class Command(BaseCommand):
             self.stdout.flush()
         else:
             self.stdout.write(line)
+
+
+def _median_headline(aggregated: dict[str, dict[str, Any]]) -> str:
+    """The headline of several runs: the recommended mode's medians."""
+    a = aggregated.get(RECOMMENDED)
+    if a is None:
+        return "The recommended mode did not run; no headline."
+    parts = [
+        f"small-tenant p95 wait {report.median_of(a, 'small_p95_vs_ideal')}x of the ideal",
+        f"makespan {report.median_of(a, 'makespan_vs_plain')}x of plain Celery",
+        f"throughput {report.median_of(a, 'throughput_vs_plain')}x of plain Celery",
+    ]
+    if a["share_error"] is not None:
+        parts.append(f"shares within {a['share_error']['median']:.1%} of the weights")
+    return f"Headline ({RECOMMENDED}, median of {a['runs']} runs): " + "; ".join(parts) + "."
