@@ -48,9 +48,9 @@ from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
-from django.utils.module_loading import import_string
 from kombu.utils.json import dumps, loads
 
+from django_fair_jobs import validation
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 
 if TYPE_CHECKING:
@@ -131,17 +131,10 @@ def plan_errors(raw: Any) -> list[str]:
     weights = raw.get("tenant_weights")
     if weights is not None:
         try:
-            _weights_callable(weights)
+            validation.weights_callable(weights)
         except (ImportError, TypeError) as exc:
             problems.append(f"tenant_weights {exc}")
     return problems
-
-
-def _weights_callable(spec: Any) -> Callable[[list[str]], Mapping[str, Any]]:
-    target = import_string(spec) if isinstance(spec, str) else spec
-    if not callable(target):
-        raise TypeError("must be a callable or the dotted path of one")
-    return target  # type: ignore[no-any-return]
 
 
 def parse_plan(raw: Mapping[str, Any]) -> Plan:
@@ -160,7 +153,7 @@ def parse_plan(raw: Mapping[str, Any]) -> Plan:
     return Plan(
         enqueue_interval=float(_seconds(raw["enqueue_interval"]) or 0),
         enqueue_jobs=int(raw["enqueue_jobs"]),
-        tenant_weights=None if weights is None else _weights_callable(weights),
+        tenant_weights=None if weights is None else validation.weights_callable(weights),
         latency_threshold=float(_seconds(threshold) or 0),
         planner_queue=str(given("planner_queue", fair_settings.PLANNER_QUEUE)),
         planner_lock_ttl=float(
@@ -316,13 +309,8 @@ def wait_bound(weight: float, weights: Sequence[float], budget: int) -> int:
     return math.ceil(((total - weight) / weight + len(weights)) / budget) + 1
 
 
-MIN_WEIGHT = 1e-6
-"""Smallest weight above 0 a tenant is given; a smaller one is raised to it."""
-
-MAX_WEIGHT = 1e6
-"""Largest weight a tenant is given; a larger one is lowered to it. Between the two,
-passes (sums of ``1 / weight``) stay far from where floating point would stop adding a
-small weight's step to them, which would let the first tenant by name take every run."""
+MIN_WEIGHT = validation.MIN_WEIGHT
+MAX_WEIGHT = validation.MAX_WEIGHT
 
 
 def weights(plan: Plan, tenants: list[str], *, task_name: str = "") -> dict[str, float]:

@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connections, router
 from django.utils import timezone
-from django.utils.module_loading import import_string
 from kombu.utils.json import dumps, loads
 
+from django_fair_jobs import validation
 from django_fair_jobs.routing import declared_queue, queue_name
 from django_fair_jobs.tenants import for_log
 
@@ -66,8 +66,8 @@ KNOWN_KEYS = frozenset({"tenant_weights"})
 WEIGHT_TTL = 60.0
 """Seconds a process reuses a tenant's weight before asking ``tenant_weights`` again."""
 
-MIN_WEIGHT = 1e-6
-MAX_WEIGHT = 1e6
+MIN_WEIGHT = validation.MIN_WEIGHT
+MAX_WEIGHT = validation.MAX_WEIGHT
 
 FENCE_DELAY = 1.0
 """Seconds a job waits in line again when its tenant slot was full at start (a job of
@@ -116,17 +116,10 @@ def option_errors(raw: Any) -> list[str]:
     weights = raw.get("tenant_weights")
     if weights is not None:
         try:
-            _callable(weights)
+            validation.weights_callable(weights)
         except (ImportError, TypeError) as exc:
             problems.append(f"tenant_weights {exc}")
     return problems
-
-
-def _callable(spec: Any) -> Callable[[list[str]], Mapping[str, Any]]:
-    target = import_string(spec) if isinstance(spec, str) else spec
-    if not callable(target):
-        raise TypeError("must be a callable or the dotted path of one")
-    return target  # type: ignore[no-any-return]
 
 
 def parse(raw: Any) -> Options | None:
@@ -141,7 +134,7 @@ def parse(raw: Any) -> Options | None:
     spec = raw.get("tenant_weights") if isinstance(raw, Mapping) else None
     if spec is None:
         spec = fair_settings.PLANNER_TENANT_WEIGHTS
-    return Options(tenant_weights=None if spec is None else _callable(spec))
+    return Options(tenant_weights=None if spec is None else validation.weights_callable(spec))
 
 
 def clean_weight(value: Any) -> float | None:

@@ -1,0 +1,30 @@
+"""Checks of option values shared by more than one mechanism (layer 0: imports no other
+module of the package)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from django.utils.module_loading import import_string
+
+MIN_WEIGHT = 1e-6
+"""Smallest weight above 0 a tenant is given; a smaller one is raised to it."""
+
+MAX_WEIGHT = 1e6
+"""Largest weight a tenant is given; a larger one is lowered to it. Between the two,
+passes (sums of ``1 / weight``) stay far from where floating point would stop adding a
+small weight's step to them, which would let one tenant take every turn."""
+
+TenantWeights = Callable[[list[str]], Mapping[str, Any]]
+"""A ``tenant_weights`` callable: tenant ids in, ``{tenant: weight}`` out."""
+
+
+def weights_callable(spec: Any) -> TenantWeights:
+    """``spec`` (a callable or the dotted path of one) as a ``tenant_weights`` callable.
+
+    Raises ImportError if the path does not import, TypeError if it is not callable."""
+    target = import_string(spec) if isinstance(spec, str) else spec
+    if not callable(target):
+        raise TypeError("must be a callable or the dotted path of one")
+    return target  # type: ignore[no-any-return]
