@@ -178,3 +178,22 @@ def test_bench_reroute__flat_window_check_passes_and_cleans_up(tmp_path: Path) -
     assert "counting statement, 5,000 vs 100 in the window:" in result.stdout
     assert "publish with 2 rules vs without:" in result.stdout
     assert not TenantWindow.objects.exists()
+
+
+def test_bench_dispatch__measures_both_cases_and_leaves_the_tables_empty(tmp_path: Path) -> None:
+    result = run_manage(
+        tmp_path, "bench_dispatch", "--tenants", "50", "--jobs", "500", "--cycles", "20",
+        "--json", str(tmp_path / "d.json"),
+    )  # fmt: skip
+    if connection.vendor != "postgresql":
+        assert result.returncode != 0 and "needs PostgreSQL" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| small | 10 | 100 |" in result.stdout and "| large | 50 | 500 |" in result.stdout
+    figures = json.loads((tmp_path / "d.json").read_text())
+    # Both cases ran their cycles (the plan on large tables: tests/dispatch/test_rule.py).
+    assert figures["small"]["median_us"] > 0 and figures["large"]["median_us"] > 0
+    assert figures["ratio"] == figures["large"]["median_us"] / figures["small"]["median_us"]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM fair_jobs_dispatchjob")
+        assert cursor.fetchone() == (0,)
