@@ -161,6 +161,12 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ),
     ("DISPATCH_LOST_AFTER", "fair_jobs.E019", lambda v: _number(v, 0, True), "seconds > 0"),
     (
+        "DISPATCH_POLL_INTERVAL",
+        "fair_jobs.E019",
+        lambda v: _number(v, 0, False),
+        "seconds >= 0 (0: countdowns come due at maintenance only)",
+    ),
+    (
         "WINDOW_SCOPE",
         "fair_jobs.E010",
         lambda v: scope_error(v) is None,

@@ -208,6 +208,15 @@ class Settings:
         return value
 
     @property
+    def DISPATCH_POLL_INTERVAL(self) -> float:
+        """Seconds between two looks, by one process of each worker node, for countdowns
+        and ETAs of its queues that came due, so that a job with a countdown runs on time
+        on an idle queue (on a busy one, the next job's end dispatches it sooner). 0: only
+        maintenance looks, every ``FAIR_JOBS_HEARTBEAT_INTERVAL``. Default 1."""
+        value: float = self._get("DISPATCH_POLL_INTERVAL", 1.0, float)
+        return value
+
+    @property
     def LIMIT_PLAIN_TASKS(self) -> bool:
         """True: queue limits also apply to tasks that are not ``FairTask``, by a hook the
         worker installs at start-up (no change to the tasks). Default False: only

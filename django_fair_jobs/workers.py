@@ -124,6 +124,8 @@ def _register(node: str) -> _Identity:
         target=_heartbeat_loop, args=(ident,), name="fair-jobs-heartbeat", daemon=True
     )
     ident.thread.start()
+    if _polls_due():
+        threading.Thread(target=_due_loop, args=(ident,), name="fair-jobs-due", daemon=True).start()
     from django_fair_jobs.planner import start_thread
 
     start_thread(ident.stop)
@@ -168,6 +170,45 @@ def _heartbeat_loop(ident: _Identity) -> None:
                 connections.close_all()
     finally:
         connections.close_all()
+
+
+def _polls_due() -> bool:
+    """Whether this process looks for countdowns come due: one per worker node (a prefork
+    pool's first child, billiard's index 0, which a replacement child inherits; a solo or
+    threads worker itself), and only in a worker (it consumes queues)."""
+    from billiard.process import current_process
+
+    interval = fair_settings.DISPATCH_POLL_INTERVAL
+    return interval > 0 and getattr(current_process(), "index", 0) == 0 and bool(consumed_queues())
+
+
+def _due_loop(ident: _Identity) -> None:
+    try:
+        while not ident.stop.wait(fair_settings.DISPATCH_POLL_INTERVAL):
+            if ident.pid != os.getpid():
+                return  # a forked copy of this thread's owner
+            try:
+                close_old_connections()
+                dispatch_due()
+            except Exception:
+                # A database outage must not end the loop: maintenance covers meanwhile.
+                logger.exception("Looking for due countdowns failed; trying again")
+                connections.close_all()
+    finally:
+        connections.close_all()
+
+
+def dispatch_due() -> int:
+    """Dispatch the queues this worker consumes that hold countdowns or ETAs come due;
+    returns how many jobs were published."""
+    from celery import current_app
+
+    from django_fair_jobs import dispatch
+
+    published = 0
+    for queue in dispatch.due_queues(consumed_queues()):
+        published += dispatch.publish(current_app, dispatch.dispatch(queue))
+    return published
 
 
 def shutdown() -> None:

@@ -60,6 +60,26 @@ def test_e007__tenant_warning_interval() -> None:
     assert ids(FAIR_JOBS_TENANT_WARNING_INTERVAL=-5) == ["fair_jobs.E007"]
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"FAIR_JOBS_DISPATCH_SLACK": -1},
+        {"FAIR_JOBS_DISPATCH_SLACK": 1.5},
+        {"FAIR_JOBS_DISPATCH_LOST_AFTER": 0},
+        {"FAIR_JOBS_DISPATCH_POLL_INTERVAL": -1},
+        {"FAIR_JOBS_DISPATCH_POLL_INTERVAL": "1"},
+        {"FAIR_JOBS_DISPATCH_POLL_INTERVAL": float("nan")},
+    ],
+)
+def test_e019__dispatch_settings(overrides: dict[str, Any]) -> None:
+    assert ids(**overrides) == ["fair_jobs.E019"]
+
+
+def test_e019__dispatch_settings__edges_pass() -> None:
+    # 0 turns the due poll off (maintenance still looks); slack 0 is allowed.
+    assert ids(FAIR_JOBS_DISPATCH_POLL_INTERVAL=0, FAIR_JOBS_DISPATCH_SLACK=0) == []
+
+
 @pytest.mark.parametrize("raw", ["sixty", "1e3x", "5 min", ""])
 def test_e008__unparsable_environment(
     monkeypatch: pytest.MonkeyPatch, settings: Any, raw: str

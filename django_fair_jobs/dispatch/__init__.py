@@ -279,6 +279,14 @@ def dispatch(queue: str, limit: int = BATCH) -> list[Ready]:
     return _store().dispatch(queue, limit)  # type: ignore[no-any-return]
 
 
+def due_queues(queues: list[str]) -> list[str]:
+    """Those of ``queues`` that hold countdowns or ETAs come due (their next dispatch
+    puts them in line); one round trip, an index probe per queue."""
+    if not queues:
+        return []
+    return _store().due_queues(queues)  # type: ignore[no-any-return]
+
+
 def publish(app: Celery, ready: list[Ready]) -> int:
     """Publish dispatched jobs. One that cannot be published (a broker error, a message
     the serializer refuses) goes back to its line after a growing delay, and the room it

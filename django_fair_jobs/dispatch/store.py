@@ -169,6 +169,11 @@ class Store:
         their clock restarted."""
         return self._ready(self._rows("dispatch_lost", {"lost_after": lost_after}))
 
+    def due_queues(self, queues: list[str]) -> list[str]:
+        """See :func:`django_fair_jobs.dispatch.due_queues`."""
+        rows = self._rows("dispatch_due_queues", {"queues": list(queues)})
+        return [queue for (queue,) in rows]
+
     def queues_with_room(self) -> list[str]:
         """Queues with room and jobs waiting (or countdowns that may be due)."""
         rows = self._rows("dispatch_queues_with_room", {})

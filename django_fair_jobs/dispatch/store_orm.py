@@ -290,6 +290,11 @@ class Store(pg_store.Store):
             self._jobs().filter(pk__in=[job_id for job_id, _ in rows]).update(dispatched_at=Now())
         return [Ready(int(job_id), signature) for job_id, signature in rows]
 
+    def due_queues(self, queues: list[str]) -> list[str]:
+        """See :func:`django_fair_jobs.dispatch.due_queues`."""
+        due = self._jobs().filter(queue__in=queues, state=SCHEDULED, not_before__lte=Now())
+        return sorted(set(due.values_list("queue", flat=True)))
+
     def queues_with_room(self) -> list[str]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.queues_with_room`."""
         rows = self._queues().filter(in_flight__lt=F("capacity") + F("slack")).order_by("queue")

@@ -613,3 +613,11 @@ RETURNING id, signature;
 -- name: dispatch_queues_with_room
 SELECT q.queue FROM fair_jobs_dispatchqueue AS q
  WHERE q.in_flight < q.capacity + q.slack ORDER BY q.queue;
+
+-- name: dispatch_due_queues
+-- Fair dispatch: which of these queues hold countdowns or ETAs that came due (a probe of
+-- the partial index fair_jobs_dispatch_due per queue; nothing is read when none is due).
+SELECT q.queue FROM unnest(%(queues)s::text[]) AS q(queue)
+ WHERE EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
+                WHERE j.queue = q.queue AND j.state = 0 AND j.not_before <= now())
+ ORDER BY q.queue;

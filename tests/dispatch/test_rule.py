@@ -232,6 +232,24 @@ def test_countdown__not_dispatched_before_it_is_due(published: list[int]) -> Non
     assert [DispatchJob.objects.get(pk=j).task_id for j in published] == [late.id]
 
 
+def test_due_queues__only_queues_with_a_countdown_come_due(published: list[int]) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    set_capacity(0)  # nothing dispatched: the rows stay as enqueued
+    set_capacity(0, queue="other")
+    tasks.dispatched.apply_async(("a",), countdown=3600)
+    tasks.dispatched.apply_async(("a",), queue="other", countdown=3600)
+    tasks.dispatched.apply_async(("b",), queue="other")  # waiting, not scheduled
+    assert dispatch.due_queues(["fair", "other"]) == []
+    DispatchJob.objects.filter(queue="other", state=0).update(
+        not_before=timezone.now() - timedelta(seconds=1)
+    )
+    assert dispatch.due_queues(["fair", "other", "unknown"]) == ["other"]
+    assert dispatch.due_queues(["fair"]) == [] and dispatch.due_queues([]) == []
+
+
 def test_publish_failure__back_in_line_later__the_room_goes_to_the_next(
     monkeypatch: pytest.MonkeyPatch, celery_app: Any
 ) -> None:

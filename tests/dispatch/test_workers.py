@@ -181,3 +181,17 @@ def test_worker_killed_mid_job__acks_late_job_runs_again__the_line_goes_on(
     wait_finished(others, timeout=60)
     # The killed job's row went back to its line once its process stopped beating.
     wait_for(lambda: JobRun.objects.filter(task_id=long.id).count() >= 2, 60, "a second run")
+
+
+def test_countdown_on_an_idle_queue__dispatched_when_due__not_at_the_next_heartbeat(
+    start_worker: Callable[..., Worker],
+) -> None:
+    # Maintenance would come a minute later: only the due poll can dispatch the job soon.
+    start_worker("d", concurrency=1, extra_env={"FAIR_JOBS_HEARTBEAT_INTERVAL": "60"})
+    result = tasks.dispatched.apply_async(("later",), countdown=1)
+    assert DispatchJob.objects.get(task_id=result.id).state == 0  # scheduled, not due yet
+    assert result.get(timeout=20) == "later:done"
+    run = JobRun.objects.get(task_id=result.id)
+    assert run.started_at is not None
+    enqueued = DispatchJob.objects.filter(task_id=result.id).exists()
+    assert not enqueued  # its row ended with the job
