@@ -187,7 +187,8 @@ def test_countdown_on_an_idle_queue__dispatched_when_due__not_at_the_next_heartb
     start_worker: Callable[..., Worker],
 ) -> None:
     # Maintenance would come a minute later: only the due poll can dispatch the job soon.
-    start_worker("d", concurrency=1, extra_env={"FAIR_JOBS_HEARTBEAT_INTERVAL": "60"})
+    slow = {"FAIR_JOBS_HEARTBEAT_INTERVAL": "60", "FAIR_JOBS_WORKER_TIMEOUT": "120"}
+    start_worker("d", concurrency=1, extra_env=slow)
     result = tasks.dispatched.apply_async(("later",), countdown=1)
     assert DispatchJob.objects.get(task_id=result.id).state == 0  # scheduled, not due yet
     assert result.get(timeout=20) == "later:done"
