@@ -253,6 +253,10 @@ def publish(
 
     def publisher(tenant_jobs: list[Job]) -> None:
         try:
+            # A client (a web process) keeps its database connection open between
+            # requests (CONN_MAX_AGE); so does this thread, from before its first job, so
+            # that no job's wait includes opening a connection.
+            connection.ensure_connection()
             for job in tenant_jobs:
                 delay = origin + job.offset - time.time()
                 if delay > 0:
