@@ -128,13 +128,8 @@ def plan_errors(raw: Any) -> list[str]:
         ):
             bound = f"> 0 (at most {MAX_LIMIT})" if strict else ">= 0"
             problems.append(f"{key} must be seconds {bound} or a timedelta")
-    weights = raw.get("tenant_weights")
-    if weights is not None:
-        try:
-            validation.weights_callable(weights)
-        except (ImportError, TypeError) as exc:
-            problems.append(f"tenant_weights {exc}")
-    return problems
+    problem = validation.weights_problem(raw.get("tenant_weights"))
+    return [*problems, problem] if problem else problems
 
 
 def parse_plan(raw: Mapping[str, Any]) -> Plan:

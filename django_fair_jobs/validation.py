@@ -28,3 +28,14 @@ def weights_callable(spec: Any) -> TenantWeights:
     if not callable(target):
         raise TypeError("must be a callable or the dotted path of one")
     return target  # type: ignore[no-any-return]
+
+
+def weights_problem(spec: Any) -> str | None:
+    """What is wrong with a ``tenant_weights`` option (None: nothing, or not given)."""
+    if spec is None:
+        return None
+    try:
+        weights_callable(spec)
+    except (ImportError, TypeError) as exc:
+        return f"tenant_weights {exc}"
+    return None

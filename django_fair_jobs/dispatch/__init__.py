@@ -113,13 +113,8 @@ def option_errors(raw: Any) -> list[str]:
     if not isinstance(raw, Mapping):
         return [f"fair_dispatch must be True, False or a dict, got {type(raw).__name__}"]
     problems = [f"unknown key {key!r}" for key in sorted(set(raw) - KNOWN_KEYS)]
-    weights = raw.get("tenant_weights")
-    if weights is not None:
-        try:
-            validation.weights_callable(weights)
-        except (ImportError, TypeError) as exc:
-            problems.append(f"tenant_weights {exc}")
-    return problems
+    problem = validation.weights_problem(raw.get("tenant_weights"))
+    return [*problems, problem] if problem else problems
 
 
 def parse(raw: Any) -> Options | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from celery import chain
 from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue, DispatchTenant
 from django_fair_jobs.models import ParkedJob
 from tests.conftest import Worker, wait_for
-from tests.test_workers import wait_finished
+from tests.test_workers import max_overlap, wait_finished
 from tests.testapp import tasks
 from tests.testapp.models import JobRun
 
@@ -23,22 +24,12 @@ FAST = {"FAIR_JOBS_HEARTBEAT_INTERVAL": "0.5", "FAIR_JOBS_WORKER_TIMEOUT": "3"}
 """Worker settings that make maintenance run every half second."""
 
 
-def max_overlap(runs: list[tuple[float, float]]) -> int:
-    """The most runs that overlapped at any instant."""
-    events = sorted([(s, 1) for s, _ in runs] + [(e, -1) for _, e in runs])
-    peak = now = 0
-    for _, step in events:
-        now += step
-        peak = max(peak, now)
-    return peak
-
-
-def intervals(tenant: str | None = None) -> list[tuple[float, float]]:
+def intervals(tenant: str | None = None) -> list[tuple[datetime, datetime]]:
     rows = JobRun.objects.filter(finished_at__isnull=False)
     if tenant is not None:
         rows = rows.filter(tenant=tenant)
     return [
-        (r.started_at.timestamp(), r.finished_at.timestamp())
+        (r.started_at, r.finished_at)
         for r in rows
         if r.started_at is not None and r.finished_at is not None
     ]
