@@ -83,6 +83,24 @@ def hold_for_dispatch(
     """Store a job of a ``fair_dispatch`` task in its tenant's line (one round trip) and
     publish whatever that dispatched at once (this job, while its queue has room);
     returns its ``AsyncResult``. See :mod:`django_fair_jobs.dispatch`."""
+    job = dispatch.prepare(task, _dispatch_options(task), tenant, args, kwargs, options)
+    dispatch.publish(task.app, dispatch.enqueue(job))
+    return task.AsyncResult(job.task_id)
+
+
+def hold_many_for_dispatch(
+    task: Task[Any, Any], items: list[tuple[str | None, Any, Any, dict[str, Any]]]
+) -> list[AsyncResult[Any]]:
+    """Store many jobs of a ``fair_dispatch`` task, ``(tenant, args, kwargs, options)``
+    each, in their lines in one round trip, and publish what that dispatched; returns
+    their ``AsyncResult``s in the order given."""
+    options = _dispatch_options(task)
+    jobs = [dispatch.prepare(task, options, t, a, k, o) for t, a, k, o in items]
+    dispatch.publish(task.app, dispatch.enqueue_many(jobs))
+    return [task.AsyncResult(job.task_id) for job in jobs]
+
+
+def _dispatch_options(task: Task[Any, Any]) -> dispatch.Options:
     raw = getattr(task, "fair_dispatch", None)
     # Parsed once per task (it imports the weights callable), not at every enqueue.
     cached = task.__dict__.get("_fair_dispatch_options")
@@ -93,6 +111,4 @@ def hold_for_dispatch(
         task.__dict__["_fair_dispatch_options"] = (raw, parsed)
     if parsed is None:
         raise dispatch.DispatchError(f"{task.name}: fair_dispatch is not set.")
-    job = dispatch.prepare(task, parsed, tenant, args, kwargs, options)
-    dispatch.publish(task.app, dispatch.enqueue(job))
-    return task.AsyncResult(job.task_id)
+    return parsed  # type: ignore[no-any-return]

@@ -322,8 +322,9 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         self, items: Iterable[tuple[Sequence[Any], Mapping[str, Any]]], **options: Any
     ) -> list[Any]:
         """Store many jobs of a planned task (``fair_plan``) in their tenants' virtual
-        queues in one INSERT: ``items`` are ``(args, kwargs)`` pairs, ``options`` apply to
-        each (no ``task_id``). Returns their ``AsyncResult``s."""
+        queues in one INSERT, or of a ``fair_dispatch`` task in their tenants' lines in one
+        round trip: ``items`` are ``(args, kwargs)`` pairs, ``options`` apply to each (no
+        ``task_id``). Returns their ``AsyncResult``s."""
         if not self.fair_plan and not self.fair_dispatch:
             raise planner.PlanError(f"{self.name}: bulk_enqueue needs fair_plan or fair_dispatch.")
         return publishing.off_event_loop(lambda: self._fair_bulk_enqueue(items, options))
@@ -331,12 +332,35 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     def _fair_bulk_enqueue(
         self, items: Iterable[tuple[Sequence[Any], Mapping[str, Any]]], options: dict[str, Any]
     ) -> list[Any]:
+        if self.fair_dispatch and decisions.enforcing() and not self.app.conf.task_always_eager:
+            if "task_id" in options:
+                raise dispatch.DispatchError(
+                    f"{self.name}: bulk_enqueue gives each job a task id of its own."
+                )
+            held = [self._fair_dispatch_item(tuple(a), dict(k), options) for a, k in items]
+            return publishing.hold_many_for_dispatch(self, held)
         if not decisions.enforcing() or self.fair_dispatch:
-            # Shadow mode: nothing waits in a virtual queue; each job is published (and
-            # its would-be hold recorded) as apply_async does. Fair dispatch stores each
-            # job in its line in one round trip (and may publish it at once).
+            # Shadow mode: nothing waits in a virtual queue or line; each job is published
+            # (and its would-be hold recorded) as apply_async does. So is an eager call.
             return [self.apply_async(args, kwargs, **options) for args, kwargs in items]
         return planner.bulk_enqueue(self, self.fair_tenant, items, options)
+
+    def _fair_dispatch_item(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
+    ) -> tuple[str | None, tuple[Any, ...], dict[str, Any], dict[str, Any]]:
+        """One job of a dispatched ``bulk_enqueue``, as ``apply_async`` would hold it:
+        checked arguments, its tenant (``fair_tenant=`` or the classmethod) in its header."""
+        _check_arguments(self, args, kwargs)
+        item = dict(options)
+        headers = dict(item.get("headers") or {})
+        headers.pop(dispatch.HEADER, None)
+        explicit = item.pop("fair_tenant", None)
+        tenant = normalize_tenant(
+            explicit if explicit is not None else self.fair_tenant(*args, **kwargs)
+        )
+        headers[HEADER] = tenant
+        item["headers"] = headers
+        return tenant, args, kwargs, item
 
     def _fair_request_tenant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         headers = self.request.headers or {}

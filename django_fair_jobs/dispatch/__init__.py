@@ -257,6 +257,16 @@ def enqueue(job: Job) -> list[Ready]:
     return _store().enqueue(job)  # type: ignore[no-any-return]
 
 
+def enqueue_many(jobs: list[Job]) -> list[Ready]:
+    """Store ``jobs`` in their lines in one round trip (one transaction), then dispatch
+    each of their queues while it has room; returns the jobs to publish now. The jobs are
+    taken in (queue, tenant) order, so that concurrent calls lock tenant rows in one order."""
+    if not jobs:
+        return []
+    ordered = sorted(jobs, key=lambda j: (j.queue, j.tenant))
+    return _store().enqueue_many(ordered)  # type: ignore[no-any-return]
+
+
 def start(job_id: int, process_id: uuid.UUID) -> Started:
     """A dispatched job starts in ``process_id``; one round trip."""
     return _store().start(job_id, process_id)  # type: ignore[no-any-return]

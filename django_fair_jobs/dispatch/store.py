@@ -56,6 +56,24 @@ class Store:
             )
         )
 
+    def enqueue_many(self, jobs: list[Job]) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.enqueue_many`."""
+        return self._ready(
+            self._rows(
+                "dispatch_enqueue_many",
+                {
+                    "queues": [j.queue for j in jobs],
+                    "tenants": [j.tenant for j in jobs],
+                    "task_names": [j.task_name for j in jobs],
+                    "task_ids": [j.task_id for j in jobs],
+                    "signatures": [j.signature for j in jobs],
+                    "not_befores": [j.not_before for j in jobs],
+                    "weights": [j.weight for j in jobs],
+                    "caps": [j.cap for j in jobs],
+                },
+            )
+        )
+
     def start(self, job_id: int, process_id: uuid.UUID) -> Started:
         """See :func:`django_fair_jobs.dispatch.start`."""
         from django_fair_jobs.dispatch import Started

@@ -127,36 +127,53 @@ class Store(pg_store.Store):
 
     def enqueue(self, job: Job) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue`."""
-        from django.utils import timezone
-
         from django_fair_jobs.dispatch import BATCH
 
-        due = job.not_before is None or job.not_before <= timezone.now()
         with transaction.atomic(using=self.alias):
-            queue_row, _ = self._queues().get_or_create(queue=job.queue)
-            row = self._jobs().create(
-                queue=job.queue, tenant=job.tenant, task_name=job.task_name,
-                task_id=job.task_id, signature=job.signature,
-                state=WAITING if due else SCHEDULED, not_before=job.not_before,
-            )  # fmt: skip
-            tenant, created = self._tenants().get_or_create(
-                queue=job.queue,
-                tenant=job.tenant,
-                defaults={"weight": job.weight or 1.0, "cap": job.cap,
-                          "pass_value": queue_row.virtual_time},
-            )  # fmt: skip
-            if not created:
-                tenant.weight = job.weight if job.weight is not None else tenant.weight
-                tenant.cap = job.cap
-            if due:
-                if tenant.waiting == 0:
-                    tenant.head_id = row.pk
-                    tenant.pass_value = max(tenant.pass_value, queue_row.virtual_time)
-                tenant.waiting += 1
-            tenant.save(update_fields=["weight", "cap", "waiting", "head_id", "pass_value"])
-            if due and queue_row.in_flight < queue_row.capacity + queue_row.slack:
+            if self._put(job):
                 return self._dispatch(job.queue, BATCH)
         return []
+
+    def _put(self, job: Job) -> bool:
+        """Store ``job`` in its line (aside, if not due yet); True if it is due and its
+        queue has room."""
+        from django.utils import timezone
+
+        due = job.not_before is None or job.not_before <= timezone.now()
+        queue_row, _ = self._queues().get_or_create(queue=job.queue)
+        row = self._jobs().create(
+            queue=job.queue, tenant=job.tenant, task_name=job.task_name,
+            task_id=job.task_id, signature=job.signature,
+            state=WAITING if due else SCHEDULED, not_before=job.not_before,
+        )  # fmt: skip
+        tenant, created = self._tenants().get_or_create(
+            queue=job.queue,
+            tenant=job.tenant,
+            defaults={"weight": job.weight or 1.0, "cap": job.cap,
+                      "pass_value": queue_row.virtual_time},
+        )  # fmt: skip
+        if not created:
+            tenant.weight = job.weight if job.weight is not None else tenant.weight
+            tenant.cap = job.cap
+        if due:
+            if tenant.waiting == 0:
+                tenant.head_id = row.pk
+                tenant.pass_value = max(tenant.pass_value, queue_row.virtual_time)
+            tenant.waiting += 1
+        tenant.save(update_fields=["weight", "cap", "waiting", "head_id", "pass_value"])
+        return due and queue_row.in_flight < queue_row.capacity + queue_row.slack
+
+    def enqueue_many(self, jobs: list[Job]) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.enqueue_many` (one transaction)."""
+        from django_fair_jobs.dispatch import BATCH
+
+        ready: list[Ready] = []
+        with transaction.atomic(using=self.alias):
+            for job in jobs:
+                self._put(job)
+            for queue in sorted({job.queue for job in jobs}):
+                ready += self._dispatch(queue, BATCH)
+        return ready
 
     def start(self, job_id: int, process_id: uuid.UUID) -> Started:
         """See :func:`django_fair_jobs.dispatch.start`."""

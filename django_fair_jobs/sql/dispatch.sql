@@ -142,6 +142,30 @@ BEGIN
 END;
 $$;
 
+-- Store many jobs in their lines in one call (bulk_enqueue), then dispatch each queue
+-- they went to once, while it has room. The caller sorts the jobs by queue and tenant, so
+-- that two calls take their tenant rows in the same order. Returns the jobs to publish.
+CREATE OR REPLACE FUNCTION fair_jobs_enqueue_many(
+    p_queues text[], p_tenants text[], p_task_names text[], p_task_ids text[],
+    p_signatures text[], p_not_befores timestamptz[], p_weights double precision[],
+    p_caps integer[]
+)
+RETURNS TABLE (job_id bigint, job_signature text)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue text;
+BEGIN
+    FOR i IN 1 .. COALESCE(array_length(p_queues, 1), 0) LOOP
+        PERFORM 1 FROM fair_jobs_enqueue(
+            p_queues[i], p_tenants[i], p_task_names[i], p_task_ids[i], p_signatures[i],
+            p_not_befores[i], p_weights[i], p_caps[i], false);
+    END LOOP;
+    FOR v_queue IN SELECT DISTINCT q.queue FROM unnest(p_queues) AS q(queue) ORDER BY 1 LOOP
+        RETURN QUERY SELECT d.job_id, d.job_signature FROM fair_jobs_dispatch(v_queue, 1000) AS d;
+    END LOOP;
+END;
+$$;
+
 -- A dispatched job starts: it is running now, under p_process. A copy of a job that went
 -- back to its line (its worker was presumed dead) starts it from there. Any other copy is
 -- a duplicate and must not run. Returns the status and the tenant's cap in force.

@@ -579,6 +579,13 @@ SELECT job_id, job_signature FROM fair_jobs_enqueue(
     %(queue)s, %(tenant)s, %(task_name)s, %(task_id)s, %(signature)s, %(not_before)s,
     %(weight)s, %(cap)s, true);
 
+-- name: dispatch_enqueue_many
+-- Fair dispatch: store many jobs (bulk_enqueue) in one round trip, then dispatch each of
+-- their queues once.
+SELECT job_id, job_signature FROM fair_jobs_enqueue_many(
+    %(queues)s, %(tenants)s, %(task_names)s, %(task_ids)s, %(signatures)s,
+    %(not_befores)s::timestamptz[], %(weights)s::double precision[], %(caps)s::integer[]);
+
 -- name: dispatch_start
 SELECT status, cap FROM fair_jobs_dispatch_start(%(job)s, %(process)s);
 

@@ -273,6 +273,37 @@ def test_publish_failure__back_in_line_later__the_room_goes_to_the_next(
     assert poison.publish_failures == 1 and poison.not_before is not None
 
 
+def test_bulk_enqueue__one_round_trip__lines_in_order__dispatched_fairly(
+    published: list[int],
+) -> None:
+    set_capacity(3)
+    items: list[tuple[tuple[str], dict[str, Any]]] = [
+        ((t,), {}) for t in ["a", "a", "a", "b", "a", "c"]
+    ]
+    with CaptureQueriesContext(connection) as queries:
+        results = tasks.dispatched.bulk_enqueue(items)
+    if is_postgres():
+        assert len(queries) == 1  # every job stored and the queue dispatched in one call
+    ids = [r.id for r in results]
+    assert len(set(ids)) == 6
+    rows = {row.task_id: row for row in DispatchJob.objects.all()}
+    assert [rows[i].tenant for i in ids] == ["a", "a", "a", "b", "a", "c"]
+    # Each tenant's line keeps the order given; the room went one job per tenant.
+    a_rows = sorted((rows[i].pk, i) for i in ids if rows[i].tenant == "a")
+    assert [i for _, i in a_rows] == [ids[0], ids[1], ids[2], ids[4]]
+    assert sorted(tenant_of(j) for j in published) == ["a", "b", "c"]
+    assert DispatchTenant.objects.get(tenant="a").waiting == 3
+    # The stored message is the job's own: its id, arguments and tenant header.
+    first = DispatchJob.objects.get(task_id=ids[0])
+    assert '"a"' in first.signature and ids[0] in first.signature
+
+
+def test_bulk_enqueue__a_task_id_for_all__refused_nothing_stored(published: list[int]) -> None:
+    with pytest.raises(dispatch.DispatchError, match="task id of its own"):
+        tasks.dispatched.bulk_enqueue([(("a",), {})], task_id="same")
+    assert not DispatchJob.objects.exists()
+
+
 def test_statements__enqueue_start_end__one_each_on_postgresql(published: list[int]) -> None:
     if not is_postgres():
         pytest.skip("statement counts are a PostgreSQL figure; SQLite runs the ORM store")
