@@ -85,7 +85,11 @@ def hold_for_dispatch(
     returns its ``AsyncResult``. See :mod:`django_fair_jobs.dispatch`."""
     job = dispatch.prepare(task, _dispatch_options(task), tenant, args, kwargs, options)
     dispatch.publish(task.app, dispatch.enqueue(job))
-    return task.AsyncResult(job.task_id)
+    result = task.AsyncResult(job.task_id)
+    parent = task.app.current_worker_task
+    if parent is not None and options.get("add_to_parent", True):
+        parent.add_trail(result)  # as Celery's send_task does for a job sent from a job
+    return result
 
 
 def hold_many_for_dispatch(

@@ -38,7 +38,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -216,6 +217,15 @@ def prepare(
         not_before = eta if timezone.is_aware(eta) else timezone.make_aware(eta, UTC)
     elif countdown:
         not_before = timezone.now() + timedelta(seconds=float(countdown))
+    # The job's lineage is what Celery would give it now, at delay(): it is published
+    # later, from whatever job's end has room for it, which must not become its parent.
+    parent = task.app.current_worker_task
+    if parent is not None:
+        publish_options.setdefault("root_id", parent.request.root_id or parent.request.id)
+        publish_options.setdefault("parent_id", parent.request.id)
+        inherited = (parent.request.delivery_info or {}).get("priority")
+        if task.app.conf.task_inherit_parent_priority and inherited is not None:
+            publish_options.setdefault("priority", inherited)
     queue = queue_name(publish_options.get("queue") or declared_queue(task, args, kwargs))
     publish_options["queue"] = queue
     signature = task.signature(args, kwargs, task_id=task_id, **publish_options)
@@ -303,7 +313,8 @@ def publish(app: Celery, ready: list[Ready]) -> int:
         item = pending.pop(0)
         try:
             signature = app.signature(loads(item.signature))
-            signature.apply_async(fair_dispatched=item.job_id)
+            with _outside_any_task():
+                signature.apply_async(fair_dispatched=item.job_id)
             published += 1
         except Exception:
             logger.exception(
@@ -314,6 +325,23 @@ def publish(app: Celery, ready: list[Ready]) -> int:
             except Exception:
                 logger.exception("Could not put job %s back in line; maintenance will", item.job_id)
     return published
+
+
+@contextmanager
+def _outside_any_task() -> Iterator[None]:
+    """Publish as from outside any task. Inside a job (its end publishes the next one),
+    Celery's ``send_task`` would make that job the published one's parent and root and
+    add it to that job's children; a dispatched job's lineage was fixed at its ``delay()``
+    (:func:`prepare`)."""
+    from celery._state import _task_stack  # type: ignore[attr-defined]  # no stub; stable since 3.x
+
+    stack = _task_stack.stack
+    saved = list(stack)
+    del stack[:]
+    try:
+        yield
+    finally:
+        stack[:] = saved
 
 
 def forget(app: Celery, task_id: str, *, terminated: bool) -> None:

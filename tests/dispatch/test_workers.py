@@ -187,3 +187,18 @@ def test_countdown_on_an_idle_queue__dispatched_when_due__not_at_the_next_heartb
     assert run.started_at is not None
     enqueued = DispatchJob.objects.filter(task_id=result.id).exists()
     assert not enqueued  # its row ended with the job
+
+
+def test_lineage__a_job_published_at_another_jobs_end__keeps_its_own_parent_and_root(
+    start_worker: Callable[..., Worker],
+) -> None:
+    # One process and no slack: b waits in line and is published by a's end, inside a's
+    # run. Its message must say what Celery would have said at b's delay(): no parent.
+    start_worker("d", concurrency=1, extra_env={**FAST, "FAIR_JOBS_DISPATCH_SLACK": "0"})
+    a = tasks.dispatched_lineage.delay("a", 1.0)
+    wait_for(lambda: JobRun.objects.filter(task_id=a.id).exists(), 30, "a to start")
+    b = tasks.dispatched_lineage.delay("b")
+    assert DispatchJob.objects.get(task_id=b.id).state == 1  # waiting behind a
+    assert a.get(timeout=30) == [None, a.id]
+    parent, root = b.get(timeout=30)
+    assert parent is None and root == b.id, (parent, root, a.id)

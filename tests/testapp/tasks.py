@@ -269,3 +269,10 @@ def dispatched_add(self: Any, value: int, *, tenant: str) -> int:
     """Fair dispatch in a chain: records its run and returns ``value + 1``."""
     _run(self, tenant, 0.0)
     return value + 1
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_dispatch=True)
+def dispatched_lineage(self: Any, tenant: str, duration: float = 0.0) -> list[str | None]:
+    """Fair dispatch; returns the parent and root ids its message carried."""
+    _run(self, tenant, duration)
+    return [self.request.parent_id, self.request.root_id]
