@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task as CeleryTask
 from celery import current_app
-from django.db import DatabaseError
+from django.db import DatabaseError, DataError
 from kombu.exceptions import EncodeError
 from kombu.utils.json import dumps, loads
 
@@ -117,6 +117,11 @@ def enter(
             task, tenant=tenant, queue=queue, limit=limit, on_limit=on_limit,
             retry_countdown=retry_countdown, args=args, kwargs=kwargs, woken=woken,
         )  # fmt: skip
+    except DataError:
+        # A value the database refuses is refused again at every attempt: postponing the
+        # job would repeat forever, so it fails here, with the database's reason.
+        logger.exception("%s[%s]: the database refused the job's slot", task.name, request.id)
+        raise
     except DatabaseError as exc:
         # Without the database no slot can be taken; failing the task would lose the job
         # (its message is acknowledged), so it goes back through the broker, which needs no

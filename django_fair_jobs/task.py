@@ -28,9 +28,11 @@ from django_fair_jobs import (
     planner,
     publishing,
     slots,
+    validation,
     windows,
 )
 from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, fair_settings
+from django_fair_jobs.errors import TaskIdError
 from django_fair_jobs.slots import WAKE_HEADER
 from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant, worker_tenant
 from django_fair_jobs.windows import Rule, RuleError
@@ -232,6 +234,9 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         **options: Any,
     ) -> Any:
         _check_arguments(self, args, kwargs)
+        problem = validation.task_id_problem(task_id)
+        if problem is not None:
+            raise TaskIdError(f"{self.name}: {problem}.")
         headers = dict(options.get("headers") or {})
         # A dispatched job's header names its row; a re-publish built from its request (a
         # retry) must wait in line again, so only the dispatch itself carries it.
@@ -416,6 +421,11 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         request = self.request
         if request.is_eager or request.id is None:
             return super().__call__(*args, **kwargs)
+        problem = validation.task_id_problem(request.id)
+        if problem is not None:
+            # Sent by name (apply_async refuses it): no slot or line can hold the job, and
+            # postponing it would repeat forever; it fails, saying why.
+            raise TaskIdError(f"{self.name}: {problem}.")
         dispatched = (request.headers or {}).get(dispatch.HEADER)
         if self.fair_dispatch and dispatched is not None:
             tenant = self._fair_request_tenant(args, kwargs)

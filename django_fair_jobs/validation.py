@@ -16,6 +16,10 @@ MAX_WEIGHT = 1e6
 passes (sums of ``1 / weight``) stay far from where floating point would stop adding a
 small weight's step to them, which would let one tenant take every turn."""
 
+MAX_TASK_ID = 255
+"""Longest task id the library stores (the size of the task id columns of leases,
+planned jobs and dispatched jobs)."""
+
 TenantWeights = Callable[[list[str]], Mapping[str, Any]]
 """A ``tenant_weights`` callable: tenant ids in, ``{tenant: weight}`` out."""
 
@@ -39,3 +43,15 @@ def weights_problem(spec: Any) -> str | None:
     except (ImportError, TypeError) as exc:
         return f"tenant_weights {exc}"
     return None
+
+
+def task_id_problem(task_id: Any) -> str | None:
+    """What is wrong with a job's task id for the library (None: nothing, or none given):
+    a database column of :data:`MAX_TASK_ID` characters holds it."""
+    if task_id is None or len(str(task_id)) <= MAX_TASK_ID:
+        return None
+    return (
+        f"the task id is {len(str(task_id))} characters long; fair tasks store it in "
+        f"{MAX_TASK_ID}, so pass a task id of at most {MAX_TASK_ID} characters (for an "
+        "idempotency key longer than that, a hash of it)"
+    )

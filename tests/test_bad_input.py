@@ -37,10 +37,13 @@ from django_fair_jobs.models import (
     PlannedJob,
     PlannerTenant,
     QueueLimit,
+    SlotLease,
     TenantQueueSlot,
     TenantWindow,
     WorkerProcess,
 )
+from django_fair_jobs.dispatch.models import DispatchJob
+from django_fair_jobs.errors import TaskIdError
 from django_fair_jobs.task import FairArgumentsError
 from django_fair_jobs.tenants import TenantError, normalize_tenant
 from django_fair_jobs.windows import RuleError, parse_rules, rule_errors
@@ -783,3 +786,51 @@ def test_limit_command__tenant_max_jobs_above_the_column__clear_error() -> None:
     with pytest.raises(CommandError, match="2147483647"):
         call_command("fair_jobs_limit", "fair", "--tenant", "a", "--max-jobs", str(10**12))
     assert not TenantQueueSlot.objects.exists()
+
+
+# Task ids (a lease, a planned job and a dispatched job store them in 255 characters) ---
+
+LONG_TASK_ID = "k" * 256
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("task", [tasks.limited1, tasks.planned, tasks.dispatched])
+def test_task_id_over_255__refused_at_publish__nothing_sent_or_stored(
+    task: Any, broker_env: dict[str, str]
+) -> None:
+    with pytest.raises(TaskIdError, match="at most 255 characters"):
+        task.apply_async(("acme",), task_id=LONG_TASK_ID)
+    task.apply_async(("acme",), task_id="k" * 255)  # the longest id that fits
+    assert broker_depth() + PlannedJob.objects.count() + DispatchJob.objects.count() == 1
+    assert not DispatchJob.objects.filter(task_id=LONG_TASK_ID).exists()
+
+
+@pytest.mark.django_db
+def test_task_id_over_255_reaching_a_worker__fails_clearly__not_postponed_forever(
+    process: uuid.UUID, broker_env: dict[str, str]
+) -> None:
+    # Only send_task by name can carry one. Without a slot row the job cannot be
+    # admitted; postponing it would repeat forever, so it fails, saying why.
+    with pytest.raises(TaskIdError, match="at most 255 characters"):
+        run_as_worker(tasks.limited1, ("acme", 0), task_id=LONG_TASK_ID, headers={})
+    assert broker_depth() == 0
+    assert not JobRun.objects.exists() and not SlotLease.objects.exists()
+
+
+@pytest.mark.django_db
+def test_permanent_database_error_at_admission__fails__not_postponed(
+    process: uuid.UUID, broker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A value the database refuses (DataError) will be refused at every attempt:
+    # only errors of an unreachable database are worth waiting out through the broker.
+    from django.db import DataError
+
+    from django_fair_jobs import slots
+
+    def refuse(**_: Any) -> Any:
+        raise DataError("value too long for type character varying(255)")
+
+    monkeypatch.setattr(slots, "acquire", refuse)
+    with pytest.raises(DataError):
+        run_as_worker(tasks.limited1, ("acme", 0), task_id="data-error", headers={})
+    assert broker_depth() == 0 and not JobRun.objects.exists()
