@@ -177,7 +177,8 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
         ``limit`` applies when the row has no ``max_jobs`` override. A job whose lease on
         this slot is held by a gone holder (a reservation, or a process silent for
         ``timeout`` seconds) claims it with a new token and takes no second slot; one
-        whose lease is held by a live process is a ``"duplicate"`` delivery. A ``woken``
+        whose lease is held by a live process, or holds a place in a limited queue (only
+        the queue path claims that one), is a ``"duplicate"`` delivery. A ``woken``
         job (a re-published parked job) starts only while its parked row exists.
         """
         token = uuid.uuid4()
@@ -237,7 +238,9 @@ class TenantQueueSlotManager(models.Manager["TenantQueueSlot"]):
                         pk=lease.process_id, last_heartbeat_at__gte=_ago(timeout)
                     ).exists()
                 )
-                if live:
+                if live or lease.queue_limit_id is not None:
+                    # A queue path's lease is claimed on the queue path only: its release
+                    # alone gives the queue's place back.
                     return "duplicate", None, 0
                 SlotLease.objects.filter(pk=lease.pk).update(
                     process_id=process_id, token=token, acquired_at=Now()
@@ -952,6 +955,48 @@ class QueueLimitManager(models.Manager["QueueLimit"]):
 
         waiting = ParkedJob.objects.filter(woken_at__isnull=True)
         return _reconcile_parked(self, waiting, "queue_limit_id")
+
+    def reconcile_running(self) -> int:
+        """Repair ``current_jobs`` and ``running`` where they disagree with the queue's
+        leases (a place taken and never given back); returns how many rows were fixed.
+
+        Each row is recounted under its row lock, in a statement that starts after the
+        lock is held: every statement that adds or removes a queue's lease locks that
+        queue's row in the same transaction, so the count cannot miss one in flight."""
+        expected = _queue_lease_counts(None)
+        rows = list(self.values_list("pk", "current_jobs", "running"))
+        suspects = [
+            pk
+            for pk, current, running in rows
+            if (current, dict(running or {})) != _totals(expected.get(pk, {}))
+        ]
+        for pk in suspects:
+            with transaction.atomic(using=self._alias()):
+                list(self.select_for_update().filter(pk=pk).values_list("pk"))
+                total, running = _totals(_queue_lease_counts(pk).get(pk, {}))
+                self.filter(pk=pk).update(current_jobs=total, running=running, updated_at=Now())
+        return len(suspects)
+
+
+def _queue_lease_counts(queue_limit_id: int | None) -> dict[int, dict[str, int]]:
+    """``{queue row id: {node id: leases}}`` of the leases holding a queue's place (of one
+    queue row, or of every one with None)."""
+    from django_fair_jobs.models import SlotLease
+
+    leases = SlotLease.objects.filter(queue_limit__isnull=False)
+    if queue_limit_id is not None:
+        leases = leases.filter(queue_limit_id=queue_limit_id)
+    counts: dict[int, dict[str, int]] = {}
+    for row_id, node_id, n in (
+        leases.order_by().values_list("queue_limit_id", "node_id").annotate(n=models.Count("pk"))
+    ):
+        counts.setdefault(row_id, {})[str(node_id or "")] = n
+    return counts
+
+
+def _totals(nodes: dict[str, int]) -> tuple[int, dict[str, int]]:
+    """A queue row's ``current_jobs`` and ``running`` for its leases per node."""
+    return sum(nodes.values()), dict(nodes)
 
 
 def _reconcile_parked(manager: Any, waiting: models.QuerySet[ParkedJob], key: str) -> int:

@@ -298,7 +298,11 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         Maintenance.objects.count_reaped(reaped.leases)
     boosts_ended = end_boosts()
     lost = ParkedJob.objects.rewake_lost(timeout=timeout)
-    fixed = TenantQueueSlot.objects.reconcile_parked() + QueueLimit.objects.reconcile_parked()
+    fixed = (
+        TenantQueueSlot.objects.reconcile_parked()
+        + QueueLimit.objects.reconcile_parked()
+        + QueueLimit.objects.reconcile_running()
+    )
     woken = wake_waiting()
     for slot_id in TenantQueueSlot.objects.with_waiting_room():
         woken += wake(slot_id, limit=None)

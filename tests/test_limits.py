@@ -376,3 +376,54 @@ def test_postpone__keeps_the_wake_mark_only_on_a_woken_copy(
         assert slots.WAKE_HEADER not in headers and "fair_wake" not in kwargs
     else:
         assert headers[slots.WAKE_HEADER] == 3 and kwargs == {"fair_wake": 3}
+
+
+def _dead_queue_lease(task_id: str) -> uuid.UUID:
+    """A job that holds a place in ``hooks`` and acme's slot, on a process that died."""
+    dead = uuid.uuid4()
+    WorkerProcess.objects.register(process_id=dead, node="b@h", hostname="h", pid=2, node_id=NODE_B)
+    got = QueueLimit.objects.try_acquire(
+        queue="hooks", tenant="acme", limit=5, task_id=task_id, process_id=dead, node_id=NODE_B
+    )
+    assert got.status == "held"
+    WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at="2000-01-01T00:00:00Z")
+    SlotLease.objects.filter(process_id=dead).update(acquired_at="2000-01-01T00:00:00Z")
+    return dead
+
+
+def test_tenant_path__never_claims_a_queue_lease__the_queue_place_is_not_leaked(
+    process: uuid.UUID,
+) -> None:
+    # A redelivered copy reaching a process whose limited-queue cache predates the limit
+    # takes the tenant path. Claiming the dead holder's queue lease there would make its
+    # release lower only the tenant slot: the queue's place would be lost for good.
+    limits.set_limits("hooks", max_jobs=3)
+    _dead_queue_lease("x")
+    got = TenantQueueSlot.objects.try_acquire(
+        tenant="acme", queue="hooks", task_id="x", limit=5, process_id=process, timeout=60
+    )
+    assert got.status == "duplicate" and got.grant is None
+    # The lease stays the queue path's: the reaper gives back both places together.
+    SlotLease.objects.reap(timeout=60)
+    assert (row().current_jobs, row().running) == (0, {})
+    assert not TenantQueueSlot.objects.filter(current_jobs__gt=0).exists()
+
+
+def test_maintenance__recounts_queue_places_from_leases_under_the_row_lock(
+    take: Take,
+) -> None:
+    # Whatever leaked a queue's counters (a place taken and never given back), maintenance
+    # puts them back to what the leases say.
+    limits.set_limits("hooks", max_jobs=3)
+    take("live")
+    QueueLimit.objects.filter(queue="hooks").update(
+        current_jobs=3, running={str(NODE_A): 2, str(NODE_B): 1}
+    )
+    assert QueueLimit.objects.reconcile_running() == 1
+    assert (row().current_jobs, row().running) == (1, {str(NODE_A): 1})
+    assert QueueLimit.objects.reconcile_running() == 0  # nothing left to fix
+    from django_fair_jobs import workers
+
+    QueueLimit.objects.filter(queue="hooks").update(current_jobs=2, running={})
+    workers.run_maintenance(timeout=60)
+    assert (row().current_jobs, row().running) == (1, {str(NODE_A): 1})

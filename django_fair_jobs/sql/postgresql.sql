@@ -17,12 +17,14 @@
 --   token in the WHERE makes a second claimant, re-checking the row after the first
 --   committed, find it changed and claim nothing.
 -- * live: the lease is held by a live process, or was claimed under us: 'duplicate'.
+--   So is a lease that also holds a place in a limited queue (taken on the queue path):
+--   only the queue path may claim it, since only its release gives the place back.
 -- * taken: otherwise the slot row is created on first use (race free: ON CONFLICT) and
 --   its counter incremented only while below the limit, the lease written alongside.
 --   Two concurrent deliveries of one task id collide on the lease's unique key and the
 --   loser's whole statement rolls back.
 WITH existing AS (
-    SELECT l.id, l.slot_id, l.token,
+    SELECT l.id, l.slot_id, l.token, l.queue_limit_id,
            (l.process_id IS NOT NULL AND EXISTS (
                 SELECT 1 FROM fair_jobs_workerprocess AS w
                  WHERE w.id = l.process_id
@@ -38,7 +40,7 @@ WITH existing AS (
     UPDATE fair_jobs_slotlease AS l
        SET process_id = %(process_id)s, token = %(token)s, acquired_at = now()
       FROM existing AS e
-     WHERE l.id = e.id AND l.token = e.token AND NOT e.live
+     WHERE l.id = e.id AND l.token = e.token AND NOT e.live AND e.queue_limit_id IS NULL
     RETURNING l.slot_id
 ), taken AS (
     INSERT INTO fair_jobs_tenantqueueslot AS s
