@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
     from celery import Task
 
+    from django_fair_jobs.managers import Grant
+
 logger = logging.getLogger("django_fair_jobs.admission")
 
 T = TypeVar("T")
@@ -37,6 +39,22 @@ def _process_id() -> uuid.UUID:
     from django_fair_jobs import workers
 
     return workers.current_process_id()
+
+
+def keep_grant(task: Task[Any, Any], grant: Grant) -> None:
+    """Note the running job's grant on its request, for :func:`release_held`."""
+    # Context holds any attribute; setattr, as its stub declares only Celery's own.
+    setattr(task.request, "fair_grant", grant)  # noqa: B010
+
+
+def release_held(task: Task[Any, Any]) -> None:
+    """Give back the running job's grant now, once: at its end, or before its retry is
+    published (a retry that starts at once elsewhere must find the slot free, not held
+    by this run, which would make it a duplicate and delay it by the worker timeout)."""
+    grant = getattr(task.request, "fair_grant", None)
+    if grant is not None:
+        setattr(task.request, "fair_grant", None)  # noqa: B010
+        slots.release(grant, app=task.app)
 
 
 def run_dispatched(
@@ -63,7 +81,6 @@ def run_dispatched(
     if started.status != "started":
         logger.info("Job %s (%s) already ran or runs: this copy is dropped", job_id, task.name)
         raise Ignore()
-    grant = None
     if started.cap is not None and tenant is not None:
         acquired = slots.acquire(
             tenant=tenant, queue=queue, task_id=str(task.request.id), limit=started.cap,
@@ -73,12 +90,11 @@ def run_dispatched(
             # Taken between dispatch and start (another task's job, a lowered limit).
             dispatch.publish(task.app, dispatch.end(job_id, process, delay=dispatch.FENCE_DELAY))
             raise Ignore()
-        grant = acquired.grant
+        keep_grant(task, acquired.grant)
     try:
         return call()
     finally:
-        if grant is not None:
-            slots.release(grant, app=task.app)
+        release_held(task)
         end(task, job_id, process)
 
 

@@ -463,10 +463,18 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             # postponed under the same task id (or was a stale copy), and AsyncResult
             # keeps waiting for its real end.
             raise Ignore()
+        admission.keep_grant(self, grant)
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            slots.release(grant, app=self.app)
+            admission.release_held(self)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``, with the job's slot (and queue place) given back before the
+        retry is published: a retry that starts at once on another process finds the slot
+        free instead of held by this run."""
+        admission.release_held(self)
+        return super().retry(*args, **kwargs)
 
 
 TASK_OPTIONS: tuple[str, ...] = tuple(name for name in vars(FairTask) if name.startswith("fair_"))

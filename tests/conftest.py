@@ -206,3 +206,40 @@ def celery_app() -> Any:
     from tests.celery_app import app
 
     return app
+
+
+@pytest.fixture
+def in_process_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A registered worker process that in-process job runs (:func:`run_as_worker`) use
+    as theirs: without it the first run would start a heartbeat and a planner thread in
+    the test process."""
+    import uuid
+
+    from django_fair_jobs import workers
+    from django_fair_jobs.models import WorkerProcess
+
+    pid = uuid.uuid4()
+    WorkerProcess.objects.register(process_id=pid, node="bad@host", hostname="host", pid=7)
+    monkeypatch.setattr(workers, "current_process_id", lambda node=None: pid)
+    return pid
+
+
+def run_as_worker(
+    task: Any, args: tuple[Any, ...], *, task_id: str, headers: dict[str, Any]
+) -> Any:
+    """Run ``task`` as a worker runs a delivered message: ``FairTask.__call__`` with the
+    request of a delivery from the ``fair`` queue (slots, parking and all)."""
+    task.push_request(
+        id=task_id,
+        headers=headers,
+        delivery_info={"routing_key": "fair", "redelivered": False},
+        hostname="bad@host",
+        is_eager=False,
+        called_directly=False,
+        args=args,
+        kwargs={},
+    )
+    try:
+        return task(*args)
+    finally:
+        task.pop_request()

@@ -28,9 +28,11 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from kombu.exceptions import EncodeError
 
-from django_fair_jobs import planner, workers
+from django_fair_jobs import planner
 from django_fair_jobs.checks import check_settings, check_task_rules, fail_fast_on_bad_settings
 from django_fair_jobs.conf import MAX_LIMIT
+from django_fair_jobs.dispatch.models import DispatchJob
+from django_fair_jobs.errors import TaskIdError
 from django_fair_jobs.models import (
     LimitChange,
     ParkedJob,
@@ -40,13 +42,11 @@ from django_fair_jobs.models import (
     SlotLease,
     TenantQueueSlot,
     TenantWindow,
-    WorkerProcess,
 )
-from django_fair_jobs.dispatch.models import DispatchJob
-from django_fair_jobs.errors import TaskIdError
 from django_fair_jobs.task import FairArgumentsError
 from django_fair_jobs.tenants import TenantError, normalize_tenant
 from django_fair_jobs.windows import RuleError, parse_rules, rule_errors
+from tests.conftest import run_as_worker
 from tests.testapp import tasks
 from tests.testapp.models import JobRun
 
@@ -72,33 +72,9 @@ def broker_depth(queue: str = "fair") -> int:
 
 
 @pytest.fixture
-def process(monkeypatch: pytest.MonkeyPatch) -> uuid.UUID:
-    """A registered worker process that in-process job runs use as theirs: without it
-    the first run would start a heartbeat and a planner thread in the test process."""
-    pid = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=pid, node="bad@host", hostname="host", pid=7)
-    monkeypatch.setattr(workers, "current_process_id", lambda node=None: pid)
-    return pid
-
-
-def run_as_worker(
-    task: Any, args: tuple[Any, ...], *, task_id: str, headers: dict[str, Any]
-) -> Any:
-    """Run ``task`` as a worker runs a delivered message: ``FairTask.__call__`` with the
-    request of a delivery from the ``fair`` queue (slots, parking and all)."""
-    task.push_request(
-        id=task_id,
-        headers=headers,
-        delivery_info={"routing_key": "fair", "redelivered": False},
-        hostname="bad@host",
-        is_eager=False,
-        args=args,
-        kwargs={},
-    )
-    try:
-        return task(*args)
-    finally:
-        task.pop_request()
+def process(in_process_worker: uuid.UUID) -> uuid.UUID:
+    """The registered worker process of in-process job runs (see ``in_process_worker``)."""
+    return in_process_worker
 
 
 # Rule configurations (fair_tenant_queues) --------------------------------------------

@@ -276,3 +276,11 @@ def dispatched_lineage(self: Any, tenant: str, duration: float = 0.0) -> list[st
     """Fair dispatch; returns the parent and root ids its message carried."""
     _run(self, tenant, duration)
     return [self.request.parent_id, self.request.root_id]
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", max_retries=3)
+def retries_now(self: Any, tenant: str) -> str:
+    """Calls self.retry() with no countdown on its first run."""
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return f"{tenant}:done"
