@@ -507,6 +507,22 @@ class SlotLeaseManager(models.Manager["SlotLease"]):
             slots, queues = _give_back(list(leases))
         return sorted(slots), sorted(queues)
 
+    def drop_held_by(
+        self, task_ids: Sequence[str], process_id: uuid.UUID
+    ) -> tuple[list[int], list[int]]:
+        """Drop the leases of ``task_ids`` held by ``process_id`` and give their slots
+        back: the leases of acquires that committed while their reply was lost, which no
+        copy of the job can claim while that process lives. Returns the ids of the tenant
+        slots and of the queue rows freed."""
+        with transaction.atomic(using=router.db_for_write(self.model)):
+            leases = (
+                self.select_for_update()
+                .filter(task_id__in=list(task_ids), process_id=process_id)
+                .order_by("pk")
+            )
+            slots, queues = _give_back(list(leases))
+        return sorted(slots), sorted(queues)
+
 
 def _give_back(leases: Sequence[SlotLease]) -> tuple[dict[int, int], dict[int, int]]:
     """Delete ``leases`` and take them off their tenant slots' and queue rows' counters,

@@ -57,6 +57,16 @@ reached under extreme churn."""
 _pending_releases: list[Grant] = []
 _pending_lock = threading.Lock()
 
+_uncertain: set[tuple[str, uuid.UUID]] = set()
+"""(task id, process id) of acquires that failed with a database error in this process:
+one may have committed with its reply lost (a failover, a pooler restart), leaving a lease
+held by this live process under a token nobody has. It is given back at the next
+heartbeat, or before the job's next copy starts here. Guarded by ``_pending_lock``."""
+
+_running: set[str] = set()
+"""Task ids of the jobs holding a grant in this process (``enter`` to ``release``): their
+leases are never mistaken for those of a lost reply. Guarded by ``_pending_lock``."""
+
 
 def request_queue(task: Task[Any, Any]) -> str:
     """The queue the current job of ``task`` was delivered from: the delivery's routing
@@ -99,14 +109,23 @@ def enter(
     queue is at its limit), postponed (a duplicate delivery, or the database is
     unreachable), or dropped (a stale copy of a woken job). No path loses the job.
     """
+    from django_fair_jobs.workers import registered_process_id
+
     request = task.request
     woken = is_woken(task)
+    task_id = str(request.id)
     try:
+        with _pending_lock:
+            lost = [pid for (uncertain_id, pid) in _uncertain if uncertain_id == task_id]
+        for process_id in lost:  # this job's own lease from a lost reply would refuse it
+            _drop_uncertain([task_id], process_id)
         acquired = acquire(
-            tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
+            tenant=tenant, queue=queue, task_id=task_id, limit=limit,
             node=request.hostname, woken=woken,
         )  # fmt: skip
         if acquired.grant is not None:
+            with _pending_lock:
+                _running.add(task_id)
             return acquired.grant
         if acquired.status not in ("full", "queue_full"):
             refuse(task, acquired.status, args, kwargs, woken=woken)
@@ -123,6 +142,12 @@ def enter(
         logger.exception("%s[%s]: the database refused the job's slot", task.name, request.id)
         raise
     except DatabaseError as exc:
+        # The acquire may have committed with its reply lost: give its lease back later.
+        # A process that never registered cannot have taken one.
+        holder = registered_process_id()
+        if holder is not None:
+            with _pending_lock:
+                _uncertain.add((task_id, holder))
         # Without the database no slot can be taken; failing the task would lose the job
         # (its message is acknowledged), so it goes back through the broker, which needs no
         # database. If it was parked before the error, the copy that starts first deletes
@@ -345,6 +370,8 @@ def release(grant: Grant, app: Celery | None = None) -> None:
     from django_fair_jobs.limits import wake_line
     from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
+    with _pending_lock:
+        _running.discard(grant.task_id)
     if grant.slot_id is None and grant.queue_limit_id is None:
         return  # the job held nothing (no tenant, no queue limit)
     in_line: int | None = 0
@@ -375,16 +402,51 @@ def release(grant: Grant, app: Celery | None = None) -> None:
 
 
 def retry_pending_releases() -> int:
-    """Retry releases that failed earlier in this process; returns how many succeeded."""
+    """Retry releases that failed earlier in this process, and give back the leases of
+    acquires whose reply may have been lost; returns how many releases succeeded."""
     with _pending_lock:
         pending = list(_pending_releases)
         _pending_releases.clear()
+        uncertain = sorted(_uncertain)
     done = 0
     for grant in pending:
         before = len(_pending_releases)
         release(grant)
         done += len(_pending_releases) == before
+    by_process: dict[uuid.UUID, list[str]] = {}
+    for task_id, process_id in uncertain:
+        by_process.setdefault(process_id, []).append(task_id)
+    for process_id, task_ids in by_process.items():
+        try:
+            _drop_uncertain(task_ids, process_id)
+        except DatabaseError:
+            logger.warning("Could not check %s lease(s) of lost replies yet", len(task_ids))
     return done
+
+
+def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
+    """Give back the leases ``process_id`` may hold for ``task_ids`` from acquires whose
+    reply was lost (none where the acquire did not commit), except those of jobs running
+    here now; then wake jobs on the slots freed. One transaction for all of them. Raises
+    DatabaseError (the entries stay for the next try)."""
+    from django_fair_jobs.limits import wake_line
+    from django_fair_jobs.models import SlotLease
+
+    with _pending_lock:
+        # A copy that took its slot since holds its own lease; leave it alone.
+        orphans = [task_id for task_id in task_ids if task_id not in _running]
+    slots, queues = SlotLease.objects.drop_held_by(orphans, process_id) if orphans else ([], [])
+    with _pending_lock:
+        _uncertain.difference_update((task_id, process_id) for task_id in task_ids)
+    if slots or queues:
+        logger.warning(
+            "Gave back %s slot(s) of acquires whose reply was lost; their jobs can start",
+            len(slots) + len(queues),
+        )
+    for queue_limit_id in queues:
+        wake_line(queue_limit_id, limit=1)
+    for slot_id in slots:
+        wake(slot_id, limit=1)
 
 
 def wake(slot_id: int, limit: int | None = 1, app: Celery | None = None) -> int:

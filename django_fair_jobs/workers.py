@@ -112,6 +112,13 @@ def current_process_id(node: str | None = None) -> uuid.UUID:
         return _identity.process_id
 
 
+def registered_process_id() -> uuid.UUID | None:
+    """This process's id if it has registered, else None; never registers (so it needs no
+    database and starts no thread)."""
+    ident = _identity
+    return ident.process_id if ident is not None and ident.pid == os.getpid() else None
+
+
 def _register(node: str) -> _Identity:
     from django_fair_jobs.models import WorkerProcess
 

@@ -221,6 +221,7 @@ def in_process_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
     pid = uuid.uuid4()
     WorkerProcess.objects.register(process_id=pid, node="bad@host", hostname="host", pid=7)
     monkeypatch.setattr(workers, "current_process_id", lambda node=None: pid)
+    monkeypatch.setattr(workers, "registered_process_id", lambda: pid)
     return pid
 
 

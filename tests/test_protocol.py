@@ -8,10 +8,10 @@ import uuid
 from typing import Any
 
 import pytest
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 from celery.signals import before_task_publish
 
-from django_fair_jobs.models import SlotLease, TenantQueueSlot
+from django_fair_jobs.models import QueueLimit, SlotLease, TenantQueueSlot
 from tests.conftest import run_as_worker
 from tests.testapp import tasks
 
@@ -39,3 +39,72 @@ def test_self_retry__slot_given_back_before_the_retry_is_published(
     assert held_at_publish == [False]
     assert TenantQueueSlot.objects.get(tenant="acme").current_jobs == 0
     assert not SlotLease.objects.exists()
+
+
+@pytest.mark.parametrize("queue_limited", [False, True])
+def test_acquire_committed_but_its_reply_lost__slot_not_leaked__the_job_runs(
+    queue_limited: bool,
+    in_process_worker: uuid.UUID,
+    broker_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The acquire commits on the server, then the connection drops before the reply (a
+    # failover, a PgBouncer restart): the process postpones the job, but the lease is
+    # held by this live process under a token nobody has. Every later copy of the job
+    # used to be a 'duplicate' for as long as this process lived, and a tenant with
+    # limit 1 stayed blocked.
+    from django.db import OperationalError
+
+    from django_fair_jobs import limits, slots
+
+    if queue_limited:  # the queue path: a place in the queue and the tenant slot
+        limits.set_limits("fair", max_jobs=2)
+        monkeypatch.setattr(limits, "is_limited", lambda queue: queue == "fair")
+    real_acquire = slots.acquire
+
+    def commit_then_lose_the_reply(**kwargs: Any) -> Any:
+        real_acquire(**kwargs)
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(slots, "acquire", commit_then_lose_the_reply)
+    with pytest.raises(Ignore):  # postponed through the broker
+        run_as_worker(tasks.limited1, ("acme", 0), task_id="lost-reply", headers={})
+    monkeypatch.setattr(slots, "acquire", real_acquire)
+    assert SlotLease.objects.filter(task_id="lost-reply").exists()  # the orphan
+    # The copy postponed through the broker comes back to this process or another one.
+    # Either way it runs, once this process gave the orphan back: at its next heartbeat,
+    # or at once if the copy starts here first.
+    slots.retry_pending_releases()
+    assert not SlotLease.objects.exists()
+    assert TenantQueueSlot.objects.get(tenant="acme").current_jobs == 0
+    assert list(QueueLimit.objects.values_list("current_jobs", "running")) == (
+        [(0, {})] if queue_limited else []
+    )
+    assert run_as_worker(tasks.limited1, ("acme", 0), task_id="lost-reply", headers={}) == (
+        "acme:done"
+    )
+    assert not SlotLease.objects.exists()
+
+
+def test_acquire_reply_lost__the_copy_starts_here_before_the_heartbeat__it_runs(
+    in_process_worker: uuid.UUID, broker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django.db import OperationalError
+
+    from django_fair_jobs import slots
+
+    real_acquire = slots.acquire
+
+    def commit_then_lose_the_reply(**kwargs: Any) -> Any:
+        real_acquire(**kwargs)
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(slots, "acquire", commit_then_lose_the_reply)
+    with pytest.raises(Ignore):
+        run_as_worker(tasks.limited1, ("acme", 0), task_id="lost-reply", headers={})
+    monkeypatch.setattr(slots, "acquire", real_acquire)
+    assert run_as_worker(tasks.limited1, ("acme", 0), task_id="lost-reply", headers={}) == (
+        "acme:done"
+    )
+    assert not SlotLease.objects.exists()
+    assert TenantQueueSlot.objects.get(tenant="acme").current_jobs == 0
