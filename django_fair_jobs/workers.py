@@ -4,8 +4,10 @@ Every process that runs fair tasks registers one :class:`~django_fair_jobs.model
 row the first time it needs a slot, and starts a daemon thread that refreshes the row's
 heartbeat every ``FAIR_JOBS_HEARTBEAT_INTERVAL`` seconds. The thread keeps beating while
 tasks run (CPU-bound Python code releases the GIL between bytecodes), so a slow job never
-loses its lease. On each beat the thread also runs maintenance: leases of processes silent
-for ``FAIR_JOBS_WORKER_TIMEOUT`` are reaped and missed wake-ups are swept. No beat schedule
+loses its lease, and it does nothing else. A second thread runs maintenance at the same
+pace: leases of processes silent for ``FAIR_JOBS_WORKER_TIMEOUT`` are reaped and missed
+wake-ups are swept. Maintenance publishes to the broker; on its own thread, a broker that
+stops answering (or a long pass) cannot stop the beats. No beat schedule
 is needed, and the pass runs at most once per interval across the cluster, whoever claims
 it; ``manage.py fair_jobs_reap`` runs the same maintenance by hand, at once.
 
@@ -131,6 +133,9 @@ def _register(node: str) -> _Identity:
         target=_heartbeat_loop, args=(ident,), name="fair-jobs-heartbeat", daemon=True
     )
     ident.thread.start()
+    threading.Thread(
+        target=_maintenance_loop, args=(ident,), name="fair-jobs-maintenance", daemon=True
+    ).start()
     if _polls_due():
         threading.Thread(target=_due_loop, args=(ident,), name="fair-jobs-due", daemon=True).start()
     from django_fair_jobs.planner import start_thread
@@ -141,8 +146,9 @@ def _register(node: str) -> _Identity:
 
 
 def _heartbeat_loop(ident: _Identity) -> None:
+    """Beat, and nothing else: a beat never waits on the broker or on a long maintenance
+    pass, which would let another process reap this one while its jobs run."""
     from django_fair_jobs.models import WorkerProcess
-    from django_fair_jobs.slots import retry_pending_releases
 
     try:
         while not ident.stop.wait(fair_settings.HEARTBEAT_INTERVAL):
@@ -165,14 +171,36 @@ def _heartbeat_loop(ident: _Identity) -> None:
                         queues=consumed_queues(),
                         concurrency=_concurrency,
                     )
-                retry_pending_releases()
-                _retry_pending_ends()
-                maybe_run_maintenance()
             except Exception:
                 # A database outage must not kill the heartbeat: drop the connection and
                 # try again next interval.
                 logger.exception(
                     "Heartbeat failed; retrying in %s s", fair_settings.HEARTBEAT_INTERVAL
+                )
+                connections.close_all()
+    finally:
+        connections.close_all()
+
+
+def _maintenance_loop(ident: _Identity) -> None:
+    """Once per interval: retry this process's failed releases and ends, and take part in
+    the cluster's maintenance pass. Each of them may publish (wake-ups, dispatches), so a
+    broker that stops answering blocks this thread, never the heartbeat."""
+    from django_fair_jobs.slots import retry_pending_releases
+
+    try:
+        while not ident.stop.wait(fair_settings.HEARTBEAT_INTERVAL):
+            if ident.pid != os.getpid():
+                return  # a forked copy of this thread's owner
+            try:
+                close_old_connections()
+                retry_pending_releases()
+                _retry_pending_ends()
+                maybe_run_maintenance()
+            except Exception:
+                # A database outage must not end the loop: try again next interval.
+                logger.exception(
+                    "Maintenance failed; retrying in %s s", fair_settings.HEARTBEAT_INTERVAL
                 )
                 connections.close_all()
     finally:

@@ -1,0 +1,81 @@
+"""Protocol defects that need real worker processes and a real fault to show: the job
+runs in a ``celery worker`` started by the test, against the real database and broker."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.conf import settings as django_settings
+
+from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+from tests.conftest import Worker, wait_for
+from tests.faults import SilentProxy
+from tests.testapp import tasks
+from tests.testapp.models import JobRun
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.workers]
+
+
+@pytest.fixture
+def broker_proxy() -> Iterator[SilentProxy]:
+    """A proxy in front of the test broker that a test can silence."""
+    proxy = SilentProxy(django_settings.CELERY_BROKER_URL)
+    yield proxy
+    proxy.close()
+
+
+def test_broker_stops_answering_during_maintenance__heartbeat_goes_on__no_lease_reaped(
+    start_worker: Callable[..., Worker], broker_proxy: SilentProxy, settings: Any
+) -> None:
+    # The worker's maintenance pass publishes the wake-ups it finds. With the broker silent,
+    # each publish blocks; when the pass ran on the heartbeat's thread, the process stopped
+    # beating, another process reaped it while its job still ran, and the job's slot went
+    # to another job (the tenant's limit exceeded).
+    timeout = settings.FAIR_JOBS_WORKER_TIMEOUT
+    start_worker(
+        "w", pool="threads", concurrency=3, extra_env={"CELERY_BROKER_URL": broker_proxy.url}
+    )
+    running = tasks.limited1.delay("hb", timeout * 4).id
+    holder = tasks.limited1.delay("wk", timeout * 4).id
+    waiting = tasks.limited1.delay("wk", 0.01).id
+    wait_for(
+        lambda: (
+            JobRun.objects.filter(task_id__in=[running, holder]).count() == 2
+            and ParkedJob.objects.filter(task_id=waiting).exists()
+        ),
+        30,
+        "two jobs to run and one to park",
+    )
+    lease = SlotLease.objects.get(task_id=running)
+    assert lease.process_id is not None
+    broker_proxy.go_silent()
+    # A limit raised without its wake-up (as a crashed admin request leaves it): the next
+    # maintenance pass finds the waiting job a place and publishes its wake-up.
+    TenantQueueSlot.objects.filter(tenant="wk").update(max_jobs=2)
+    deadline = time.monotonic() + timeout * 2.5
+    try:
+        while time.monotonic() < deadline:
+            # What any other process's maintenance does: reap processes silent too long.
+            SlotLease.objects.reap(timeout=timeout)
+            assert SlotLease.objects.filter(pk=lease.pk, token=lease.token).exists(), (
+                "the live worker was reaped: its heartbeat waited on the broker"
+            )
+            time.sleep(0.3)
+        assert WorkerProcess.objects.filter(id=lease.process_id).exists()
+    finally:
+        broker_proxy.answer()
+    wait_for(
+        lambda: (
+            JobRun.objects.filter(
+                task_id__in=[running, holder, waiting], finished_at__isnull=False
+            ).count()
+            == 3
+        ),
+        60,
+        "every job to finish once the broker answers",
+    )
+    assert JobRun.objects.filter(task_id__in=[running, holder, waiting]).count() == 3
+    assert not SlotLease.objects.exists()
