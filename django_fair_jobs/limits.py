@@ -230,10 +230,17 @@ def park(
 
 
 def wake_line(queue_limit_id: int, limit: int = 1, app: Celery | None = None) -> int:
-    """Wake up to ``limit`` jobs of a queue's line that can start now; returns how many."""
+    """Wake up to ``limit`` jobs of a queue's line that can start now; returns how many
+    (0 inside the caller's ``atomic()``: the wake-up waits for the commit, see
+    :func:`django_fair_jobs.slots.wake`)."""
+    from django.db import router
+
+    from django_fair_jobs.db import after_commit
     from django_fair_jobs.models import QueueLimit
     from django_fair_jobs.slots import publish
 
+    if after_commit(lambda: wake_line(queue_limit_id, limit, app), router.db_for_write(QueueLimit)):
+        return 0
     woken = 0
     while woken < limit:
         job = QueueLimit.objects.wake_one(queue_limit_id)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from django.db import close_old_connections
 
 from django_fair_jobs import dispatch
+from django_fair_jobs.db import after_commit
 
 if TYPE_CHECKING:
     from celery import Task
@@ -84,7 +85,7 @@ def hold_for_dispatch(
     publish whatever that dispatched at once (this job, while its queue has room);
     returns its ``AsyncResult``. See :mod:`django_fair_jobs.dispatch`."""
     job = dispatch.prepare(task, _dispatch_options(task), tenant, args, kwargs, options)
-    dispatch.publish(task.app, dispatch.enqueue(job))
+    _publish_after_commit(task, dispatch.enqueue(job))
     result = task.AsyncResult(job.task_id)
     parent = task.app.current_worker_task
     if parent is not None and options.get("add_to_parent", True):
@@ -100,8 +101,18 @@ def hold_many_for_dispatch(
     their ``AsyncResult``s in the order given."""
     options = _dispatch_options(task)
     jobs = [dispatch.prepare(task, options, t, a, k, o) for t, a, k, o in items]
-    dispatch.publish(task.app, dispatch.enqueue_many(jobs))
+    _publish_after_commit(task, dispatch.enqueue_many(jobs))
     return [task.AsyncResult(job.task_id) for job in jobs]
+
+
+def _publish_after_commit(task: Task[Any, Any], ready: list[dispatch.Ready]) -> None:
+    """Publish what an enqueue dispatched; inside the caller's ``atomic()``, once it
+    commits (the rows are the caller's until then: a worker would not find them)."""
+    if not ready:
+        return
+    app = task.app
+    if not after_commit(lambda: dispatch.publish(app, ready), dispatch.alias()):
+        dispatch.publish(app, ready)
 
 
 def _dispatch_options(task: Task[Any, Any]) -> dispatch.Options:

@@ -30,6 +30,7 @@ from kombu.utils.json import dumps, loads
 
 from django_fair_jobs import decisions
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
+from django_fair_jobs.db import after_commit
 from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition, Woken
 from django_fair_jobs.tenants import for_log
 
@@ -452,10 +453,16 @@ def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
 def wake(slot_id: int, limit: int | None = 1, app: Celery | None = None) -> int:
     """Wake up to ``limit`` parked jobs of ``slot_id`` (None: as many as have room).
 
-    Returns how many were re-published.
+    Returns how many were re-published. Inside the caller's ``atomic()`` (an admin save,
+    ``ATOMIC_REQUESTS``) the wake-up waits for the commit and 0 is returned: a reservation
+    and a message sent before it would reach a worker that cannot see them yet.
     """
+    from django.db import router
+
     from django_fair_jobs.models import TenantQueueSlot
 
+    if after_commit(lambda: wake(slot_id, limit, app), router.db_for_write(TenantQueueSlot)):
+        return 0
     woken = 0
     while limit is None or woken < limit:
         job = TenantQueueSlot.objects.wake_one(slot_id)

@@ -694,7 +694,7 @@ def test_pickle_serializer__unstorable_arguments_refused_all_the_same(
     assert broker_depth() == 0
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)  # the wake-up is published at commit
 def test_pickle_serializer__parked_job_stored_as_json_and_woken_whole(
     pickle_app: Any, process: uuid.UUID, broker_env: dict[str, str]
 ) -> None:

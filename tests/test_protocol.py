@@ -5,6 +5,7 @@ through ``FairTask.__call__`` as a worker runs a delivered message."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -108,3 +109,143 @@ def test_acquire_reply_lost__the_copy_starts_here_before_the_heartbeat__it_runs(
     )
     assert not SlotLease.objects.exists()
     assert TenantQueueSlot.objects.get(tenant="acme").current_jobs == 0
+
+
+@pytest.fixture
+def committed_at_publish() -> Iterator[Callable[[Callable[[], object]], list[bool]]]:
+    """``committed_at_publish(check)`` runs ``check`` from another connection at each
+    publish and returns the list of its answers. Another connection sees only what is
+    committed, as a worker does; a check that waits on a row lock held across the publish
+    fails the test."""
+    import threading
+
+    from django.db import connection
+
+    handlers: list[Callable[..., None]] = []
+
+    def start(check: Callable[[], object]) -> list[bool]:
+        seen: list[bool] = []
+
+        def on_publish(sender: Any = None, **kwargs: Any) -> None:
+            def look() -> None:
+                try:
+                    seen.append(bool(check()))
+                finally:
+                    connection.close()  # this thread's own connection
+
+            thread = threading.Thread(target=look)
+            thread.start()
+            thread.join(10)
+            assert not thread.is_alive(), "a row lock was held across the publish"
+
+        before_task_publish.connect(on_publish, weak=False)
+        handlers.append(on_publish)
+        return seen
+
+    yield start
+    for handler in handlers:
+        before_task_publish.disconnect(handler)
+
+
+def test_limit_raised_inside_atomic__wake_up_published_after_the_commit(
+    in_process_worker: uuid.UUID, broker_env: dict[str, str], committed_at_publish: Any
+) -> None:
+    # An admin save and ATOMIC_REQUESTS run the change inside atomic(). The wake-up used to
+    # reserve the slot and publish at once: the woken copy reached a worker before the
+    # commit, saw no reservation, and was dropped or parked again behind its own
+    # reservation, so the tenant waited a whole WORKER_TIMEOUT.
+    from django.db import transaction
+
+    from django_fair_jobs import slots
+    from django_fair_jobs.models import ParkedJob
+
+    slots.set_tenant_limit("acme", "fair", 0)  # paused: the job parks
+    with pytest.raises(Ignore):
+        run_as_worker(tasks.limited1, ("acme", 0), task_id="parked", headers={})
+    seen = committed_at_publish(
+        lambda: ParkedJob.objects.filter(task_id="parked", woken_at__isnull=False).exists()
+    )
+    with transaction.atomic():
+        slots.set_tenant_limit("acme", "fair", 1)
+        assert seen == []  # nothing published before the commit
+    assert seen == [True]
+
+
+def test_queue_limit_raised_inside_atomic__wake_up_published_after_the_commit(
+    in_process_worker: uuid.UUID,
+    broker_env: dict[str, str],
+    committed_at_publish: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django.db import transaction
+
+    from django_fair_jobs import limits
+    from django_fair_jobs.models import ParkedJob
+
+    limits.set_limits("fair", max_jobs=0)
+    monkeypatch.setattr(limits, "is_limited", lambda queue: queue == "fair")
+    with pytest.raises(Ignore):
+        run_as_worker(tasks.limited1, ("acme", 0), task_id="parked", headers={})
+    seen = committed_at_publish(
+        lambda: ParkedJob.objects.filter(task_id="parked", woken_at__isnull=False).exists()
+    )
+    with transaction.atomic():
+        limits.set_limits("fair", max_jobs=1)
+        assert seen == []
+    assert seen == [True]
+
+
+def test_dispatched_job_enqueued_inside_atomic__published_after_the_commit(
+    broker_env: dict[str, str], committed_at_publish: Any
+) -> None:
+    # Published before the commit, the job's message reached a worker that could not see
+    # its row, and it waited for the lost-message repair. On a rollback nothing is sent.
+    from django.db import transaction
+
+    from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue
+
+    DispatchQueue.objects.create(queue="fair", capacity=2, slack=0)
+    seen = committed_at_publish(lambda: DispatchJob.objects.filter(tenant="acme").exists())
+    with transaction.atomic():
+        tasks.dispatched.delay("acme")
+        assert seen == []
+    assert seen == [True]
+
+    def enqueue_then_roll_back() -> None:
+        with transaction.atomic():
+            tasks.dispatched.delay("rolled-back")
+            raise RuntimeError
+
+    with pytest.raises(RuntimeError):
+        enqueue_then_roll_back()
+    assert seen == [True]
+    assert not DispatchJob.objects.filter(tenant="rolled-back").exists()
+
+
+def test_admin_raises_a_limit__wake_up_published_after_its_transaction_commits(
+    in_process_worker: uuid.UUID,
+    broker_env: dict[str, str],
+    committed_at_publish: Any,
+    client: Any,
+) -> None:
+    # The admin's change view saves inside atomic(): the real publish, not a patched one.
+    from django.contrib.auth.models import User
+
+    from django_fair_jobs import slots
+    from django_fair_jobs.models import ParkedJob
+
+    client.force_login(User.objects.create_superuser("ops", "ops@example.com", "pw"))
+    slot = slots.set_tenant_limit("acme", "fair", 0)
+    with pytest.raises(Ignore):
+        run_as_worker(tasks.limited1, ("acme", 0), task_id="parked", headers={})
+    seen = committed_at_publish(
+        lambda: ParkedJob.objects.filter(task_id="parked", woken_at__isnull=False).exists()
+    )
+    response = client.post(
+        f"/admin/fair_jobs/tenantqueueslot/{slot.pk}/change/",
+        {"max_jobs": "1", **{f"leases-{k}": v for k, v in
+                             {"TOTAL_FORMS": "0", "INITIAL_FORMS": "0", "MIN_NUM_FORMS": "0",
+                              "MAX_NUM_FORMS": "1000"}.items()}},
+    )  # fmt: skip
+    assert response.status_code == 302, response.content[:500]
+    assert seen == [True]

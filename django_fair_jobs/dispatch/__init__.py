@@ -248,17 +248,22 @@ def prepare(
     )
 
 
-def _store() -> Any:
+def alias() -> str:
+    """The database alias the lines are written to."""
     from django_fair_jobs.dispatch.models import DispatchJob
 
-    alias = router.db_for_write(DispatchJob)
-    if connections[alias].vendor == "postgresql":
+    return router.db_for_write(DispatchJob)
+
+
+def _store() -> Any:
+    alias_ = alias()
+    if connections[alias_].vendor == "postgresql":
         from django_fair_jobs.dispatch import store
 
-        return store.Store(alias)
+        return store.Store(alias_)
     from django_fair_jobs.dispatch import store_orm
 
-    return store_orm.Store(alias)
+    return store_orm.Store(alias_)
 
 
 def enqueue(job: Job) -> list[Ready]:
