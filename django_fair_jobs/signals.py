@@ -4,6 +4,7 @@ sound between jobs, give slots back when a process stops or a job is revoked."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from celery.signals import (
@@ -106,21 +107,22 @@ def _on_worker_shutdown(**kwargs: Any) -> None:
 def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
     # A revoked (or expired) delivery never reaches its release: drop its reservation and
     # parked row, and a terminated job's lease, so no slot waits for the reaper.
-    from django_fair_jobs.slots import forget_task
-
     task_id = getattr(request, "id", None)
     if task_id is None:
         return
+    # A terminate signals the job's pool process; the job may survive it (SIGUSR1 raises
+    # SoftTimeLimitExceeded, a task may handle SIGTERM). Its running lease goes only once
+    # that process is gone; until then it is the job's, and its own release frees it.
     try:
         from django_fair_jobs.planner import started
 
         started(str(task_id))  # a revoked planned job's row goes: it no longer counts
-        forget_task(str(task_id), terminated=bool(terminated))
-        from celery import current_app
+        pids = _pool_pids_running(str(task_id)) if terminated else []
+        _forget(str(task_id), terminated=bool(terminated) and not pids)
+        if pids:
+            from django_fair_jobs.workers import when_gone
 
-        from django_fair_jobs import dispatch
-
-        dispatch.forget(current_app, str(task_id), terminated=bool(terminated))
+            when_gone(pids, lambda: _forget(str(task_id), terminated=True))
     except Exception:
         logger.exception("Could not drop the slots of revoked job %s", task_id)
     finally:
@@ -129,3 +131,28 @@ def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: An
         from django.db import connections
 
         connections.close_all()
+
+
+def _forget(task_id: str, *, terminated: bool) -> None:
+    """Drop a revoked job's parked row, reservations and dispatched row, and its running
+    lease and row too if it was ``terminated`` (its process is gone)."""
+    from celery import current_app
+
+    from django_fair_jobs import dispatch
+    from django_fair_jobs.slots import forget_task
+
+    forget_task(task_id, terminated=terminated)
+    dispatch.forget(current_app, task_id, terminated=terminated)
+
+
+def _pool_pids_running(task_id: str) -> list[int]:
+    """The pool processes of this node, other than this one, whose leases say they run
+    ``task_id`` (the prefork children a terminate signals)."""
+    import socket
+
+    from django_fair_jobs.models import SlotLease
+
+    pids = SlotLease.objects.filter(
+        task_id=task_id, process__hostname=socket.gethostname()
+    ).values_list("process__pid", flat=True)
+    return sorted({pid for pid in pids if pid is not None and pid != os.getpid()})

@@ -24,7 +24,9 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,6 +207,43 @@ def _maintenance_loop(ident: _Identity) -> None:
                 connections.close_all()
     finally:
         connections.close_all()
+
+
+def when_gone(pids: list[int], action: Callable[[], object], within: float | None = None) -> None:
+    """Run ``action`` on a thread of its own once every process of ``pids`` (pool
+    processes of this node) has exited. Give up after ``within`` seconds (default
+    ``FAIR_JOBS_WORKER_TIMEOUT``): a process that lives on keeps what it holds, and its
+    job's own release, or the reaper once it dies, gives it back."""
+    deadline = time.monotonic() + (fair_settings.WORKER_TIMEOUT if within is None else within)
+
+    def watch() -> None:
+        try:
+            while time.monotonic() < deadline:
+                if not any(_alive(pid) for pid in pids):
+                    action()
+                    return
+                time.sleep(0.05)
+        except Exception:
+            logger.exception("Could not give back what processes %s held", pids)
+        finally:
+            connections.close_all()
+
+    threading.Thread(target=watch, name="fair-jobs-when-gone", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not: it has exited, unreaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: the pool reaps its children soon enough
 
 
 def _polls_due() -> bool:

@@ -79,3 +79,25 @@ def test_broker_stops_answering_during_maintenance__heartbeat_goes_on__no_lease_
     )
     assert JobRun.objects.filter(task_id__in=[running, holder, waiting]).count() == 3
     assert not SlotLease.objects.exists()
+
+
+def test_revoke_terminate_with_a_signal_the_job_survives__lease_kept__limit_holds(
+    start_worker: Callable[..., Worker],
+) -> None:
+    # revoke(terminate=True) used to drop the job's lease as soon as the revoke was
+    # announced; with a signal the job survives (SIGUSR1 raises SoftTimeLimitExceeded,
+    # which tasks catch to clean up) the job ran on without a lease, and the next job of
+    # its tenant started beside it: a limit of 1 exceeded.
+    worker = start_worker("w", pool="prefork", concurrency=2)
+    survivor = tasks.shrugs_off_soft_limit.delay("tt", 3.0)
+    wait_for(lambda: JobRun.objects.filter(task_id=survivor.id).exists(), 20, "it to start")
+    survivor.revoke(terminate=True, signal="SIGUSR1")
+    time.sleep(0.5)  # the revoke reaches the worker
+    assert SlotLease.objects.filter(task_id=survivor.id).exists(), worker.output()
+    follower = tasks.limited1.delay("tt", 0.01)
+    assert follower.get(timeout=30) == "tt:done"
+    runs = {r.task_id: r for r in JobRun.objects.filter(tenant="tt")}
+    survivor_end = runs[survivor.id].finished_at
+    assert survivor_end is not None, "the survivor was stopped after all"
+    assert runs[follower.id].started_at >= survivor_end, "the follower ran beside it"
+    assert not SlotLease.objects.exists()
