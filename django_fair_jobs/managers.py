@@ -13,6 +13,7 @@ followed by a write.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Sequence
@@ -20,7 +21,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from django.db import DatabaseError, IntegrityError, connections, models, router, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    models,
+    router,
+    transaction,
+)
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Greatest, Now
@@ -1164,11 +1174,19 @@ def _autocommit_connection(alias: str) -> BaseDatabaseWrapper:
     return side
 
 
+def _count_enqueue(connection: BaseDatabaseWrapper, params: dict[str, Any]) -> Any:
+    """Run the count of one enqueue on ``connection``; returns (counts, picked rule)."""
+    with connection.cursor() as cursor:
+        cursor.execute(queries()["record_enqueue"], params)
+        return cursor.fetchone()
+
+
 def _forget_side_connection(alias: str) -> None:
     side: BaseDatabaseWrapper | None = getattr(_side_connections, alias, None)
     if side is not None:
-        side.close()
         delattr(_side_connections, alias)
+        with contextlib.suppress(DatabaseError):  # a dead connection may refuse to close
+            side.close()
 
 
 class TenantWindowManager(models.Manager["TenantWindow"]):
@@ -1210,13 +1228,19 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
             }
             connection = _autocommit_connection(alias)
             try:
-                with connection.cursor() as cursor:
-                    cursor.execute(queries()["record_enqueue"], params)
-                    counts, picked = cursor.fetchone()
-            except DatabaseError:
-                if connection is not connections[alias]:
-                    _forget_side_connection(alias)
-                raise
+                counts, picked = _count_enqueue(connection, params)
+            except DatabaseError as exc:
+                if connection is connections[alias]:
+                    raise
+                _forget_side_connection(alias)
+                # The side connection lives outside Django's request cycle, so nothing
+                # checks it between uses: after a database or pooler restart, or an idle
+                # timeout, it is dead at its next use. One more try on a new one (if the
+                # count committed before its reply was lost, the enqueue counts twice: a
+                # window one higher, no job lost); any other error is raised as it is.
+                if not isinstance(exc, OperationalError | InterfaceError):
+                    raise
+                counts, picked = _count_enqueue(_autocommit_connection(alias), params)
             return Recorded(tuple(counts), None if picked is None else picked - 1)
         with transaction.atomic(using=alias):
             return self._record_portable(key, tenant, task_name, rules, at)

@@ -249,3 +249,32 @@ def test_admin_raises_a_limit__wake_up_published_after_its_transaction_commits(
     )  # fmt: skip
     assert response.status_code == 302, response.content[:500]
     assert seen == [True]
+
+
+def test_side_connection_cut_between_two_enqueues__the_next_enqueue_still_works(
+    broker_env: dict[str, str],
+) -> None:
+    # Enqueues of a rerouted task inside atomic() are counted on a second connection of the
+    # thread, which Django's request cycle never checks. After a database or pooler restart
+    # the first enqueue on each thread raised OperationalError to the caller.
+    from django.db import connection, transaction
+
+    from django_fair_jobs import managers
+    from django_fair_jobs.models import TenantWindow
+    from tests.conftest import is_postgres
+
+    with transaction.atomic():
+        tasks.rerouted.delay("acme")
+    side = getattr(managers._side_connections, "default", None)
+    if is_postgres():
+        assert side is not None and side.connection is not None
+        with connection.cursor() as cursor:  # what a restart does to it
+            cursor.execute("SELECT pg_terminate_backend(%s)", [side.connection.info.backend_pid])
+    else:
+        assert side is None  # SQLite counts in the caller's transaction
+    try:
+        with transaction.atomic():
+            tasks.rerouted.delay("acme")
+    finally:
+        managers._forget_side_connection("default")  # the test database can be dropped
+    assert TenantWindow.objects.get(tenant="acme").total == 2
