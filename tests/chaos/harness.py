@@ -8,6 +8,9 @@ and end with the database clock) and the library's rows, over a plain psycopg co
   rerouted tenant on the slow queue and per limited queue, is at most the limit;
 - every accepted job completed (a job killed by its hard time limit is failed by Celery
   and is expected to have run once, unfinished);
+- no two runs of one task id were open at once: a duplicate delivery or a redelivery runs
+  after its first copy, never beside it (the limits, 2 at once, would not show two copies
+  of one job running together);
 - nothing is left over: no lease, parked job or planned job, and every counter is zero;
 - at every moment sampled during the run, ``current_jobs`` of every slot and queue row
   equals the number of its leases.
@@ -167,6 +170,9 @@ class Outcome:
     leftovers: dict[str, int]
     stale_runs: int = 0
     self_overlap: int = 0
+    """The most runs of one task id open at once (1: copies ran one after the other)."""
+    self_overlapping: list[str] = field(default_factory=list)
+    """The task ids of which two runs were open at once."""
     notes: list[str] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
@@ -570,14 +576,13 @@ class Cluster:
                 f"{len(stale)} run(s) of the frozen node outlived their reaped lease;"
                 f" with them, {worst[1]} had {worst[0]} at once (limit {worst[2]})"
             )
-        self_overlap = max(
-            (
-                max_overlap((r.started, self._end(r, tasks[r.task_id])) for r in rs)
-                for rs in by_id.values()
-                if not any(id(r) in stale for r in rs)
-            ),
-            default=0,
-        )
+        # Runs of the frozen node overlap their successors by design (see _stale).
+        copies_at_once = {
+            task_id: max_overlap((r.started, self._end(r, tasks[r.task_id])) for r in rs)
+            for task_id, rs in by_id.items()
+            if not any(id(r) in stale for r in rs)
+        }
+        self_overlap = max(copies_at_once.values(), default=0)
         return Outcome(
             fault=fault,
             accepted=len(self.jobs),
@@ -592,6 +597,7 @@ class Cluster:
             leftovers=self.leftovers(),
             stale_runs=len(stale),
             self_overlap=self_overlap,
+            self_overlapping=sorted(i for i, n in copies_at_once.items() if n > 1),
             notes=notes,
         )
 
@@ -638,6 +644,10 @@ def check(outcome: Outcome, *, exactly_once: bool) -> None:
     """Assert the invariants on ``outcome`` (and save it for the Reliability table first)."""
     save(outcome)
     assert not outcome.lost, f"jobs lost: {outcome.lost}"
+    assert outcome.self_overlap <= 1, (
+        f"{outcome.self_overlap} runs of one task id at once:"
+        f" {outcome.self_overlapping} ran beside a copy of itself"
+    )
     for name, (seen, limit) in outcome.concurrency.items():
         assert seen <= limit, f"{name}: {seen} at once, limit {limit}"
     assert outcome.concurrency, "no limited run was recorded"

@@ -103,8 +103,10 @@ def test_duplicate_deliveries__never_at_once__limits_hold(cluster: Cluster) -> N
         cluster.wait_settled()
     outcome = cluster.outcome(f"Duplicate delivery of {len(copies)} task ids", None)
     check(outcome, exactly_once=False)
-    # A duplicate runs after its first copy, never beside it (checked above), at most once more.
-    assert outcome.duplicated <= len(copies)
+    # A duplicate runs after its first copy, never beside it (check() asserts no two runs of
+    # one task id were open at once), at most once more; some did run a second time, so
+    # that check had copies to compare.
+    assert 1 <= outcome.duplicated <= len(copies)
 
 
 def test_two_planners_and_two_reapers__each_job_once(cluster: Cluster) -> None:
