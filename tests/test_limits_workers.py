@@ -220,13 +220,23 @@ def test_busy_worker__cpu_bound_job__heartbeat_not_starved_never_over_admitted(
 ) -> None:
     # limit_fetch #157: a starved heartbeat got a live worker reaped and over-admitted.
     limits.set_limits("limited", max_jobs=1)
-    worker = start_worker("busy", pool=pool, concurrency=2, queues="limited", extra_env=PLAIN)
+    start_worker("busy", pool=pool, concurrency=2, queues="limited", extra_env=PLAIN)
+    if pool == "solo":
+        # A solo worker cannot start the follower while it spins: a second node consumes
+        # the queue, so that admitting the follower beside spin is possible, and refused.
+        start_worker("idle", pool="solo", concurrency=1, queues="limited", extra_env=PLAIN)
     spin = tasks.plain_spin.delay("cpu", settings.FAIR_JOBS_WORKER_TIMEOUT * 2)
+    spinner = wait_for(
+        lambda: JobRun.objects.filter(task_id=spin.id).values_list("pid", flat=True).first(),
+        20,
+        "spin to start",
+    )
     follower = tasks.plain_job.delay("cpu", 0.01)
-    wait_for(lambda: JobRun.objects.filter(task_id=spin.id).exists(), 20, "spin to start")
     stalest = 0.0
+    refused = False
     while not JobRun.objects.filter(task_id=spin.id, finished_at__isnull=False).exists():
-        beats = WorkerProcess.objects.filter(pid=worker.proc.pid).values_list(
+        # The process that runs spin (a solo or threads worker's main process) beats.
+        beats = WorkerProcess.objects.filter(pid=spinner).values_list(
             "last_heartbeat_at", flat=True
         )
         now = database_now()
@@ -235,11 +245,17 @@ def test_busy_worker__cpu_bound_job__heartbeat_not_starved_never_over_admitted(
 
         run_maintenance()  # a reaper is at hand all along
         # Follower first, then spin's finish: spin records its finish before it gives its
-        # place back, so a follower that started while spin had not finished overlapped it.
+        # place back, so a follower that started (or was parked) while spin had not
+        # finished overlapped it.
+        parked = ParkedJob.objects.filter(task_id=follower.id).exists()
         started = JobRun.objects.filter(task_id=follower.id).exists()
         done = JobRun.objects.filter(task_id=spin.id, finished_at__isnull=False).exists()
         assert not started or done, "over-admitted"
+        refused = refused or (parked and not done)
         time.sleep(0.1)
+    # The follower was delivered and refused while spin held the place: the check above
+    # had something to catch.
+    assert refused, "the follower was never refused while spin ran"
     assert stalest < settings.FAIR_JOBS_WORKER_TIMEOUT
     wait_finished([follower.id], timeout=30)
     assert max_overlap(runs([spin.id, follower.id])) == 1

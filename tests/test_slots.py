@@ -159,9 +159,20 @@ def test_release__stale_holder_after_reap__does_not_free_second_slot(process: uu
 
 
 def test_reap__live_process__keeps_its_leases(process: uuid.UUID) -> None:
+    dead = uuid.uuid4()
+    WorkerProcess.objects.register(process_id=dead, node="dead@host", hostname="host", pid=2)
     assert acquire(process, "j1") is not None
-    assert SlotLease.objects.reap(timeout=60).leases == 0
+    assert acquire(dead, "j2") is not None
+    # Both leases are older than the timeout, so the acquired_at rule spares neither: only
+    # its holder's heartbeat can keep j1's. j2's holder stopped beating, and it goes in
+    # the same pass.
+    SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
+    WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at="2000-01-01T00:00:00Z")
+    reaped = SlotLease.objects.reap(timeout=60)
+    assert reaped.leases == 1
+    assert list(SlotLease.objects.values_list("task_id", "process_id")) == [("j1", process)]
     assert slot().current_jobs == 1
+    assert WorkerProcess.objects.filter(pk=process).exists()
 
 
 def test_park__slot_full__parks_and_counts(process: uuid.UUID) -> None:

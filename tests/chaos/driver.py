@@ -4,7 +4,9 @@ database and broker in its environment (``DATABASE_URL``, ``CELERY_BROKER_URL``)
 - ``publish``: reads ``[{"task", "tenant", "duration", "count", "task_id"?}, ...]`` on stdin,
   publishes each job through the task's ``apply_async`` (so rerouting counts it and the
   planner parks it), and prints the accepted jobs as JSON;
-- ``reap SECONDS``: runs ``manage.py fair_jobs_reap`` in a loop, as a second reaper would.
+- ``reap SECONDS``: runs ``manage.py fair_jobs_reap`` in a loop, as a second reaper would;
+- ``promote``: runs the planner's promotion of ``chaos_planned`` until nothing is due, with
+  each publish slowed, and prints its calls of ``PlannedJob.objects.promote`` as JSON.
 
 A separate process, because the test process's Django and Celery point at the suite's own
 database and broker, not at the chaos ones.
@@ -12,9 +14,11 @@ database and broker, not at the chaos ones.
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 import time
+from typing import Any
 
 from django.core.management import call_command
 
@@ -39,9 +43,46 @@ def reap(seconds: float) -> None:
     deadline = time.monotonic() + seconds
     passes = 0
     while time.monotonic() < deadline:
-        call_command("fair_jobs_reap", verbosity=0)
+        # Its report line is not read: a pipe full of them would block the loop.
+        call_command("fair_jobs_reap", verbosity=0, stdout=io.StringIO())
         passes += 1
     print(json.dumps({"passes": passes}))
+
+
+def promote() -> None:
+    """Promote ``chaos_planned``'s due jobs as a planner run does (``planner._promote``:
+    the weighted allocation, then one claim per tenant), run after run until none is due,
+    without the planner lock, so that two of these promote at once. Each publish takes
+    0.1 s more, so a claim holds its rows while another claims. Prints ``[{"tenant",
+    "ids", "start", "end"}, ...]``, one per claim (wall clock, this machine's)."""
+    from django_fair_jobs import planner
+    from django_fair_jobs.managers import PlannedJobManager
+    from django_fair_jobs.models import PlannedJob, PlannerRun
+    from tests.testapp.chaos_tasks import chaos_planned
+
+    plan = planner.parse_plan(chaos_planned.fair_plan or {})
+    PlannerRun.objects.get_or_create(task_name=chaos_planned.name)
+    publish, claim = planner._publish, PlannedJobManager.promote
+    calls: list[dict[str, Any]] = []
+
+    def slow_publish(app: Any, row: Any) -> None:
+        publish(app, row)
+        time.sleep(0.1)
+
+    def recorded(
+        manager: PlannedJobManager, task_name: str, tenant: str, count: int, publish: Any
+    ) -> list[str]:
+        start = time.time()
+        ids = claim(manager, task_name, tenant, count, publish)
+        calls.append({"tenant": tenant, "ids": ids, "start": start, "end": time.time()})
+        return ids
+
+    planner._publish = slow_publish
+    PlannedJobManager.promote = recorded  # type: ignore[method-assign,assignment]
+    while PlannedJob.objects.pending(chaos_planned.name):
+        if not any(planner._promote(chaos_planned, plan, None).values()):
+            time.sleep(0.05)  # the rows left are the other planner's, until it commits
+    print(json.dumps(calls))
 
 
 def main() -> None:
@@ -53,8 +94,10 @@ def main() -> None:
         publish()
     elif command == "reap":
         reap(float(sys.argv[2]))
+    elif command == "promote":
+        promote()
     else:
-        raise SystemExit(f"unknown command {command!r}: publish or reap")
+        raise SystemExit(f"unknown command {command!r}: publish, reap or promote")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ and end with the database clock) and the library's rows, over a plain psycopg co
   rerouted tenant on the slow queue and per limited queue, is at most the limit;
 - every accepted job completed (a job killed by its hard time limit is failed by Celery
   and is expected to have run once, unfinished);
+- no two runs of one task id were open at once: a duplicate delivery or a redelivery runs
+  after its first copy, never beside it (the limits, 2 at once, would not show two copies
+  of one job running together);
 - nothing is left over: no lease, parked job or planned job, and every counter is zero;
 - at every moment sampled during the run, ``current_jobs`` of every slot and queue row
   equals the number of its leases.
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -167,11 +171,27 @@ class Outcome:
     leftovers: dict[str, int]
     stale_runs: int = 0
     self_overlap: int = 0
+    """The most runs of one task id open at once (1: copies ran one after the other)."""
+    self_overlapping: list[str] = field(default_factory=list)
+    """The task ids of which two runs were open at once."""
     notes: list[str] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
         """A JSON-able record for the report."""
         return asdict(self)
+
+
+@dataclass
+class Ghost:
+    """A dead and a live worker process of no node, with leases (see
+    :meth:`Cluster.dead_process_for_reapers`)."""
+
+    dead: uuid.UUID = field(default_factory=uuid.uuid4)
+    dead_node: uuid.UUID = field(default_factory=uuid.uuid4)
+    live: uuid.UUID = field(default_factory=uuid.uuid4)
+    live_node: uuid.UUID = field(default_factory=uuid.uuid4)
+    slot: int = 0
+    queue: int = 0
 
 
 def skewed(seconds: float) -> dict[str, str]:
@@ -328,19 +348,148 @@ class Cluster:
         ]
         self.driver("publish", stdin=json.dumps(spec))
 
-    def reapers(self, count: int, seconds: float) -> list[subprocess.Popen[str]]:
-        """Start ``count`` processes that run ``fair_jobs_reap`` back to back."""
+    def _drivers(self, name: str, count: int, *args: str) -> list[subprocess.Popen[str]]:
+        """Start ``count`` driver processes ``args``; their connections are named
+        ``fair-jobs-NAME-N`` (see :meth:`waiting`)."""
+        url = self.pg.url(self.dbname)
         return [
             subprocess.Popen(
-                [sys.executable, "-m", "tests.chaos.driver", "reap", str(seconds)],
+                [sys.executable, "-m", "tests.chaos.driver", *args],
                 cwd=ROOT,
-                env=self.env,
+                env={**self.env, "DATABASE_URL": f"{url}?application_name=fair-jobs-{name}-{n}"},
                 stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.PIPE,
                 text=True,
             )
-            for _ in range(count)
+            for n in range(count)
         ]
+
+    def reapers(self, count: int, seconds: float) -> list[subprocess.Popen[str]]:
+        """Start ``count`` processes that run ``fair_jobs_reap`` back to back."""
+        return self._drivers("reaper", count, "reap", str(seconds))
+
+    def waiting(self, name: str, statement: str = "") -> int:
+        """How many of the driver processes ``name`` wait for a lock (in ``statement``, if
+        given: how it begins)."""
+        rows = self.sql(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
+            " AND application_name LIKE %s AND wait_event_type = 'Lock' AND query LIKE %s",
+            (self.dbname, f"fair-jobs-{name}-%", f"{statement}%"),
+        )
+        return int(rows[0][0])
+
+    def planners_at_once(self, count: int) -> list[list[dict[str, Any]]]:
+        """Run the planner's promotion in ``count`` processes at once (driver ``promote``),
+        and return each one's claims.
+
+        The barrier: this holds a lock on the planned jobs' table that every claim (``FOR
+        UPDATE SKIP LOCKED``) waits for, until all of them wait; they then claim together,
+        and each skips the rows another holds while it publishes them.
+        """
+        barrier = psycopg.connect(self.pg.url(self.dbname))
+        try:
+            barrier.execute("LOCK TABLE fair_jobs_plannedjob IN EXCLUSIVE MODE")
+            planners = self._drivers("planner", count, "promote")
+            wait_for(
+                lambda: (
+                    self.waiting("planner") == count or any(p.poll() is not None for p in planners)
+                ),
+                60,
+                f"{count} planners to wait to claim",
+            )
+            barrier.commit()
+        finally:
+            barrier.close()
+        claims = []
+        for planner in planners:
+            out, err = planner.communicate(timeout=120)
+            assert planner.returncode == 0, out + err
+            claims.append(json.loads(out.strip().splitlines()[-1]))
+        return claims
+
+    def dead_process_for_reapers(self, reapers: list[subprocess.Popen[str]]) -> Ghost:
+        """Give a dead worker process leases while ``reapers`` (see :meth:`reapers`) wait to
+        reap them, so that all of them try to reap the same leases at once; returns what it
+        made.
+
+        In one transaction: a process that stopped beating an hour ago holds two leases,
+        and a live one (its heartbeat an hour ahead) one, each on the tenant slot
+        ``ghost`` of ``chaos`` and on the queue ``chaos_ghost``, whose counters count the
+        three. The transaction holds the lease table in SHARE mode (every statement that
+        writes a lease waits for it) until every reaper's reap statement waits, then
+        commits: the reaps start together, and each sees the two dead leases.
+        """
+        ghost = Ghost()
+        barrier = psycopg.connect(self.pg.url(self.dbname))
+        try:
+            barrier.execute(
+                "INSERT INTO fair_jobs_workerprocess"
+                " (id, node, node_id, hostname, pid, queues, concurrency, started_at,"
+                "  last_heartbeat_at)"
+                " VALUES (%s, 'dead@ghost', %s, 'ghost', 1, '[]', 1, now(),"
+                "         now() - interval '1 hour'),"
+                "        (%s, 'live@ghost', %s, 'ghost', 2, '[]', 1, now(),"
+                "         now() + interval '1 hour')",
+                (ghost.dead, ghost.dead_node, ghost.live, ghost.live_node),
+            )
+            slot = barrier.execute(
+                "INSERT INTO fair_jobs_tenantqueueslot"
+                " (tenant, queue, default_max_jobs, current_jobs, parked_jobs, deferred_total)"
+                " VALUES ('ghost', 'chaos', 3, 3, 0, 0) RETURNING id"
+            ).fetchone()
+            queue = barrier.execute(
+                "INSERT INTO fair_jobs_queuelimit"
+                " (queue, max_jobs, current_jobs, running, parked_jobs, deferred_total)"
+                " VALUES ('chaos_ghost', 3, 3, %s, 0, 0) RETURNING id",
+                (json.dumps({str(ghost.dead_node): 2, str(ghost.live_node): 1}),),
+            ).fetchone()
+            assert slot is not None and queue is not None
+            ghost.slot, ghost.queue = slot[0], queue[0]
+            barrier.execute("LOCK TABLE fair_jobs_slotlease IN SHARE MODE")
+            for task_id, process, node in (
+                ("ghost-dead-1", ghost.dead, ghost.dead_node),
+                ("ghost-dead-2", ghost.dead, ghost.dead_node),
+                ("ghost-live", ghost.live, ghost.live_node),
+            ):
+                barrier.execute(
+                    "INSERT INTO fair_jobs_slotlease"
+                    " (slot_id, queue_limit_id, node_id, task_id, token, process_id,"
+                    "  acquired_at)"
+                    " VALUES (%s, %s, %s, %s, gen_random_uuid(), %s, now() - interval '1 hour')",
+                    (ghost.slot, ghost.queue, node, task_id, process),
+                )
+            wait_for(
+                lambda: (
+                    self.waiting("reaper", "WITH dead AS") == len(reapers)
+                    or any(r.poll() is not None for r in reapers)
+                ),
+                60,
+                f"{len(reapers)} reapers to wait to reap",
+            )
+            assert all(r.poll() is None for r in reapers), [r.communicate() for r in reapers]
+            barrier.commit()
+        finally:
+            barrier.close()
+        return ghost
+
+    def ghost_state(self, ghost: Ghost) -> dict[str, Any]:
+        """The counters and leases of the rows :meth:`dead_process_for_reapers` made."""
+        (slot_jobs, queue_jobs, running, leases, reaped) = self.sql(
+            "SELECT (SELECT current_jobs FROM fair_jobs_tenantqueueslot WHERE id = %(slot)s),"
+            "       (SELECT current_jobs FROM fair_jobs_queuelimit WHERE id = %(queue)s),"
+            "       (SELECT running FROM fair_jobs_queuelimit WHERE id = %(queue)s),"
+            "       (SELECT array_agg(task_id ORDER BY task_id) FROM fair_jobs_slotlease"
+            "         WHERE slot_id = %(slot)s OR queue_limit_id = %(queue)s),"
+            "       (SELECT coalesce(sum(leases_reaped_total), 0) FROM fair_jobs_maintenance)",
+            {"slot": ghost.slot, "queue": ghost.queue},
+        )[0]
+        return {
+            "slot current_jobs": slot_jobs,
+            "queue current_jobs": queue_jobs,
+            "queue running": running,
+            "leases": leases or [],
+            "leases reaped": reaped,
+        }
 
     # -- faults --------------------------------------------------------------------------
 
@@ -570,14 +719,13 @@ class Cluster:
                 f"{len(stale)} run(s) of the frozen node outlived their reaped lease;"
                 f" with them, {worst[1]} had {worst[0]} at once (limit {worst[2]})"
             )
-        self_overlap = max(
-            (
-                max_overlap((r.started, self._end(r, tasks[r.task_id])) for r in rs)
-                for rs in by_id.values()
-                if not any(id(r) in stale for r in rs)
-            ),
-            default=0,
-        )
+        # Runs of the frozen node overlap their successors by design (see _stale).
+        copies_at_once = {
+            task_id: max_overlap((r.started, self._end(r, tasks[r.task_id])) for r in rs)
+            for task_id, rs in by_id.items()
+            if not any(id(r) in stale for r in rs)
+        }
+        self_overlap = max(copies_at_once.values(), default=0)
         return Outcome(
             fault=fault,
             accepted=len(self.jobs),
@@ -592,6 +740,7 @@ class Cluster:
             leftovers=self.leftovers(),
             stale_runs=len(stale),
             self_overlap=self_overlap,
+            self_overlapping=sorted(i for i, n in copies_at_once.items() if n > 1),
             notes=notes,
         )
 
@@ -638,6 +787,10 @@ def check(outcome: Outcome, *, exactly_once: bool) -> None:
     """Assert the invariants on ``outcome`` (and save it for the Reliability table first)."""
     save(outcome)
     assert not outcome.lost, f"jobs lost: {outcome.lost}"
+    assert outcome.self_overlap <= 1, (
+        f"{outcome.self_overlap} runs of one task id at once:"
+        f" {outcome.self_overlapping} ran beside a copy of itself"
+    )
     for name, (seen, limit) in outcome.concurrency.items():
         assert seen <= limit, f"{name}: {seen} at once, limit {limit}"
     assert outcome.concurrency, "no limited run was recorded"
