@@ -258,16 +258,47 @@ def bulk_enqueue(
     return [task.AsyncResult(row.task_id) for row in rows]
 
 
+_pending_starts: list[str] = []
+_pending_starts_lock = threading.Lock()
+
+
 def started(task_id: str) -> None:
     """A promoted job starts: its row goes, so it no longer counts in the queue's latency.
-    A database error is logged, never raised (the job still runs)."""
+    A database error is logged, never raised (the job still runs); the process remembers
+    the start and deletes the row at its next heartbeat (:func:`retry_pending_starts`), so
+    the row does not hold the queue's planners back."""
     from django_fair_jobs.models import PlannedJob
 
     try:
         if not PlannedJob.objects.started(task_id):
             logger.debug("%s started with no planned row (a retry, or a second copy)", task_id)
     except Exception:
-        logger.exception("Could not mark planned job %s started", task_id)
+        logger.exception("Could not mark planned job %s started; retried at the next heartbeat",
+                         task_id)  # fmt: skip
+        with _pending_starts_lock:
+            _pending_starts.append(task_id)
+
+
+def retry_pending_starts() -> int:
+    """Delete the rows of jobs whose start failed to delete them earlier in this process
+    (called by the heartbeat); returns how many starts were recorded. Stops at the first
+    error and keeps the rest for the next heartbeat."""
+    from django_fair_jobs.models import PlannedJob
+
+    with _pending_starts_lock:
+        pending = list(_pending_starts)
+        _pending_starts.clear()
+    done = 0
+    for position, task_id in enumerate(pending):
+        try:
+            PlannedJob.objects.started(task_id)
+        except Exception:
+            # Kept whatever the error: a start dropped here would hold its queue back.
+            with _pending_starts_lock:
+                _pending_starts.extend(pending[position:])
+            break
+        done += 1
+    return done
 
 
 # Planning ----------------------------------------------------------------------------

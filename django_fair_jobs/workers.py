@@ -28,6 +28,7 @@ from typing import Any
 
 from django.db import close_old_connections, connections
 
+from django_fair_jobs import planner
 from django_fair_jobs.conf import fair_settings
 
 logger = logging.getLogger("django_fair_jobs.workers")
@@ -167,6 +168,7 @@ def _heartbeat_loop(ident: _Identity) -> None:
                     )
                 retry_pending_releases()
                 _retry_pending_ends()
+                planner.retry_pending_starts()
                 maybe_run_maintenance()
             except Exception:
                 # A database outage must not kill the heartbeat: drop the connection and

@@ -1,17 +1,21 @@
-"""The planner when a job cannot be published: one job never stops the others."""
+"""The planner when a job cannot be published, or when a promoted row is left behind: one
+job never stops the others, and no promoted row stops the queue's planners for good."""
 
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.db import OperationalError
 from django.test import Client
 
 from django_fair_jobs import planner
 from django_fair_jobs.explanations import explain
+from django_fair_jobs.managers import PlannedJobManager
 from django_fair_jobs.models import PlannedJob
 from tests.testapp import tasks
 
@@ -132,3 +136,36 @@ def test_broker_unreachable__the_batch_stays_in_line_uncounted(
         assert run_planner().promoted == 0
     assert not PlannedJob.objects.filter(attempts__gt=0).exists()
     assert not PlannedJob.objects.filter(failed_at__isnull=False).exists()
+
+
+def test_started_fails_once__retried_from_the_heartbeat__the_planner_runs_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django_fair_jobs import managers
+
+    job = tasks.planned.delay("acme")
+    run_planner()
+    original = PlannedJobManager.started
+    failures: list[str] = []
+
+    def fails_once(self: PlannedJobManager, task_id: str) -> bool:
+        if not failures:
+            failures.append(task_id)
+            raise OperationalError("canceling statement due to lock timeout")
+        return original(self, task_id)
+
+    monkeypatch.setattr(PlannedJobManager, "started", fails_once)
+    planner.started(job.id)  # the job runs; its DELETE failed
+    assert failures == [job.id] and PlannedJob.objects.filter(task_id=job.id).exists()
+    promoted_at = PlannedJob.objects.get(task_id=job.id).promoted_at
+    assert promoted_at is not None
+    monkeypatch.setattr(
+        managers, "database_now", lambda alias="default": promoted_at + timedelta(seconds=60)
+    )
+    tasks.planned.delay("other")
+    assert run_planner().skipped_for_backpressure  # 60 s > the 30 s threshold
+    assert planner.retry_pending_starts() == 1
+    assert not PlannedJob.objects.filter(task_id=job.id).exists()
+    report = run_planner()
+    assert not report.skipped_for_backpressure and report.counts == {"other": 1}
+    assert planner.retry_pending_starts() == 0  # nothing left to retry
