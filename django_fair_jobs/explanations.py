@@ -243,7 +243,9 @@ def _planned(planned: Any, now: datetime) -> Explanation:
             weight = f"tenant_weights failed: {exc.__class__.__name__}: {exc}"
     details["tenant_weight"] = weight
     run = PlannerRun.objects.filter(task_name=planned.task_name).first()
-    latency, depth = PlannedJob.objects.latency(planned.task_name)
+    latency, depth = PlannedJob.objects.latency(
+        planned.task_name, stale_after=None if plan is None else planner.stale_after(plan)
+    )
     threshold = None if plan is None else plan.latency_threshold
     backpressure = latency is not None and threshold is not None and latency > threshold
     details.update(

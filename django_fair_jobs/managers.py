@@ -1398,16 +1398,30 @@ class PlannedJobManager(models.Manager["PlannedJob"]):
         many. For an operator who removed the cause (raised the broker's size limit)."""
         return rows.filter(failed_at__isnull=False).update(failed_at=None, attempts=0)
 
-    def latency(self, task_name: str) -> tuple[float | None, int]:
+    def requeue_stale(self, task_name: str, older_than: float) -> int:
+        """Put ``task_name``'s jobs promoted more than ``older_than`` seconds ago (database
+        clock) and never started back in line, in their old place: their message is
+        presumed lost (a purged queue), or their start failed to delete the row. The next
+        promotion publishes them again with the same task id (at least once). Returns
+        how many."""
+        cutoff = database_now(self._alias()) - timedelta(seconds=older_than)
+        return self.filter(task_name=task_name, promoted_at__lt=cutoff).update(promoted_at=None)
+
+    def latency(self, task_name: str, stale_after: float | None = None) -> tuple[float | None, int]:
         """The latency of the queues ``task_name``'s jobs go to: the age in seconds
         (database clock) of the oldest job promoted to any of them and not started yet (of
-        any planned task), or None; and how many such jobs there are (their depth)."""
+        any planned task), or None; and how many such jobs there are (their depth). Rows
+        promoted more than ``stale_after`` seconds ago do not count: a row left behind
+        never holds the queue back for good (see :meth:`requeue_stale`)."""
+        now = database_now(self._alias())
         queues = self.filter(task_name=task_name).values("queue").distinct()
         promoted = self.filter(queue__in=queues, promoted_at__isnull=False)
+        if stale_after is not None:
+            promoted = promoted.filter(promoted_at__gte=now - timedelta(seconds=stale_after))
         found = promoted.aggregate(oldest=models.Min("promoted_at"), depth=models.Count("pk"))
         if found["oldest"] is None:
             return None, 0
-        age = (database_now(self._alias()) - found["oldest"]).total_seconds()
+        age = (now - found["oldest"]).total_seconds()
         return max(age, 0.0), int(found["depth"])
 
     def started(self, task_id: str) -> bool:

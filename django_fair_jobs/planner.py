@@ -100,6 +100,15 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 job is wrong: the tenant's batch stays in line untouched (Celery already retried the
 publish by its retry policy)."""
 
+STALE_FACTOR = 10
+"""A promoted job not started after this many times its plan's ``latency_threshold`` (or
+``enqueue_interval``, if longer), and at least :data:`STALE_MIN_SECONDS`, is presumed lost
+(see :func:`stale_after`)."""
+
+STALE_MIN_SECONDS = 3600.0
+"""The least time a promoted job may wait in the broker before it is presumed lost: an
+hour, as long as Redis's default visibility timeout before it redelivers a message."""
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -432,6 +441,14 @@ class RunReport:
     counts: dict[str, int]
 
 
+def stale_after(plan: Plan) -> float:
+    """Seconds after which a promoted job of ``plan`` that has not started is presumed lost:
+    :data:`STALE_FACTOR` times the longer of its ``latency_threshold`` and
+    ``enqueue_interval``, and at least :data:`STALE_MIN_SECONDS`. Such a row no longer
+    counts in the latency, and its planner puts it back in line."""
+    return max(STALE_FACTOR * max(plan.latency_threshold, plan.enqueue_interval), STALE_MIN_SECONDS)
+
+
 def run(
     task: Task[Any, Any], app: Celery | None = None, *, due_only: bool = True
 ) -> RunReport | None:
@@ -458,7 +475,17 @@ def run(
     latency, depth = None, 0
     skipped = False
     try:
-        latency, depth = PlannedJob.objects.latency(name)
+        lost_after = stale_after(plan)
+        requeued = PlannedJob.objects.requeue_stale(name, lost_after)
+        if requeued:
+            # Its message is gone (a purged queue), or its start could not delete the row
+            # and the process died before retrying: publishing it again loses no job.
+            logger.warning(
+                "Planner of %s put %s job(s) back in line: promoted more than %g s ago and "
+                "never started (message lost?); they are published again",
+                name, requeued, lost_after,
+            )  # fmt: skip
+        latency, depth = PlannedJob.objects.latency(name, stale_after=lost_after)
         if latency is not None and latency > plan.latency_threshold:
             skipped = True
         else:

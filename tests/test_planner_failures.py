@@ -12,6 +12,7 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import OperationalError
 from django.test import Client
+from django.utils import timezone
 
 from django_fair_jobs import planner
 from django_fair_jobs.explanations import explain
@@ -169,3 +170,18 @@ def test_started_fails_once__retried_from_the_heartbeat__the_planner_runs_again(
     report = run_planner()
     assert not report.skipped_for_backpressure and report.counts == {"other": 1}
     assert planner.retry_pending_starts() == 0  # nothing left to retry
+
+
+def test_promoted_row_far_older_than_the_threshold__put_back_in_line__planner_not_stopped() -> None:
+    lost = tasks.planned.delay("lost")
+    run_planner()
+    # Its message vanished (a purged broker): the row would stay promoted for ever.
+    stale = timezone.now() - timedelta(days=2)
+    PlannedJob.objects.filter(task_id=lost.id).update(promoted_at=stale)
+    tasks.planned.delay("acme")
+    report = run_planner()
+    assert not report.skipped_for_backpressure
+    # The lost job is published again (at least once), with the others.
+    assert report.counts == {"acme": 1, "lost": 1}
+    row = PlannedJob.objects.get(task_id=lost.id)
+    assert row.promoted_at is not None and row.promoted_at > stale
