@@ -185,3 +185,18 @@ def test_promoted_row_far_older_than_the_threshold__put_back_in_line__planner_no
     assert report.counts == {"acme": 1, "lost": 1}
     row = PlannedJob.objects.get(task_id=lost.id)
     assert row.promoted_at is not None and row.promoted_at > stale
+
+
+def test_stale_promoted_row_of_another_task__ignored_in_the_latency__left_to_its_own_planner() -> (
+    None
+):
+    # A planned task whose planner runs nowhere any more left a promoted row on our queue.
+    PlannedJob.objects.create(
+        task_name="gone.task", tenant="x", queue="fair", task_id="gone-1", signature="{}",
+        promoted_at=timezone.now() - timedelta(days=2),
+    )  # fmt: skip
+    tasks.planned.delay("acme")
+    report = run_planner()
+    assert not report.skipped_for_backpressure and report.counts == {"acme": 1}
+    assert report.depth == 0  # measured before this run's promotion, without the stale row
+    assert PlannedJob.objects.get(task_id="gone-1").promoted_at is not None  # not ours
