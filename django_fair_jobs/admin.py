@@ -539,18 +539,56 @@ class RerouteCountAdmin(_ReadOnly, _RerouteAdmin):
     show_full_result_count = False
 
 
+class PlannedStateFilter(admin.SimpleListFilter):
+    """A planned job's state: pending in its virtual queue, promoted and not started, or
+    failed (its publish failed too often; never promoted again)."""
+
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("pending", "pending"), ("promoted", "promoted"), ("failed", "failed")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value == "pending":
+            return queryset.filter(promoted_at__isnull=True, failed_at__isnull=True)
+        if value == "promoted":
+            return queryset.filter(promoted_at__isnull=False)
+        if value == "failed":
+            return queryset.filter(failed_at__isnull=False)
+        return queryset
+
+
 @admin.register(PlannedJob)
 class PlannedJobAdmin(_ReadOnly, _PlannedAdmin):
-    """Jobs in the planners' virtual queues (not promoted yet) and promoted ones that have
-    not started (read-only; revoke a job with Celery to drop it)."""
+    """Jobs in the planners' virtual queues (not promoted yet), promoted ones that have
+    not started, and failed ones, whose publish failed too often (read-only; revoke a job
+    with Celery to drop it, or put a failed one back in line once its cause is removed)."""
 
-    list_display = ("task_id", "task_name", "tenant", "queue", "enqueued_at", "promoted_at")
-    list_filter = (("task_name", RecentValuesFilter), ("queue", RecentValuesFilter))
+    list_display = ("task_id", "task_name", "tenant", "queue", "enqueued_at", "promoted_at",
+                    "attempts", "failed_at", "last_error")  # fmt: skip
+    list_filter = (
+        PlannedStateFilter,
+        ("task_name", RecentValuesFilter),
+        ("queue", RecentValuesFilter),
+    )
     search_fields = ("task_id", "tenant")
+    actions = ("retry_failed",)
     ordering = ("id",)
     # A flood of 100,000 planned jobs: bounded counts and filters (see the classes).
     paginator = EstimatedCountPaginator
     show_full_result_count = False
+
+    def has_retry_permission(self, request: HttpRequest) -> bool:
+        """Putting a failed job back in line needs the change permission on planned jobs
+        (the rows stay read-only otherwise)."""
+        return bool(request.user.has_perm("fair_jobs.change_plannedjob"))
+
+    @admin.action(description="Put the selected failed jobs back in line", permissions=["retry"])
+    def retry_failed(self, request: HttpRequest, queryset: QuerySet[PlannedJob]) -> None:
+        count = PlannedJob.objects.retry_failed(queryset)
+        self.message_user(request, f"Put {count} failed job(s) back in line, in their old place.")
 
 
 @admin.register(PlannerTenant)
@@ -581,7 +619,7 @@ class PlannerTenantAdmin(_PlannerTenantAdmin):
         waiting = (
             PlannedJob.objects.filter(
                 task_name=OuterRef("task_name"), tenant=OuterRef("tenant"),
-                promoted_at__isnull=True,
+                promoted_at__isnull=True, failed_at__isnull=True,
             )
             .order_by()
             .values("task_name")

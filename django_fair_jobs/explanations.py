@@ -8,7 +8,8 @@ A job the library knows about is in exactly one of these places, looked up in th
   broker with its slot kept for it;
 * a parked row: **parked** behind a tenant slot or a queue limit (or **woken**: re-published,
   its reservation on the way);
-* a planned row: **pending** in its tenant's virtual queue, or **promoted** to the broker;
+* a planned row: **pending** in its tenant's virtual queue, **promoted** to the broker, or
+  **failed** (its publish failed too often; never promoted again);
 * only decisions: **rerouted** (a rule sent it to a slower queue), or **shadow** (shadow
   mode recorded what a rule would have done);
 * nothing: **unknown** (finished, never held back, or not a job of ours).
@@ -203,6 +204,18 @@ def _planned(planned: Any, now: datetime) -> Explanation:
         "enqueued_at": planned.enqueued_at.isoformat(),
         "waiting_seconds": age(now, planned.enqueued_at),
     }
+    if planned.attempts:
+        details["failed_publishes"] = planned.attempts
+        details["last_error"] = planned.last_error
+    if planned.failed_at is not None:
+        details["failed_at"] = planned.failed_at.isoformat()
+        return Explanation(
+            planned.task_id, "failed",
+            f"The planner failed to publish it {planned.attempts} times and will not try "
+            f"again: {planned.last_error}. Remove the cause, then put it back in line in the "
+            "admin (planned jobs, failed), or delete it.",
+            details,
+        )  # fmt: skip
     if planned.promoted_at is not None:
         details["promoted_at"] = planned.promoted_at.isoformat()
         return Explanation(
@@ -213,7 +226,7 @@ def _planned(planned: Any, now: datetime) -> Explanation:
         )  # fmt: skip
     ahead = PlannedJob.objects.filter(
         task_name=planned.task_name, tenant=planned.tenant, promoted_at__isnull=True,
-        pk__lt=planned.pk,
+        failed_at__isnull=True, pk__lt=planned.pk,
     ).count()  # fmt: skip
     details["position_in_tenant_queue"] = ahead + 1
     standing = PlannerTenant.objects.filter(
@@ -230,7 +243,9 @@ def _planned(planned: Any, now: datetime) -> Explanation:
             weight = f"tenant_weights failed: {exc.__class__.__name__}: {exc}"
     details["tenant_weight"] = weight
     run = PlannerRun.objects.filter(task_name=planned.task_name).first()
-    latency, depth = PlannedJob.objects.latency(planned.task_name)
+    latency, depth = PlannedJob.objects.latency(
+        planned.task_name, stale_after=None if plan is None else planner.stale_after(plan)
+    )
     threshold = None if plan is None else plan.latency_threshold
     backpressure = latency is not None and threshold is not None and latency > threshold
     details.update(
@@ -252,6 +267,9 @@ def _planned(planned: Any, now: datetime) -> Explanation:
     if backpressure:
         summary += (f" The planner holds back: the queue's oldest promoted job waits "
                     f"{latency:.0f} s, above the {threshold:g} s threshold.")  # fmt: skip
+    if planned.attempts:
+        summary += (f" Its publish failed {planned.attempts} time(s) (of "
+                    f"{planner.PUBLISH_ATTEMPTS}): {planned.last_error}")  # fmt: skip
     if task is None:
         summary += " No planned task of that name is registered in this process."
     return Explanation(planned.task_id, "pending", summary, details)

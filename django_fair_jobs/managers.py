@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from django.db import (
@@ -38,8 +38,6 @@ from django.db.models.functions import Coalesce, Greatest, Now
 from django_fair_jobs.sql import queries
 
 if TYPE_CHECKING:
-    from datetime import timedelta
-
     # Used in the Manager["..."] subscripts below, which the linter cannot see.
     from django_fair_jobs.models import (  # noqa: F401
         Maintenance,
@@ -1337,6 +1335,11 @@ class TenantWindowManager(models.Manager["TenantWindow"]):
         return len(idle)
 
 
+_ERROR_CHARS = 2000
+"""The most of a failed publish's error a planned row keeps (a refused message's error can
+quote the message)."""
+
+
 class PlannedJobManager(models.Manager["PlannedJob"]):
     """The planner's virtual queues: store, claim and promote, mark started, measure."""
 
@@ -1345,9 +1348,9 @@ class PlannedJobManager(models.Manager["PlannedJob"]):
 
     def pending(self, task_name: str) -> dict[str, tuple[int, datetime]]:
         """``{tenant: (jobs waiting, oldest enqueue)}`` of ``task_name``'s virtual queues,
-        counting only jobs due now (no ``not_before`` in the future)."""
+        counting only jobs due now (no ``not_before`` in the future) and not failed."""
         rows = (
-            self.filter(task_name=task_name, promoted_at__isnull=True)
+            self.filter(task_name=task_name, promoted_at__isnull=True, failed_at__isnull=True)
             .filter(Q(not_before__isnull=True) | Q(not_before__lte=Now()))
             .values("tenant")
             .annotate(n=models.Count("pk"), oldest=models.Min("enqueued_at"))
@@ -1355,33 +1358,94 @@ class PlannedJobManager(models.Manager["PlannedJob"]):
         )
         return {tenant: (n, oldest) for tenant, n, oldest in rows}
 
-    def promote(self, task_name: str, tenant: str, count: int, publish: Any) -> list[str]:
+    def promote(
+        self,
+        task_name: str,
+        tenant: str,
+        count: int,
+        publish: Callable[[PlannedJob], None],
+        *,
+        transient: tuple[type[BaseException], ...] = (Exception,),
+        max_attempts: int = 0,
+        gave_up: Callable[[PlannedJob, BaseException], None] | None = None,
+    ) -> list[str]:
         """Claim up to ``count`` of ``tenant``'s oldest due jobs (rows another planner holds
-        are skipped, never waited for), ``publish`` each, then mark them promoted, all in
-        one transaction. If a publish fails, nothing is marked and every claimed job stays
-        in line for the next run (at-least-once). Returns the task ids promoted."""
+        are skipped, never waited for; failed rows are left out), ``publish`` each, then mark
+        the published ones promoted, all in one transaction. Returns the task ids promoted.
+
+        An error of a ``transient`` type (the broker or the database is unreachable; by
+        default any error) rolls the whole batch back and is raised: every claimed job
+        stays in line for the next run (at-least-once), and nothing is counted against the
+        jobs. Any other error is the job's own (a serializer refuses it, the broker refuses
+        its size): each publish runs in a savepoint, so the failure undoes only that job's
+        writes; the job counts an attempt and keeps the error, the rest of the batch goes
+        on, and at ``max_attempts`` (0: never) the job is failed for good and, after the
+        commit, handed to ``gave_up``."""
+        failed_for_good: list[tuple[PlannedJob, BaseException]] = []
         with transaction.atomic(using=self._alias()):
             rows = list(
                 self.select_for_update(skip_locked=True)
                 .filter(task_name=task_name, tenant=tenant, promoted_at__isnull=True)
+                .filter(failed_at__isnull=True)
                 .filter(Q(not_before__isnull=True) | Q(not_before__lte=Now()))
                 .order_by("id")[:count]
             )
+            published = []
             for row in rows:
-                publish(row)
-            self.filter(pk__in=[row.pk for row in rows]).update(promoted_at=Now())
-        return [row.task_id for row in rows]
+                try:
+                    with transaction.atomic(using=self._alias()):
+                        publish(row)
+                except transient:
+                    raise
+                except Exception as exc:
+                    row.attempts += 1
+                    row.last_error = f"{exc.__class__.__name__}: {exc}"[:_ERROR_CHARS]
+                    gives_up = 0 < max_attempts <= row.attempts
+                    self.filter(pk=row.pk).update(
+                        attempts=row.attempts,
+                        last_error=row.last_error,
+                        failed_at=Now() if gives_up else None,
+                    )
+                    if gives_up:
+                        failed_for_good.append((row, exc))
+                    continue
+                published.append(row)
+            self.filter(pk__in=[row.pk for row in published]).update(promoted_at=Now())
+        for job, error in failed_for_good:
+            if gave_up is not None:
+                gave_up(job, error)
+        return [row.task_id for row in published]
 
-    def latency(self, task_name: str) -> tuple[float | None, int]:
+    def retry_failed(self, rows: models.QuerySet[PlannedJob]) -> int:
+        """Put failed jobs among ``rows`` back in line, in their old place, with their
+        attempts cleared (``last_error`` is kept until they are published); returns how
+        many. For an operator who removed the cause (raised the broker's size limit)."""
+        return rows.filter(failed_at__isnull=False).update(failed_at=None, attempts=0)
+
+    def requeue_stale(self, task_name: str, older_than: float) -> int:
+        """Put ``task_name``'s jobs promoted more than ``older_than`` seconds ago (database
+        clock) and never started back in line, in their old place: their message is
+        presumed lost (a purged queue), or their start failed to delete the row. The next
+        promotion publishes them again with the same task id (at least once). Returns
+        how many."""
+        cutoff = database_now(self._alias()) - timedelta(seconds=older_than)
+        return self.filter(task_name=task_name, promoted_at__lt=cutoff).update(promoted_at=None)
+
+    def latency(self, task_name: str, stale_after: float | None = None) -> tuple[float | None, int]:
         """The latency of the queues ``task_name``'s jobs go to: the age in seconds
         (database clock) of the oldest job promoted to any of them and not started yet (of
-        any planned task), or None; and how many such jobs there are (their depth)."""
+        any planned task), or None; and how many such jobs there are (their depth). Rows
+        promoted more than ``stale_after`` seconds ago do not count: a row left behind
+        never holds the queue back for good (see :meth:`requeue_stale`)."""
+        now = database_now(self._alias())
         queues = self.filter(task_name=task_name).values("queue").distinct()
         promoted = self.filter(queue__in=queues, promoted_at__isnull=False)
+        if stale_after is not None:
+            promoted = promoted.filter(promoted_at__gte=now - timedelta(seconds=stale_after))
         found = promoted.aggregate(oldest=models.Min("promoted_at"), depth=models.Count("pk"))
         if found["oldest"] is None:
             return None, 0
-        age = (database_now(self._alias()) - found["oldest"]).total_seconds()
+        age = (now - found["oldest"]).total_seconds()
         return max(age, 0.0), int(found["depth"])
 
     def started(self, task_id: str) -> bool:

@@ -118,6 +118,8 @@ METRICS: tuple[MetricSpec, ...] = (
            "job not yet promoted by the task's planner, in seconds."),
     _gauge("fair_jobs_planner_promoted_not_started", (*K, *T), "Jobs of the tenant promoted "
            "to the broker by the task's planner and not started yet."),
+    _gauge("fair_jobs_planner_failed", (*K, *T), "Jobs of the tenant whose publish failed "
+           "too often: never promoted again until put back in line."),
     _counter("fair_jobs_planner_promoted_total", (*K, *T), "Jobs of the tenant ever promoted "
              "by the task's planner."),
     _gauge("fair_jobs_planner_tenant_paused", (*K, *T), "1 for each tenant whose promotion "
@@ -270,13 +272,14 @@ class FairJobsCollector(Collector):
 
         from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
 
-        waiting = Q(promoted_at__isnull=True)
+        waiting = Q(promoted_at__isnull=True, failed_at__isnull=True)
         jobs = (
             PlannedJob.objects.values("task_name", "tenant")
             .annotate(
                 pending=Count("pk", filter=waiting),
                 oldest=Min("enqueued_at", filter=waiting),
-                in_flight=Count("pk", filter=~waiting),
+                in_flight=Count("pk", filter=Q(promoted_at__isnull=False)),
+                failed=Count("pk", filter=Q(failed_at__isnull=False)),
             )
             .order_by("task_name", "tenant")
         )
@@ -285,6 +288,7 @@ class FairJobsCollector(Collector):
             out.add("fair_jobs_planner_pending", labels, j["pending"])
             out.add("fair_jobs_planner_oldest_pending_seconds", labels, _age(now, j["oldest"]))
             out.add("fair_jobs_planner_promoted_not_started", labels, j["in_flight"])
+            out.add("fair_jobs_planner_failed", labels, j["failed"])
         standing = PlannerTenant.objects.order_by("task_name", "tenant").values_list(
             "task_name", "tenant", "promoted_total", "paused"
         )

@@ -446,7 +446,13 @@ class PlannedJob(models.Model):
 
     ``signature`` re-publishes the job unchanged: task id, arguments, queue, priority,
     headers, links. ``not_before`` holds a countdown or ETA: the job is not promoted
-    before it."""
+    before it.
+
+    A publish that fails for the job itself (a serializer refuses its arguments, the
+    broker refuses its size) counts in ``attempts`` and keeps its ``last_error``; after
+    :data:`~django_fair_jobs.planner.PUBLISH_ATTEMPTS` of them the job is **failed**
+    (``failed_at`` set): never promoted again, kept for the operator to read, put back in
+    line (admin action) or delete."""
 
     task_name = models.CharField(max_length=255)
     tenant = models.CharField(max_length=TENANT_MAX_LENGTH)
@@ -456,6 +462,13 @@ class PlannedJob(models.Model):
     not_before = models.DateTimeField(null=True, blank=True)
     enqueued_at = models.DateTimeField(db_default=Now())
     promoted_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveSmallIntegerField(
+        default=0, help_text="Publishes that failed for this job (a broker outage is not counted)."
+    )
+    failed_at = models.DateTimeField(
+        null=True, blank=True, help_text="Failed for good: promotion skips it."
+    )
+    last_error = models.TextField(blank=True, default="")
 
     objects = PlannedJobManager()
 

@@ -47,7 +47,9 @@ from dataclasses import dataclass
 from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
 
+from django import db
 from django.utils import timezone
+from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import dumps, loads
 
 from django_fair_jobs import validation
@@ -75,6 +77,37 @@ class PlanError(ValueError):
     """A ``fair_plan`` that cannot work, or a planned job that cannot be stored (no
     tenant); raised at publish. An invalid ``fair_plan`` is also system check E015, so
     a worker refuses to start with one."""
+
+
+class PublishFailedError(Exception):
+    """The result of a planned job that failed for good: its publish failed
+    :data:`PUBLISH_ATTEMPTS` times for a reason of its own (the message says which)."""
+
+
+PUBLISH_ATTEMPTS = 3
+"""Publishes a planned job may fail for a reason of its own before it is failed for good
+(``failed_at``): a few, so that an error that passes is not fatal, and few enough that a
+job that can never be published holds nothing back for long. A broker or database outage
+is not counted (:data:`TRANSIENT_ERRORS`)."""
+
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    KombuOperationalError,
+    OSError,
+    db.OperationalError,
+    db.InterfaceError,
+)
+"""Errors of a publish that say the broker or the database is unreachable, not that the
+job is wrong: the tenant's batch stays in line untouched (Celery already retried the
+publish by its retry policy)."""
+
+STALE_FACTOR = 10
+"""A promoted job not started after this many times its plan's ``latency_threshold`` (or
+``enqueue_interval``, if longer), and at least :data:`STALE_MIN_SECONDS`, is presumed lost
+(see :func:`stale_after`)."""
+
+STALE_MIN_SECONDS = 3600.0
+"""The least time a promoted job may wait in the broker before it is presumed lost: an
+hour, as long as Redis's default visibility timeout before it redelivers a message."""
 
 
 @dataclass(frozen=True)
@@ -234,16 +267,47 @@ def bulk_enqueue(
     return [task.AsyncResult(row.task_id) for row in rows]
 
 
+_pending_starts: list[str] = []
+_pending_starts_lock = threading.Lock()
+
+
 def started(task_id: str) -> None:
     """A promoted job starts: its row goes, so it no longer counts in the queue's latency.
-    A database error is logged, never raised (the job still runs)."""
+    A database error is logged, never raised (the job still runs); the process remembers
+    the start and deletes the row at its next heartbeat (:func:`retry_pending_starts`), so
+    the row does not hold the queue's planners back."""
     from django_fair_jobs.models import PlannedJob
 
     try:
         if not PlannedJob.objects.started(task_id):
             logger.debug("%s started with no planned row (a retry, or a second copy)", task_id)
     except Exception:
-        logger.exception("Could not mark planned job %s started", task_id)
+        logger.exception("Could not mark planned job %s started; retried at the next heartbeat",
+                         task_id)  # fmt: skip
+        with _pending_starts_lock:
+            _pending_starts.append(task_id)
+
+
+def retry_pending_starts() -> int:
+    """Delete the rows of jobs whose start failed to delete them earlier in this process
+    (called by the heartbeat); returns how many starts were recorded. Stops at the first
+    error and keeps the rest for the next heartbeat."""
+    from django_fair_jobs.models import PlannedJob
+
+    with _pending_starts_lock:
+        pending = list(_pending_starts)
+        _pending_starts.clear()
+    done = 0
+    for position, task_id in enumerate(pending):
+        try:
+            PlannedJob.objects.started(task_id)
+        except Exception:
+            # Kept whatever the error: a start dropped here would hold its queue back.
+            with _pending_starts_lock:
+                _pending_starts.extend(pending[position:])
+            break
+        done += 1
+    return done
 
 
 # Planning ----------------------------------------------------------------------------
@@ -377,6 +441,14 @@ class RunReport:
     counts: dict[str, int]
 
 
+def stale_after(plan: Plan) -> float:
+    """Seconds after which a promoted job of ``plan`` that has not started is presumed lost:
+    :data:`STALE_FACTOR` times the longer of its ``latency_threshold`` and
+    ``enqueue_interval``, and at least :data:`STALE_MIN_SECONDS`. Such a row no longer
+    counts in the latency, and its planner puts it back in line."""
+    return max(STALE_FACTOR * max(plan.latency_threshold, plan.enqueue_interval), STALE_MIN_SECONDS)
+
+
 def run(
     task: Task[Any, Any], app: Celery | None = None, *, due_only: bool = True
 ) -> RunReport | None:
@@ -403,7 +475,17 @@ def run(
     latency, depth = None, 0
     skipped = False
     try:
-        latency, depth = PlannedJob.objects.latency(name)
+        lost_after = stale_after(plan)
+        requeued = PlannedJob.objects.requeue_stale(name, lost_after)
+        if requeued:
+            # Its message is gone (a purged queue), or its start could not delete the row
+            # and the process died before retrying: publishing it again loses no job.
+            logger.warning(
+                "Planner of %s put %s job(s) back in line: promoted more than %g s ago and "
+                "never started (message lost?); they are published again",
+                name, requeued, lost_after,
+            )  # fmt: skip
+        latency, depth = PlannedJob.objects.latency(name, stale_after=lost_after)
         if latency is not None and latency > plan.latency_threshold:
             skipped = True
         else:
@@ -420,6 +502,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
     from django.db.models import F
 
     from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
+    from django_fair_jobs.tenants import for_log
 
     name = task.name
     pending = PlannedJob.objects.pending(name)
@@ -449,11 +532,26 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
     )  # fmt: skip
     celery_app = app or task.app
     done: dict[str, int] = {}
+    complete = True
     for tenant in plan_out.order:
         wanted = plan_out.counts[tenant]
-        promoted = PlannedJob.objects.promote(
-            name, tenant, wanted, lambda row: _publish(celery_app, row)
-        )
+        try:
+            promoted = PlannedJob.objects.promote(
+                name, tenant, wanted, lambda row: _publish(celery_app, row),
+                transient=TRANSIENT_ERRORS, max_attempts=PUBLISH_ATTEMPTS,
+                gave_up=lambda row, exc: _gave_up(celery_app, row, exc),
+            )  # fmt: skip
+        except Exception as exc:
+            # One tenant's batch never stops the others: its jobs stay in line, its pass
+            # stays, and the other tenants are promoted.
+            logger.exception(
+                "Planner of %s could not promote tenant %s; its jobs stay in line",
+                name, for_log(tenant),
+            )  # fmt: skip
+            complete = False
+            if isinstance(exc, KombuOperationalError):
+                break  # the broker is unreachable: every other tenant would wait as long
+            continue
         done[tenant] = len(promoted)
         # Rows another planner took were not ours: this tenant's pass only moves by what
         # this run promoted.
@@ -462,13 +560,38 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
         PlannerTenant.objects.filter(task_name=name, tenant=tenant).update(
             pass_value=final, promoted_total=F("promoted_total") + len(promoted)
         )
-    PlannerRun.objects.filter(task_name=name).update(virtual_time=plan_out.virtual_time)
+    if complete:
+        # After a tenant's error, the virtual time stays: tenants not served keep their turn.
+        PlannerRun.objects.filter(task_name=name).update(virtual_time=plan_out.virtual_time)
     return done
 
 
 def _publish(app: Celery, row: PlannedJob) -> None:
     sig = app.signature(loads(row.signature))
     sig.apply_async(fair_planned=True)
+
+
+def _gave_up(app: Celery, row: PlannedJob, exc: BaseException) -> None:
+    """A planned job failed for good: log it, and end its result in FAILURE so that a
+    caller waiting on its ``AsyncResult`` learns why instead of waiting for ever."""
+    from django_fair_jobs.tenants import for_log
+
+    logger.error(
+        "Planned job %s of %s (tenant %s) failed %s publishes and will not be promoted: %s",
+        row.task_id, row.task_name, for_log(row.tenant), row.attempts, row.last_error,
+    )  # fmt: skip
+    task = app.tasks.get(row.task_name)
+    backend = task.backend if task is not None else app.backend
+    error = PublishFailedError(
+        f"{row.task_name}: the planner could not publish the job ({row.attempts} attempts): "
+        f"{row.last_error}"
+    )
+    try:
+        backend.mark_as_failure(row.task_id, error)
+    except NotImplementedError:
+        pass  # no result backend: the row's failed_at and last_error are the record
+    except Exception:
+        logger.exception("Could not store the failure of planned job %s", row.task_id)
 
 
 def planned_tasks(app: Celery | None = None) -> list[Task[Any, Any]]:
@@ -524,7 +647,8 @@ def start_thread(stop: threading.Event) -> None:
 def status(app: Celery | None = None) -> list[dict[str, Any]]:
     """Per planned task: its last run (when, promoted, latency, skipped for backpressure)
     and per tenant with planned jobs: jobs pending, age of the oldest (database clock),
-    promoted in all, and whether promotion is paused."""
+    jobs failed for good (their publish failed :data:`PUBLISH_ATTEMPTS` times), promoted
+    in all, and whether promotion is paused."""
     from django.db.models import Count, Min, Q
 
     from django_fair_jobs.managers import database_now
@@ -535,14 +659,16 @@ def status(app: Celery | None = None) -> list[dict[str, Any]]:
     for task in planned_tasks(app):
         run_row = PlannerRun.objects.filter(task_name=task.name).first()
         standing = {t.tenant: t for t in PlannerTenant.objects.filter(task_name=task.name)}
-        waiting = Q(promoted_at__isnull=True)
+        waiting = Q(promoted_at__isnull=True, failed_at__isnull=True)
+        failed = Q(failed_at__isnull=False)
         rows = (
             PlannedJob.objects.filter(task_name=task.name)
             .values("tenant")
             .annotate(
                 pending=Count("pk", filter=waiting),
                 oldest=Min("enqueued_at", filter=waiting),
-                in_flight=Count("pk", filter=~waiting),
+                in_flight=Count("pk", filter=Q(promoted_at__isnull=False)),
+                failed=Count("pk", filter=failed),
             )
             .order_by("tenant")
         )
@@ -555,6 +681,7 @@ def status(app: Celery | None = None) -> list[dict[str, Any]]:
                     "tenant": row["tenant"],
                     "pending": row["pending"],
                     "promoted_not_started": row["in_flight"],
+                    "failed": row["failed"],
                     "oldest_pending_seconds": None
                     if oldest is None
                     else round(max((now - oldest).total_seconds(), 0.0), 1),

@@ -241,7 +241,8 @@ def as_text(snap: dict[str, Any]) -> str:
             oldest = t["oldest_pending_seconds"]
             wait = "" if oldest is None else f", oldest waiting {oldest:g} s"
             paused = " PAUSED" if t["paused"] else ""
-            lines.append(f"    {t['tenant']}{paused}: {t['pending']} pending{wait}")
+            failed = f", {t['failed']} failed (see the admin)" if t.get("failed") else ""
+            lines.append(f"    {t['tenant']}{paused}: {t['pending']} pending{wait}{failed}")
     lines.append("nodes:" if snap["nodes"] else "nodes: no worker has registered")
     for n in snap["nodes"]:
         state = "alive" if n["alive"] else "PRESUMED DEAD"

@@ -185,9 +185,11 @@ def _heartbeat_loop(ident: _Identity) -> None:
 
 
 def _maintenance_loop(ident: _Identity) -> None:
-    """Once per interval: retry this process's failed releases and ends, and take part in
+    """Once per interval: retry this process's failed releases, ends and planned starts,
+    and take part in
     the cluster's maintenance pass. Each of them may publish (wake-ups, dispatches), so a
     broker that stops answering blocks this thread, never the heartbeat."""
+    from django_fair_jobs.planner import retry_pending_starts
     from django_fair_jobs.slots import retry_pending_releases
 
     try:
@@ -198,6 +200,7 @@ def _maintenance_loop(ident: _Identity) -> None:
                 close_old_connections()
                 retry_pending_releases()
                 _retry_pending_ends()
+                retry_pending_starts()
                 maybe_run_maintenance()
             except Exception:
                 # A database outage must not end the loop: try again next interval.

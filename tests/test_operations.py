@@ -18,6 +18,7 @@ from celery import signals
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import override_settings
+from django.utils import timezone
 from kombu.utils.json import dumps
 
 from django_fair_jobs import (
@@ -304,8 +305,11 @@ def test_explain__pending_promoted_and_backpressure() -> None:
     assert found.details["backpressure"] is False
     assert found.details["last_promoted"] == 1 and found.details["promoted_not_started"] == 1
     assert "number 2" in found.summary and "holds back" not in found.summary
-    # The promoted job has waited on the broker for long: the planner holds back.
-    PlannedJob.objects.filter(task_id=old.id).update(promoted_at=OLD)
+    # The promoted job has waited on the broker for long (above the threshold, not yet
+    # presumed lost): the planner holds back.
+    PlannedJob.objects.filter(task_id=old.id).update(
+        promoted_at=timezone.now() - timedelta(minutes=10)
+    )
     held = explain(second.id)
     assert held.details["backpressure"] is True
     assert held.details["queue_latency_seconds"] > 30

@@ -14,8 +14,9 @@ class Command(BaseCommand):
     help = (
         "Say where each TASK_ID is and why: running (node, since when, slots held), "
         "reserved or woken (on its way through the broker), parked (behind which tenant "
-        "slot or queue limit, held by which jobs, its place in line), pending or promoted "
-        "by the planner (place, weight, last run, backpressure), rerouted (which rule, the "
+        "slot or queue limit, held by which jobs, its place in line), pending, promoted "
+        "or failed by the planner (place, weight, last run, backpressure; the publish "
+        "error of a failed one), rerouted (which rule, the "
         "count), shadow-mode decisions, or unknown."
     )
 
