@@ -70,10 +70,15 @@ def promote() -> None:
         time.sleep(0.1)
 
     def recorded(
-        manager: PlannedJobManager, task_name: str, tenant: str, count: int, publish: Any
+        manager: PlannedJobManager,
+        task_name: str,
+        tenant: str,
+        count: int,
+        publish: Any,
+        **options: Any,
     ) -> list[str]:
         start = time.time()
-        ids = claim(manager, task_name, tenant, count, publish)
+        ids = claim(manager, task_name, tenant, count, publish, **options)
         calls.append({"tenant": tenant, "ids": ids, "start": start, "end": time.time()})
         return ids
 
