@@ -133,10 +133,14 @@ def test_two_planners_and_two_reapers__each_job_once(cluster: Cluster) -> None:
         # same rows is kept, and the counters count it alone.
         reapers = cluster.reapers(2, seconds=30)
         ghost = cluster.dead_process_for_reapers(reapers)
+        # The reap and the count of what it reaped are two statements: wait for both.
         wait_for(
-            lambda: cluster.ghost_state(ghost)["leases"] == ["ghost-live"],
+            lambda: (
+                (state := cluster.ghost_state(ghost))["leases"] == ["ghost-live"]
+                and state["leases reaped"] >= 2
+            ),
             REAP_BOUND,
-            "the dead process's leases to be reaped",
+            "the dead process's leases to be reaped and counted",
         )
         state = cluster.ghost_state(ghost)
         assert state == {
