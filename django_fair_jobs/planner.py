@@ -100,6 +100,16 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 job is wrong: the tenant's batch stays in line untouched (Celery already retried the
 publish by its retry policy)."""
 
+
+def broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
+    """The errors ``app``'s broker transport raises when the broker cannot be reached
+    (py-amqp's ``ConnectionForced`` while RabbitMQ stops, redis-py's ``ConnectionError``):
+    transient like :data:`TRANSIENT_ERRORS`, never counted against a job. No connection is
+    opened to learn them."""
+    with app.connection_for_write() as connection:
+        return tuple(connection.connection_errors)
+
+
 STALE_FACTOR = 10
 """A promoted job not started after this many times its plan's ``latency_threshold`` (or
 ``enqueue_interval``, if longer), and at least :data:`STALE_MIN_SECONDS`, is presumed lost
@@ -531,6 +541,8 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
         plan.enqueue_jobs,
     )  # fmt: skip
     celery_app = app or task.app
+    broker_down = broker_errors(celery_app)
+    transient = TRANSIENT_ERRORS + broker_down
     done: dict[str, int] = {}
     complete = True
     for tenant in plan_out.order:
@@ -538,7 +550,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
         try:
             promoted = PlannedJob.objects.promote(
                 name, tenant, wanted, lambda row: _publish(celery_app, row),
-                transient=TRANSIENT_ERRORS, max_attempts=PUBLISH_ATTEMPTS,
+                transient=transient, max_attempts=PUBLISH_ATTEMPTS,
                 gave_up=lambda row, exc: _gave_up(celery_app, row, exc),
             )  # fmt: skip
         except Exception as exc:
@@ -549,7 +561,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
                 name, for_log(tenant),
             )  # fmt: skip
             complete = False
-            if isinstance(exc, KombuOperationalError):
+            if isinstance(exc, (KombuOperationalError, *broker_down)):
                 break  # the broker is unreachable: every other tenant would wait as long
             continue
         done[tenant] = len(promoted)
