@@ -462,13 +462,17 @@ class PlannedJob(models.Model):
     not_before = models.DateTimeField(null=True, blank=True)
     enqueued_at = models.DateTimeField(db_default=Now())
     promoted_at = models.DateTimeField(null=True, blank=True)
+    # Defaults in the database too: rows inserted by code that predates these columns (a
+    # worker not yet upgraded during a rolling deploy, a bulk load in SQL) still insert.
     attempts = models.PositiveSmallIntegerField(
-        default=0, help_text="Publishes that failed for this job (a broker outage is not counted)."
+        default=0,
+        db_default=0,
+        help_text="Publishes that failed for this job (a broker outage is not counted).",
     )
     failed_at = models.DateTimeField(
         null=True, blank=True, help_text="Failed for good: promotion skips it."
     )
-    last_error = models.TextField(blank=True, default="")
+    last_error = models.TextField(blank=True, default="", db_default="")
 
     objects = PlannedJobManager()
 

@@ -13,7 +13,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='plannedjob',
             name='attempts',
-            field=models.PositiveSmallIntegerField(default=0, help_text='Publishes that failed for this job (a broker outage is not counted).'),
+            field=models.PositiveSmallIntegerField(db_default=0, default=0, help_text='Publishes that failed for this job (a broker outage is not counted).'),
         ),
         migrations.AddField(
             model_name='plannedjob',
@@ -23,6 +23,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='plannedjob',
             name='last_error',
-            field=models.TextField(blank=True, default=''),
+            field=models.TextField(blank=True, db_default='', default=''),
         ),
     ]
