@@ -1,0 +1,302 @@
+"""The fence around the package's layout (docs/code-map.md): every module imports only from
+layers below it, never sideways between mechanism rooms, and no import cycle exists.
+
+The test reads every ``import`` in the package with ``ast``, function-local and
+``TYPE_CHECKING`` ones included, because an import hidden in a function is still an edge a
+reader has to follow. ``ALLOWED`` lists the edges that break the rule today; each move of the
+layout deletes entries, and an entry that no longer exists fails the test so that the list can
+only shrink. When it is empty the layout is the one the code map describes.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+import django_fair_jobs
+
+PACKAGE = Path(django_fair_jobs.__file__).parent
+NAME = "django_fair_jobs"
+
+LAYERS: dict[str, int] = {
+    # L0: settings, errors, names, the database helpers; they import nothing of the package
+    # above them.
+    "conf": 0,
+    "errors": 0,
+    "headers": 0,
+    "validation": 0,
+    "routing": 0,
+    "db": 0,
+    "sql": 0,
+    # L1: tenants, the schema, the one place a job is re-sent. ``managers`` is the storage of
+    # every room still in one file; it leaves as each room takes its store.
+    "tenants": 1,
+    "models": 1,
+    "dispatch.models": 1,
+    "managers": 1,
+    "messages": 1,
+    # L2: shared by several rooms.
+    "decisions": 2,
+    "identity": 2,
+    "leases": 2,
+    # L3: the mechanism rooms (see ROOMS); no room imports another.
+    "slots": 3,
+    "windows": 3,
+    "reroute": 3,
+    "planner": 3,
+    "limits": 3,
+    "queue_limits": 3,
+    "dispatch": 3,
+    # L4: the two pipelines that combine rooms.
+    "admission": 4,
+    "publishing": 4,
+    # L5: the task classes.
+    "task": 5,
+    "plain_tasks": 5,
+    "tasks": 5,
+    # L6: what runs the rest and shows it; may import anything below.
+    "maintenance": 6,
+    "workers": 6,
+    "apps": 6,
+    "signals": 6,
+    "checks": 6,
+    "status": 6,
+    "explanations": 6,
+    "metrics": 6,
+    "admin": 6,
+    "management": 6,
+    "": 6,  # the package itself: FairTask and explain, imported lazily
+}
+"""Each module's layer, by its dotted name under the package (a package's submodules take
+the package's layer unless listed themselves)."""
+
+ROOMS = {"slots", "windows", "reroute", "planner", "limits", "queue_limits", "dispatch"}
+"""The mechanism rooms of layer 3. A room's own modules may import each other."""
+
+ALLOWED: set[tuple[str, str]] = {
+    # Today's edges that go up a layer or sideways between rooms. Delete, never add.
+    ("admission", "workers"),
+    ("dispatch.store", "dispatch"),
+    ("dispatch.store_orm", "dispatch"),
+    ("limits", "slots"),
+    ("limits", "task"),
+    ("limits", "workers"),
+    ("planner", "task"),
+    ("slots", "limits"),
+    ("slots", "task"),
+    ("slots", "workers"),
+    ("windows", "task"),
+}
+
+
+ALLOWED_CYCLES: list[list[str]] = [
+    # Cycles among modules of one layer today. Delete, never add.
+    ["managers", "models"],
+]
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of ``path`` under the package ('' for the package itself)."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the package but its migrations, by dotted name."""
+    return {
+        module_name(path): path
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "migrations" not in path.relative_to(PACKAGE).parts
+    }
+
+
+def imports_of(source: str, name: str, is_package: bool, known: Iterable[str]) -> set[str]:
+    """The package's modules that the module ``name`` imports anywhere in ``source``, as
+    dotted names in ``known``; ``from package import module`` counts as importing the module."""
+    known = set(known)
+    here = name.split(".") if name else []
+    found: set[str] = set()
+
+    def resolve(dotted: str) -> str | None:
+        if dotted != NAME and not dotted.startswith(NAME + "."):
+            return None
+        rest = dotted[len(NAME) + 1 :]
+        while rest and rest not in known:
+            rest = rest.rpartition(".")[0]
+        return rest
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here if is_package else here[:-1]
+                base = base[: len(base) - node.level + 1]
+                module = ".".join([NAME, *base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            targets = [f"{module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            resolved = resolve(target)
+            if resolved is not None and resolved != name:
+                found.add(resolved)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """The package's import graph: module -> the modules it imports."""
+    modules = package_modules()
+    return {
+        name: imports_of(
+            path.read_text(encoding="utf-8"), name, path.name == "__init__.py", modules
+        )
+        for name, path in modules.items()
+    }
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``module``: its own entry, else its package's."""
+    probe = module
+    while probe not in LAYERS:
+        if not probe:
+            raise KeyError(module)
+        probe = probe.rpartition(".")[0]
+    return LAYERS[probe]
+
+
+def room_of(module: str) -> str | None:
+    """The mechanism room ``module`` belongs to, or None outside the rooms."""
+    top = module.split(".")[0]
+    return top if top in ROOMS and layer_of(module) == 3 else None
+
+
+def breaks_layering(source: str, target: str) -> bool:
+    """Whether the edge ``source -> target`` goes up a layer or sideways between rooms."""
+    if room_of(source) is not None and room_of(source) == room_of(target):
+        # Inside one room its package imports its parts, never the reverse.
+        return target == room_of(target) and source != target
+    if layer_of(target) > layer_of(source):
+        return True
+    return layer_of(target) == layer_of(source) == 3
+
+
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of two or more
+    modules (Tarjan's algorithm, iterative so a deep graph cannot overflow the stack)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work: list[tuple[str, list[str]]] = [(root, sorted(graph.get(root, ())))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, pending = work[-1]
+            if pending:
+                nxt = pending.pop()
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, sorted(graph.get(nxt, ()))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = []
+    for module in package_modules():
+        try:
+            layer_of(module)
+        except KeyError:
+            missing.append(module)
+    assert not missing, f"give these modules a layer in LAYERS: {missing}"
+
+
+def test_imports_go_only_down__except_the_allowlist() -> None:
+    graph = import_graph()
+    breaking = {
+        (source, target)
+        for source, targets in graph.items()
+        for target in targets
+        if breaks_layering(source, target)
+    }
+    new = sorted(breaking - ALLOWED)
+    assert not new, (
+        f"these imports go up a layer or sideways between rooms: {new}. Move the code they "
+        "need down a layer (docs/code-map.md says where), or import it from a lower module."
+    )
+    gone = sorted(ALLOWED - breaking)
+    assert not gone, f"these edges are gone: delete them from ALLOWED: {gone}"
+
+
+def test_no_import_cycle__outside_the_allowlist() -> None:
+    graph = import_graph()
+    # Without the allowlisted edges the layering rules cycles out, except among modules of
+    # one layer; those must not form one either.
+    pruned = {
+        source: {target for target in targets if (source, target) not in ALLOWED}
+        for source, targets in graph.items()
+    }
+    assert cycles(pruned) == ALLOWED_CYCLES
+
+
+def test_fence__sees_function_local_relative_and_package_imports() -> None:
+    source = (
+        "from django_fair_jobs import slots\n"
+        "from . import conf\n"
+        "if TYPE_CHECKING:\n    from django_fair_jobs.task import FairTask\n"
+        "def f():\n    from django_fair_jobs.planner import run\n    import django_fair_jobs.db\n"
+    )
+    known = {"slots", "conf", "task", "planner", "db", "windows"}
+    assert imports_of(source, "windows", False, known) == {"slots", "conf", "task", "planner", "db"}
+    assert imports_of("from .models import X\n", "dispatch.store", False, {"dispatch.models"}) == {
+        "dispatch.models"
+    }
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "breaks"),
+    [
+        ("slots", "conf", False),  # down
+        ("slots", "task", True),  # up
+        ("slots", "limits", True),  # sideways between rooms
+        ("dispatch.store", "dispatch.models", False),  # inside one room (models is L1 anyway)
+        ("admission", "publishing", False),  # one layer, not rooms: the cycle test guards it
+        ("admin", "slots", False),
+    ],
+)
+def test_breaks_layering__up_and_sideways_only(source: str, target: str, breaks: bool) -> None:
+    assert breaks_layering(source, target) is breaks
+
+
+def test_cycles__finds_a_cycle_and_only_real_ones() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
