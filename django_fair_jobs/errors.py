@@ -1,9 +1,10 @@
-"""Exceptions the library raises to its callers (layer 0: imports nothing of the package).
-
-The other exceptions still live beside the mechanism that raises them and move here with
-the layout in ARCHITECTURE.md; new ones start here."""
+"""Every exception the library raises to its callers (layer 0: imports nothing of the
+package), so that any layer can raise one and a caller finds them all in one place. The
+modules that defined them before still export them under the same names."""
 
 from __future__ import annotations
+
+from kombu.exceptions import EncodeError
 
 
 class TaskIdError(ValueError):
@@ -12,3 +13,49 @@ class TaskIdError(ValueError):
     and a dispatched job keep the id in a column of that size). Raised at publish, and in
     the worker for a job sent by name with such an id, which then fails instead of being
     postponed again and again."""
+
+
+class TenantError(ValueError):
+    """A tenant value that cannot be stored; raised at enqueue, never in the worker."""
+
+
+class FairTaskConfigError(ValueError):
+    """A ``fair_*`` task option with a value that cannot work; raised when the task class
+    is created (at import, so at worker start-up), never at the first job."""
+
+
+class FairArgumentsError(EncodeError):
+    """A job whose arguments kombu's JSON cannot store (an ``object()``, a ``set``, a
+    model instance...), raised at publish before anything is counted or sent: a parked or
+    planned job is stored as JSON, whatever the task's serializer, so such a job could
+    not be kept. A kombu ``EncodeError``, as Celery's own JSON serializer raises."""
+
+
+class TenantLimitError(ValueError):
+    """A tenant limit or boost that cannot work; the message says how to fix it."""
+
+
+class RuleError(ValueError):
+    """A ``fair_tenant_queues`` rule or a ``fair_window_scope`` that cannot work. System
+    checks report it at start-up; publishing such a task raises it."""
+
+
+class PlanError(ValueError):
+    """A ``fair_plan`` that cannot work, or a planned job that cannot be stored (no
+    tenant); raised at publish. An invalid ``fair_plan`` is also system check E015, so
+    a worker refuses to start with one."""
+
+
+class PublishFailedError(Exception):
+    """The result of a planned job that failed for good: its publish failed
+    :data:`~django_fair_jobs.planner.PUBLISH_ATTEMPTS` times for a reason of its own (the
+    message says which)."""
+
+
+class LimitError(ValueError):
+    """A queue limit that cannot be stored (not a whole number >= 0, or no queue name)."""
+
+
+class DispatchError(ValueError):
+    """A ``fair_dispatch`` option that cannot work, or a job that cannot wait in line (no
+    tenant, arguments JSON cannot hold); raised at import or at publish."""

@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING, Any
 from celery import current_app
 
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.errors import (
+    LimitError as LimitError,
+)
 from django_fair_jobs.managers import UNCHANGED
 
 if TYPE_CHECKING:
@@ -40,10 +43,6 @@ REFRESH_SECONDS = 1.0
 """How often a process re-reads which queues are limited. A limit set on a queue that had
 none applies within this time; changes to a limited queue's values apply at once (every
 acquire reads them under the row lock)."""
-
-
-class LimitError(ValueError):
-    """A queue limit that cannot be stored (not a whole number >= 0, or no queue name)."""
 
 
 class _Cache:

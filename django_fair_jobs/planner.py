@@ -52,8 +52,18 @@ from django.utils import timezone
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import dumps, loads
 
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs import validation
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
+from django_fair_jobs.errors import (
+    FairArgumentsError,
+)
+from django_fair_jobs.errors import (
+    PlanError as PlanError,
+)
+from django_fair_jobs.errors import (
+    PublishFailedError as PublishFailedError,
+)
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -63,25 +73,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_fair_jobs.planner")
 
-PLAN_HEADER = "fair_plan"
-"""Message header of a promoted job: it passes straight through (a retry of it too), and
-its start deletes its row."""
+PLAN_HEADER = fair_headers.PLAN
+"""The old name of :data:`django_fair_jobs.headers.PLAN`."""
 
 REQUIRED_KEYS = ("enqueue_interval", "enqueue_jobs")
 KNOWN_KEYS = frozenset(
     {*REQUIRED_KEYS, "tenant_weights", "latency_threshold", "planner_queue", "planner_lock_ttl"}
 )
-
-
-class PlanError(ValueError):
-    """A ``fair_plan`` that cannot work, or a planned job that cannot be stored (no
-    tenant); raised at publish. An invalid ``fair_plan`` is also system check E015, so
-    a worker refuses to start with one."""
-
-
-class PublishFailedError(Exception):
-    """The result of a planned job that failed for good: its publish failed
-    :data:`PUBLISH_ATTEMPTS` times for a reason of its own (the message says which)."""
 
 
 PUBLISH_ATTEMPTS = 3
@@ -229,8 +227,6 @@ def _row(
     try:
         stored = dumps(dict(signature))
     except (TypeError, ValueError) as exc:
-        from django_fair_jobs.task import FairArgumentsError
-
         # At publish, not in the planner: a row that cannot be read back would never run.
         raise FairArgumentsError(
             f"{task.name}: the job cannot be stored in its tenant's virtual queue as JSON "

@@ -29,8 +29,12 @@ from kombu.exceptions import EncodeError
 from kombu.utils.json import dumps, loads
 
 from django_fair_jobs import decisions
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 from django_fair_jobs.db import after_commit
+from django_fair_jobs.errors import (
+    TenantLimitError as TenantLimitError,
+)
 from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition, Woken
 from django_fair_jobs.tenants import for_log
 
@@ -43,12 +47,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_fair_jobs.slots")
 
-DEFERRALS_HEADER = "fair_deferrals"
-"""Message header counting how many times a job was deferred (for logs and explain)."""
+DEFERRALS_HEADER = fair_headers.DEFERRALS
+"""The old name of :data:`django_fair_jobs.headers.DEFERRALS`."""
 
-WAKE_HEADER = "fair_wake"
-"""Message header marking a re-published parked job (its value: the wake number). Such a
-copy starts only while the job's parked row exists; the first copy to start deletes it."""
+WAKE_HEADER = fair_headers.WAKE
+"""The old name of :data:`django_fair_jobs.headers.WAKE`."""
 
 _PARK_ATTEMPTS = 20
 """How often park may answer "room" (a slot freed meanwhile) before we park anyway and
@@ -83,9 +86,7 @@ def is_woken(task: Task[Any, Any]) -> bool:
     only while its parked row exists, and consumes it. A redelivery (its holder died
     before acknowledging) is a fresh start instead: the parked row went when the job first
     started, so as a woken copy it would be dropped as stale and the job lost."""
-    request = task.request
-    redelivered = bool((request.delivery_info or {}).get("redelivered"))
-    return WAKE_HEADER in (request.headers or {}) and not redelivered
+    return fair_headers.is_woken(task.request)
 
 
 def enter(
@@ -223,11 +224,11 @@ def postpone(
     # A woken copy stays marked as one, so that it still cannot run after another copy. A
     # redelivery is a fresh start (see is_woken) and must come back as one: unmarked.
     headers = dict(request.headers or {})
-    wake = headers.pop(WAKE_HEADER, None) if is_woken(task) else None
-    headers.pop(WAKE_HEADER, None)
+    wake = headers.pop(fair_headers.WAKE, None) if is_woken(task) else None
+    headers.pop(fair_headers.WAKE, None)
     sig = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
     if wake is not None:
-        sig.options["headers"] = {**headers, WAKE_HEADER: wake}
+        sig.options["headers"] = {**headers, fair_headers.WAKE: wake}
     from django_fair_jobs.task import FairTask
 
     if wake is not None and isinstance(task, FairTask):
@@ -287,9 +288,9 @@ def defer(
 
     request = task.request
     limited = limits.is_limited(queue)
-    deferrals = int((request.headers or {}).get(DEFERRALS_HEADER) or 0) + 1
-    headers = {**(request.headers or {}), DEFERRALS_HEADER: deferrals}
-    headers.pop(WAKE_HEADER, None)
+    deferrals = int((request.headers or {}).get(fair_headers.DEFERRALS) or 0) + 1
+    headers = {**(request.headers or {}), fair_headers.DEFERRALS: deferrals}
+    headers.pop(fair_headers.WAKE, None)
     signature = None
     if on_limit != "retry":
         try:
@@ -481,7 +482,7 @@ def publish(job: Woken, app: Celery | None = None) -> None:
         sig = celery_app.signature(loads(job.signature))
         # The header is for a publisher without the task class (send_task); FairTask's
         # apply_async takes the number from the fair_wake option.
-        sig.options["headers"] = {**(sig.options.get("headers") or {}), WAKE_HEADER: job.wake}
+        sig.options["headers"] = {**(sig.options.get("headers") or {}), fair_headers.WAKE: job.wake}
         from django_fair_jobs.task import FairTask
 
         if isinstance(celery_app.tasks.get(sig.task or ""), FairTask):
@@ -510,10 +511,6 @@ def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) ->
         wake_line(queue_limit_id, limit=1, app=app)
     for slot_id in slots:
         wake(slot_id, limit=1, app=app)
-
-
-class TenantLimitError(ValueError):
-    """A tenant limit or boost that cannot work; the message says how to fix it."""
 
 
 def _check_limit(value: Any, what: str) -> None:

@@ -17,7 +17,6 @@ from typing import Any
 from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Ignore
 from celery.utils import uuid
-from kombu.exceptions import EncodeError
 from kombu.utils.json import dumps
 
 from django_fair_jobs import (
@@ -31,27 +30,23 @@ from django_fair_jobs import (
     validation,
     windows,
 )
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, fair_settings
-from django_fair_jobs.errors import TaskIdError
-from django_fair_jobs.slots import WAKE_HEADER
-from django_fair_jobs.tenants import HEADER, normalize_tenant, warn_missing_tenant, worker_tenant
+from django_fair_jobs.errors import (
+    FairArgumentsError as FairArgumentsError,
+)
+from django_fair_jobs.errors import (
+    FairTaskConfigError as FairTaskConfigError,
+)
+from django_fair_jobs.errors import (
+    TaskIdError as TaskIdError,
+)
+from django_fair_jobs.tenants import normalize_tenant, warn_missing_tenant, worker_tenant
 from django_fair_jobs.windows import Rule, RuleError
 
 SHADOW_PLANNED = "shadow"
 """The planner header's value on a planned job that shadow mode sent straight to the
 broker: it has no virtual-queue row to delete when it starts."""
-
-
-class FairTaskConfigError(ValueError):
-    """A ``fair_*`` task option with a value that cannot work; raised when the task class
-    is created (at import, so at worker start-up), never at the first job."""
-
-
-class FairArgumentsError(EncodeError):
-    """A job whose arguments kombu's JSON cannot store (an ``object()``, a ``set``, a
-    model instance...), raised at publish before anything is counted or sent: a parked or
-    planned job is stored as JSON, whatever the task's serializer, so such a job could
-    not be kept. A kombu ``EncodeError``, as Celery's own JSON serializer raises."""
 
 
 def _check_arguments(task: FairTask, args: Any, kwargs: Any) -> None:
@@ -171,7 +166,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     def fair_limit(self) -> int:
         """The limit brought to a tenant's slot row that has no override: a rerouting
         rule's ``max_jobs`` for the jobs it rerouted, else the task's."""
-        rule_limit = (self.request.headers or {}).get(windows.MAX_JOBS_HEADER)
+        rule_limit = (self.request.headers or {}).get(fair_headers.MAX_JOBS)
         if rule_limit is not None:
             return int(rule_limit)
         return self.fair_max_jobs or fair_settings.DEFAULT_MAX_JOBS
@@ -240,23 +235,25 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         headers = dict(options.get("headers") or {})
         # A dispatched job's header names its row; a re-publish built from its request (a
         # retry) must wait in line again, so only the dispatch itself carries it.
-        headers.pop(dispatch.HEADER, None)
+        headers.pop(fair_headers.DISPATCH, None)
         dispatched = options.pop("fair_dispatched", None)
         if dispatched is not None:
-            headers[dispatch.HEADER] = int(dispatched)
+            headers[fair_headers.DISPATCH] = int(dispatched)
         if options.pop("fair_planned", False):
-            headers[planner.PLAN_HEADER] = 1  # a promotion: it goes to the broker
+            headers[fair_headers.PLAN] = 1  # a promotion: it goes to the broker
         # The wake number marks one specific re-publish of a parked job; a retry or any
         # other re-publish built from that request must not inherit it.
-        headers.pop(WAKE_HEADER, None)
+        headers.pop(fair_headers.WAKE, None)
         wake = options.pop("fair_wake", None)
         if wake is not None:
-            headers[WAKE_HEADER] = wake
+            headers[fair_headers.WAKE] = wake
         explicit = options.pop("fair_tenant", None)
         if explicit is not None:
-            headers[HEADER] = normalize_tenant(explicit)
-        elif HEADER not in headers:
-            headers[HEADER] = normalize_tenant(self.fair_tenant(*(args or ()), **(kwargs or {})))
+            headers[fair_headers.TENANT] = normalize_tenant(explicit)
+        elif fair_headers.TENANT not in headers:
+            headers[fair_headers.TENANT] = normalize_tenant(
+                self.fair_tenant(*(args or ()), **(kwargs or {}))
+            )
         if self.fair_dispatch and dispatched is None and not self.app.conf.task_always_eager:
             if decisions.enforcing():
                 options["headers"] = headers
@@ -265,35 +262,39 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
                 if link_error is not None:
                     options["link_error"] = link_error
                 return publishing.hold_for_dispatch(
-                    self, headers[HEADER], args, kwargs, {**options, "task_id": task_id}
+                    self,
+                    headers[fair_headers.TENANT],
+                    args,
+                    kwargs,
+                    {**options, "task_id": task_id},
                 )
             # Shadow mode: the job would wait in its tenant's line; it goes to the broker.
             task_id = task_id or uuid()
             decisions.record(
-                task_id=task_id, task_name=self.name, tenant=headers[HEADER],
+                task_id=task_id, task_name=self.name, tenant=headers[fair_headers.TENANT],
                 queue=str(options.get("queue") or getattr(self, "queue", None)
                           or self.app.conf.task_default_queue),
                 mechanism="dispatch", action="hold",
             )  # fmt: skip
         if (
             self.fair_plan
-            and planner.PLAN_HEADER not in headers
+            and fair_headers.PLAN not in headers
             and not self.app.conf.task_always_eager
             and not decisions.enforcing()
         ):
             # Shadow mode: the job would wait in its tenant's virtual queue; it goes to
             # the broker at once, marked as promoted so that no re-publish is held either.
             task_id = task_id or uuid()
-            headers[planner.PLAN_HEADER] = SHADOW_PLANNED
+            headers[fair_headers.PLAN] = SHADOW_PLANNED
             decisions.record(
-                task_id=task_id, task_name=self.name, tenant=headers[HEADER],
+                task_id=task_id, task_name=self.name, tenant=headers[fair_headers.TENANT],
                 queue=str(options.get("queue") or getattr(self, "queue", None)
                           or self.app.conf.task_default_queue),
                 mechanism="planner", action="hold",
             )  # fmt: skip
         if (
             self.fair_plan
-            and planner.PLAN_HEADER not in headers
+            and fair_headers.PLAN not in headers
             and not self.app.conf.task_always_eager
         ):
             # A first publish of a planned task waits in its tenant's virtual queue; a
@@ -303,20 +304,20 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
                 options["link"] = link
             if link_error is not None:
                 options["link_error"] = link_error
-            return planner.intercept(self, headers[HEADER], args, kwargs,
+            return planner.intercept(self, headers[fair_headers.TENANT], args, kwargs,
                                      {**options, "task_id": task_id})  # fmt: skip
         rules = self.fair_rules()
         if rules:
             queue = windows.should_count(self, headers, options.get("queue"), args, kwargs)
             if queue is not None:
-                if headers[HEADER] is None:
+                if headers[fair_headers.TENANT] is None:
                     warn_missing_tenant(self.name, published=True)
                 else:
                     task_id = task_id or uuid()
-                    decision = windows.count(self, headers[HEADER], queue, rules)
+                    decision = windows.count(self, headers[fair_headers.TENANT], queue, rules)
                     windows.apply(
                         decision, options, headers, task_id=task_id, task_name=self.name,
-                        tenant=headers[HEADER], queue=queue,
+                        tenant=headers[fair_headers.TENANT], queue=queue,
                     )  # fmt: skip
         options["headers"] = headers
         return super().apply_async(
@@ -358,20 +359,20 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         _check_arguments(self, args, kwargs)
         item = dict(options)
         headers = dict(item.get("headers") or {})
-        headers.pop(dispatch.HEADER, None)
+        headers.pop(fair_headers.DISPATCH, None)
         explicit = item.pop("fair_tenant", None)
         tenant = normalize_tenant(
             explicit if explicit is not None else self.fair_tenant(*args, **kwargs)
         )
-        headers[HEADER] = tenant
+        headers[fair_headers.TENANT] = tenant
         item["headers"] = headers
         return tenant, args, kwargs, item
 
     def _fair_request_tenant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         headers = self.request.headers or {}
-        if HEADER in headers:
-            return worker_tenant(headers[HEADER], self.name)
-        value = getattr(self.request, HEADER, None)
+        if fair_headers.TENANT in headers:
+            return worker_tenant(headers[fair_headers.TENANT], self.name)
+        value = getattr(self.request, fair_headers.TENANT, None)
         if value is not None:
             return worker_tenant(value, self.name)
         # Published without our apply_async (send_task by name): resolve it here.
@@ -390,7 +391,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         window header and are left alone.
         """
         request = self.request
-        if (request.delivery_info or {}).get("redelivered"):
+        if fair_headers.is_redelivered(request):
             return False
         headers = request.headers if request.headers is not None else {}
         queue = windows.should_count(self, headers, slots.request_queue(self), args, kwargs)
@@ -398,7 +399,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             return False
         decision = windows.count(self, tenant, queue, self.fair_rules())
         options: dict[str, Any] = {}
-        marks: dict[str, Any] = {HEADER: tenant}
+        marks: dict[str, Any] = {fair_headers.TENANT: tenant}
         windows.apply(
             decision, options, marks, task_id=str(request.id), task_name=self.name,
             tenant=tenant, queue=queue,
@@ -426,7 +427,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             # Sent by name (apply_async refuses it): no slot or line can hold the job, and
             # postponing it would repeat forever; it fails, saying why.
             raise TaskIdError(f"{self.name}: {problem}.")
-        dispatched = (request.headers or {}).get(dispatch.HEADER)
+        dispatched = (request.headers or {}).get(fair_headers.DISPATCH)
         if self.fair_dispatch and dispatched is not None:
             tenant = self._fair_request_tenant(args, kwargs)
             if tenant is None:
@@ -435,7 +436,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
                 self, int(dispatched), tenant, slots.request_queue(self),
                 lambda: super(FairTask, self).__call__(*args, **kwargs),
             )  # fmt: skip
-        planned = (request.headers or {}).get(planner.PLAN_HEADER)
+        planned = (request.headers or {}).get(fair_headers.PLAN)
         if self.fair_plan and planned is not None and planned != SHADOW_PLANNED:
             planner.started(str(request.id))
         tenant = self._fair_request_tenant(args, kwargs)
@@ -443,7 +444,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             raise Ignore()
         if tenant is None:
             warn_missing_tenant(self.name)
-        elif not self.fair_slots and windows.MAX_JOBS_HEADER not in (request.headers or {}):
+        elif not self.fair_slots and fair_headers.MAX_JOBS not in (request.headers or {}):
             tenant = None  # rerouting only: no tenant slot
         queue = slots.request_queue(self)
         if tenant is None and not limits.is_limited(queue) and not slots.is_woken(self):

@@ -8,7 +8,11 @@ import threading
 import time
 from typing import Any
 
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.errors import (
+    TenantError as TenantError,
+)
 
 logger = logging.getLogger("django_fair_jobs.tenants")
 
@@ -20,12 +24,8 @@ LOG_MAX_LENGTH = 100
 first 91 characters, ``~`` and the first 8 hex digits of its SHA-256 (see
 :func:`shorten`)."""
 
-HEADER = "fair_tenant"
-"""Message header that carries an explicit tenant (``fair_tenant=`` at publish)."""
-
-
-class TenantError(ValueError):
-    """A tenant value that cannot be stored; raised at enqueue, never in the worker."""
+HEADER = fair_headers.TENANT
+"""The old name of :data:`django_fair_jobs.headers.TENANT`."""
 
 
 def normalize_tenant(value: Any) -> str | None:

@@ -34,7 +34,11 @@ from datetime import timedelta
 from numbers import Real
 from typing import TYPE_CHECKING, Any
 
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
+from django_fair_jobs.errors import (
+    RuleError as RuleError,
+)
 from django_fair_jobs.routing import declared_queue, queue_name
 from django_fair_jobs.tenants import for_log
 
@@ -43,24 +47,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_fair_jobs.windows")
 
-HEADER = "fair_window"
-"""Message header of a counted job: ``{"counts": [...], "rule": index or None}``. Its
-presence is what keeps a retry or any other re-publish from being counted again."""
+HEADER = fair_headers.WINDOW
+"""The old name of :data:`django_fair_jobs.headers.WINDOW`."""
 
-MAX_JOBS_HEADER = "fair_max_jobs"
-"""Message header of a job rerouted by a rule with ``max_jobs``: its tenant's slot limit
-on the rule's queue."""
+MAX_JOBS_HEADER = fair_headers.MAX_JOBS
+"""The old name of :data:`django_fair_jobs.headers.MAX_JOBS`."""
 
 RULE_KEYS = frozenset({"queue", "threshold", "per", "max_jobs"})
 """The keys a rule may have; ``queue`` and ``threshold`` are required."""
 
 SCOPES = ("task", "queue")
 """Counting scopes besides ``"group:<name>"``."""
-
-
-class RuleError(ValueError):
-    """A ``fair_tenant_queues`` rule or a ``fair_window_scope`` that cannot work. System
-    checks report it at start-up; publishing such a task raises it."""
 
 
 @dataclass(frozen=True)
@@ -230,7 +227,7 @@ def should_count(
     """The declared queue if this publish is to be counted, else None: it is not when the
     job was counted before (a re-publish) or is sent to another queue than the declared
     one (a caller's choice, which is never second-guessed)."""
-    if HEADER in headers:
+    if fair_headers.WINDOW in headers:
         return None
     declared = declared_queue(task, args, kwargs)
     if queue is not None and queue_name(queue) != declared:
@@ -252,7 +249,7 @@ def apply(
     record the reroute (in shadow mode: record it only, the job stays on ``queue``)."""
     from django_fair_jobs import decisions
 
-    headers[HEADER] = decision.header()
+    headers[fair_headers.WINDOW] = decision.header()
     rule = decision.rule
     if rule is None:
         return
@@ -271,7 +268,7 @@ def apply(
     options.pop("routing_key", None)
     options.pop("exchange", None)
     if rule.max_jobs is not None:
-        headers[MAX_JOBS_HEADER] = rule.max_jobs
+        headers[fair_headers.MAX_JOBS] = rule.max_jobs
 
 
 def prune() -> int:

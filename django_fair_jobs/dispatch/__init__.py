@@ -48,7 +48,11 @@ from django.db import connections, router
 from django.utils import timezone
 from kombu.utils.json import dumps, loads
 
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs import validation
+from django_fair_jobs.errors import (
+    DispatchError as DispatchError,
+)
 from django_fair_jobs.routing import declared_queue, queue_name
 from django_fair_jobs.tenants import for_log
 
@@ -57,10 +61,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_fair_jobs.dispatch")
 
-HEADER = "fair_dispatch"
-"""Message header of a dispatched job: the id of its row. A job that carries it was
-dispatched (it starts and ends its row); a re-publish built from its request (a retry)
-goes back through its tenant's line."""
+HEADER = fair_headers.DISPATCH
+"""The old name of :data:`django_fair_jobs.headers.DISPATCH`."""
 
 KNOWN_KEYS = frozenset({"tenant_weights"})
 
@@ -76,11 +78,6 @@ another task, or an operator's lowered limit, took the room after it was dispatc
 
 BATCH = 1000
 """Most jobs one step dispatches at once (a new worker node's whole capacity)."""
-
-
-class DispatchError(ValueError):
-    """A ``fair_dispatch`` option that cannot work, or a job that cannot wait in line (no
-    tenant, arguments JSON cannot hold); raised at import or at publish."""
 
 
 @dataclass(frozen=True)
