@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery.exceptions import Ignore
 from django.db import DatabaseError
 
-from django_fair_jobs import dispatch, slots
+from django_fair_jobs import dispatch, identity, slots
 
 if TYPE_CHECKING:
     import uuid
@@ -35,10 +35,7 @@ _pending_lock = threading.Lock()
 
 
 def _process_id() -> uuid.UUID:
-    # The worker identity moves to identity.py (layer 2) with the layout change.
-    from django_fair_jobs import workers
-
-    return workers.current_process_id()
+    return identity.current_process_id()
 
 
 def keep_grant(task: Task[Any, Any], grant: Grant) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import current_app
 
+from django_fair_jobs import identity
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import (
     LimitError as LimitError,
@@ -191,9 +192,8 @@ def acquire(
     """Take a place in ``queue`` and, with a ``tenant``, its slot, for ``task_id``."""
     from django_fair_jobs.models import QueueLimit, SlotLease
     from django_fair_jobs.slots import wake
-    from django_fair_jobs.workers import current_node_id, current_process_id
 
-    process_id, node_id = current_process_id(node), current_node_id()
+    process_id, node_id = identity.current_process_id(node), identity.current_node_id()
     for _ in range(2):
         acquired = QueueLimit.objects.try_acquire(
             queue=queue, tenant=tenant, limit=limit, task_id=task_id,
@@ -220,11 +220,10 @@ def park(
 ) -> str:
     """Park a job in ``queue``'s line if it is still blocked; see ``park_limited``."""
     from django_fair_jobs.models import QueueLimit
-    from django_fair_jobs.workers import current_node_id
 
     return QueueLimit.objects.try_park(
         queue=queue, tenant=tenant, limit=limit, task_id=task_id, task_name=task_name,
-        signature=signature, node_id=current_node_id(), woken=woken,
+        signature=signature, node_id=identity.current_node_id(), woken=woken,
     )  # fmt: skip
 
 

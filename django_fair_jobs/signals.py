@@ -30,7 +30,7 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
     from django_fair_jobs import limits
     from django_fair_jobs.checks import fail_fast_on_bad_settings
     from django_fair_jobs.conf import fair_settings
-    from django_fair_jobs.workers import start_node
+    from django_fair_jobs.identity import start_node
 
     fail_fast_on_bad_settings()
     start_node(getattr(sender, "hostname", None))
@@ -77,7 +77,8 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     # The solo and threads pools run tasks in the main process, which beats from now on.
     # A prefork parent runs no task and does not register: the children it forks later
     # must not inherit a live database connection.
-    from django_fair_jobs.workers import set_concurrency, start_process
+    from django_fair_jobs.identity import set_concurrency
+    from django_fair_jobs.workers import start_process
 
     pool = getattr(sender, "pool", None)
     if pool is not None and type(pool).__module__ != "celery.concurrency.prefork":
@@ -120,7 +121,7 @@ def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: An
         pids = _pool_pids_running(str(task_id)) if terminated else []
         _forget(str(task_id), terminated=bool(terminated) and not pids)
         if pids:
-            from django_fair_jobs.workers import when_gone
+            from django_fair_jobs.identity import when_gone
 
             when_gone(pids, lambda: _forget(str(task_id), terminated=True))
     except Exception:

@@ -28,7 +28,7 @@ from django.db import DatabaseError, DataError
 from kombu.exceptions import EncodeError
 from kombu.utils.json import dumps, loads
 
-from django_fair_jobs import decisions
+from django_fair_jobs import decisions, identity
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 from django_fair_jobs.db import after_commit
@@ -111,8 +111,6 @@ def enter(
     queue is at its limit), postponed (a duplicate delivery, or the database is
     unreachable), or dropped (a stale copy of a woken job). No path loses the job.
     """
-    from django_fair_jobs.workers import registered_process_id
-
     request = task.request
     woken = is_woken(task)
     task_id = str(request.id)
@@ -146,7 +144,7 @@ def enter(
     except DatabaseError as exc:
         # The acquire may have committed with its reply lost: give its lease back later.
         # A process that never registered cannot have taken one.
-        holder = registered_process_id()
+        holder = identity.registered_process_id()
         if holder is not None:
             with _pending_lock:
                 _uncertain.add((task_id, holder))
@@ -182,7 +180,6 @@ def acquire(
     limited, and ``tenant``'s slot (``woken``: the message is a re-published parked job)."""
     from django_fair_jobs import limits
     from django_fair_jobs.models import ParkedJob, TenantQueueSlot
-    from django_fair_jobs.workers import current_process_id
 
     if limits.is_limited(queue):
         acquired = limits.acquire(
@@ -201,7 +198,7 @@ def acquire(
         queue=queue,
         task_id=task_id,
         limit=limit,
-        process_id=current_process_id(node),
+        process_id=identity.current_process_id(node),
         timeout=fair_settings.WORKER_TIMEOUT,
         woken=woken,
     )

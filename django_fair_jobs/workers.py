@@ -1,82 +1,46 @@
-"""Worker processes: identity, heartbeat thread, and maintenance (reap and sweep).
+"""Worker processes: heartbeat thread, and maintenance (reap and sweep).
 
 Every process that runs fair tasks registers one :class:`~django_fair_jobs.models.WorkerProcess`
-row the first time it needs a slot, and starts a daemon thread that refreshes the row's
-heartbeat every ``FAIR_JOBS_HEARTBEAT_INTERVAL`` seconds. The thread keeps beating while
-tasks run (CPU-bound Python code releases the GIL between bytecodes), so a slow job never
-loses its lease, and it does nothing else. A second thread runs maintenance at the same
-pace: leases of processes silent for ``FAIR_JOBS_WORKER_TIMEOUT`` are reaped and missed
-wake-ups are swept. Maintenance publishes to the broker; on its own thread, a broker that
-stops answering (or a long pass) cannot stop the beats. No beat schedule
-is needed, and the pass runs at most once per interval across the cluster, whoever claims
+row the first time it needs a slot (:mod:`django_fair_jobs.identity`), and starts a
+daemon thread that refreshes the row's heartbeat every ``FAIR_JOBS_HEARTBEAT_INTERVAL``
+seconds. The thread keeps beating while tasks run (CPU-bound Python code releases the GIL
+between bytecodes), so a slow job never loses its lease, and it does nothing else. A second
+thread runs maintenance at the same pace: leases of processes silent for
+``FAIR_JOBS_WORKER_TIMEOUT`` are reaped and missed wake-ups are swept. Maintenance publishes
+to the broker; on its own thread, a broker that stops answering (or a long pass) cannot
+stop the beats. No beat schedule is needed, and the pass runs at most once per interval
+across the cluster, whoever claims
 it; ``manage.py fair_jobs_reap`` runs the same maintenance by hand, at once.
 
-Registration is lazy and keyed by pid, so a prefork child registers itself after the fork
-and never shares its parent's identity. The node's identity (:func:`current_node_id`) is
-made once per ``celery worker`` start, in the main process before the pool forks, so all
-of a node's processes share it and a restarted node gets a new one; per-worker queue
-limits count by it.
+The process and node identities moved to :mod:`django_fair_jobs.identity`; their old names
+here (``current_process_id``, ``current_node_id``, ``registered_process_id``,
+``when_gone``, ``start_node``, ``set_concurrency``, ``consumed_queues``) keep working for
+one release.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
-import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import close_old_connections, connections
 
+from django_fair_jobs import identity
 from django_fair_jobs.conf import fair_settings
 
 logger = logging.getLogger("django_fair_jobs.workers")
 
-
-@dataclass
-class _Identity:
-    process_id: uuid.UUID
-    pid: int
-    node: str
-    stop: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-
-
-_identity: _Identity | None = None
-_lock = threading.Lock()
-_node_id: uuid.UUID | None = None
-_node_name: str | None = None
-_concurrency = 1
-"""Jobs this process runs at once: 1 for a prefork child or a solo pool; a threads pool
-sets its thread count at ``worker_ready``."""
-
-
-def set_concurrency(value: int) -> None:
-    """Record how many jobs this process runs at once (a threads pool's size)."""
-    global _concurrency
-    _concurrency = max(int(value), 1)
-
-
-def consumed_queues() -> list[str]:
-    """The queues this worker consumes (``-Q``), or none outside a worker."""
-    from celery import current_app
-
-    try:
-        return sorted(current_app.amqp.queues.consume_from or ())
-    except Exception:
-        return []
-
-
-def start_node(name: str | None = None) -> uuid.UUID:
-    """Give this worker node a new identity (and remember its Celery node name); called at
-    ``worker_init``, before the pool starts, so that prefork children inherit both."""
-    global _node_id, _node_name
-    _node_id, _node_name = uuid.uuid4(), name
-    return _node_id
+# The old import paths of the identity's functions (one release; see the changelog).
+consumed_queues = identity.consumed_queues
+current_node_id = identity.current_node_id
+current_process_id = identity.current_process_id
+registered_process_id = identity.registered_process_id
+set_concurrency = identity.set_concurrency
+start_node = identity.start_node
+when_gone = identity.when_gone
 
 
 def start_process() -> None:
@@ -85,7 +49,7 @@ def start_process() -> None:
     Called when a prefork child starts, or when a solo or threads worker is ready; a
     database error is logged and registration is left to the first job."""
     try:
-        current_process_id()
+        identity.current_process_id()
         dispatch_into_new_capacity()
     except Exception:
         logger.exception("Could not register this worker process; will retry at the first job")
@@ -94,43 +58,11 @@ def start_process() -> None:
         connections.close_all()
 
 
-def current_node_id() -> uuid.UUID:
-    """This process's worker node identity (made on first use outside a worker)."""
-    global _node_id
-    if _node_id is None:
-        with _lock:
-            if _node_id is None:
-                _node_id = uuid.uuid4()
-    return _node_id
+def _start_threads(ident: identity.Identity) -> None:
+    """Start a newly registered process's threads: heartbeat, maintenance, the due poll
+    (one process per node) and the planner's."""
+    from django_fair_jobs.planner import start_thread
 
-
-def current_process_id(node: str | None = None) -> uuid.UUID:
-    """Return this process's id, registering it and starting its heartbeat on first use."""
-    global _identity
-    ident = _identity
-    if ident is not None and ident.pid == os.getpid():
-        return ident.process_id
-    with _lock:
-        if _identity is None or _identity.pid != os.getpid():
-            _identity = _register(node or _node_name or f"celery@{socket.gethostname()}")
-        return _identity.process_id
-
-
-def registered_process_id() -> uuid.UUID | None:
-    """This process's id if it has registered, else None; never registers (so it needs no
-    database and starts no thread)."""
-    ident = _identity
-    return ident.process_id if ident is not None and ident.pid == os.getpid() else None
-
-
-def _register(node: str) -> _Identity:
-    from django_fair_jobs.models import WorkerProcess
-
-    ident = _Identity(process_id=uuid.uuid4(), pid=os.getpid(), node=node)
-    WorkerProcess.objects.register(
-        process_id=ident.process_id, node=node, hostname=socket.gethostname(), pid=ident.pid,
-        node_id=current_node_id(), queues=consumed_queues(), concurrency=_concurrency,
-    )  # fmt: skip
     ident.thread = threading.Thread(
         target=_heartbeat_loop, args=(ident,), name="fair-jobs-heartbeat", daemon=True
     )
@@ -140,14 +72,13 @@ def _register(node: str) -> _Identity:
     ).start()
     if _polls_due():
         threading.Thread(target=_due_loop, args=(ident,), name="fair-jobs-due", daemon=True).start()
-    from django_fair_jobs.planner import start_thread
-
     start_thread(ident.stop)
-    logger.debug("Registered worker process %s (%s pid %s)", ident.process_id, node, ident.pid)
-    return ident
 
 
-def _heartbeat_loop(ident: _Identity) -> None:
+identity.on_register(_start_threads)
+
+
+def _heartbeat_loop(ident: identity.Identity) -> None:
     """Beat, and nothing else: a beat never waits on the broker or on a long maintenance
     pass, which would let another process reap this one while its jobs run."""
     from django_fair_jobs.models import WorkerProcess
@@ -164,15 +95,7 @@ def _heartbeat_loop(ident: _Identity) -> None:
                     logger.warning(
                         "Worker process %s was reaped while alive; re-registering", ident.process_id
                     )
-                    WorkerProcess.objects.register(
-                        process_id=ident.process_id,
-                        node=ident.node,
-                        hostname=socket.gethostname(),
-                        pid=ident.pid,
-                        node_id=current_node_id(),
-                        queues=consumed_queues(),
-                        concurrency=_concurrency,
-                    )
+                    identity.register_row(ident)
             except Exception:
                 # A database outage must not kill the heartbeat: drop the connection and
                 # try again next interval.
@@ -184,7 +107,7 @@ def _heartbeat_loop(ident: _Identity) -> None:
         connections.close_all()
 
 
-def _maintenance_loop(ident: _Identity) -> None:
+def _maintenance_loop(ident: identity.Identity) -> None:
     """Once per interval: retry this process's failed releases, ends and planned starts,
     and take part in the cluster's maintenance pass. Each of them may publish (wake-ups,
     dispatches), so a broker that stops answering blocks this thread, never the heartbeat."""
@@ -211,43 +134,6 @@ def _maintenance_loop(ident: _Identity) -> None:
         connections.close_all()
 
 
-def when_gone(pids: list[int], action: Callable[[], object], within: float | None = None) -> None:
-    """Run ``action`` on a thread of its own once every process of ``pids`` (pool
-    processes of this node) has exited. Give up after ``within`` seconds (default
-    ``FAIR_JOBS_WORKER_TIMEOUT``): a process that lives on keeps what it holds, and its
-    job's own release, or the reaper once it dies, gives it back."""
-    deadline = time.monotonic() + (fair_settings.WORKER_TIMEOUT if within is None else within)
-
-    def watch() -> None:
-        try:
-            while time.monotonic() < deadline:
-                if not any(_alive(pid) for pid in pids):
-                    action()
-                    return
-                time.sleep(0.05)
-        except Exception:
-            logger.exception("Could not give back what processes %s held", pids)
-        finally:
-            connections.close_all()
-
-    threading.Thread(target=watch, name="fair-jobs-when-gone", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie does not: it has exited, unreaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc: the pool reaps its children soon enough
-
-
 def _polls_due() -> bool:
     """Whether this process looks for countdowns come due: one per worker node (a prefork
     pool's first child, billiard's index 0, which a replacement child inherits; a solo or
@@ -255,10 +141,14 @@ def _polls_due() -> bool:
     from billiard.process import current_process
 
     interval = fair_settings.DISPATCH_POLL_INTERVAL
-    return interval > 0 and getattr(current_process(), "index", 0) == 0 and bool(consumed_queues())
+    return (
+        interval > 0
+        and getattr(current_process(), "index", 0) == 0
+        and bool(identity.consumed_queues())
+    )
 
 
-def _due_loop(ident: _Identity) -> None:
+def _due_loop(ident: identity.Identity) -> None:
     try:
         while not ident.stop.wait(fair_settings.DISPATCH_POLL_INTERVAL):
             if ident.pid != os.getpid():
@@ -282,7 +172,7 @@ def dispatch_due() -> int:
     from django_fair_jobs import dispatch
 
     published = 0
-    for queue in dispatch.due_queues(consumed_queues()):
+    for queue in dispatch.due_queues(identity.consumed_queues()):
         published += dispatch.publish(current_app, dispatch.dispatch(queue))
     return published
 
@@ -290,11 +180,10 @@ def dispatch_due() -> int:
 def shutdown() -> None:
     """Stop this process's heartbeat and retire its row, so that any slot it still holds
     is given back by the next reap instead of after the timeout."""
-    global _identity
     from django_fair_jobs.models import WorkerProcess
 
-    ident = _identity
-    if ident is None or ident.pid != os.getpid():
+    ident = identity.current()
+    if ident is None:
         return
     ident.stop.set()
     try:
@@ -304,7 +193,7 @@ def shutdown() -> None:
         run_maintenance()
     except Exception:
         logger.exception("Could not retire worker process %s", ident.process_id)
-    _identity = None
+    identity.forget()
 
 
 _WINDOW_PRUNE_INTERVAL = 60.0

@@ -215,13 +215,13 @@ def in_process_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
     the test process."""
     import uuid
 
-    from django_fair_jobs import workers
+    from django_fair_jobs import identity
     from django_fair_jobs.models import WorkerProcess
 
     pid = uuid.uuid4()
     WorkerProcess.objects.register(process_id=pid, node="bad@host", hostname="host", pid=7)
-    monkeypatch.setattr(workers, "current_process_id", lambda node=None: pid)
-    monkeypatch.setattr(workers, "registered_process_id", lambda: pid)
+    monkeypatch.setattr(identity, "current_process_id", lambda node=None: pid)
+    monkeypatch.setattr(identity, "registered_process_id", lambda: pid)
     return pid
 
 

@@ -216,8 +216,8 @@ def test_queue_limits__listed_with_running_by_node_and_edited_without_touching_c
     staff: Client, process: uuid.UUID
 ) -> None:
     from django_fair_jobs import limits
+    from django_fair_jobs.identity import current_node_id
     from django_fair_jobs.models import QueueLimit
-    from django_fair_jobs.workers import current_node_id
 
     limits.set_limits("hooks", max_jobs=1)
     WorkerProcess.objects.filter(pk=process).update(node_id=current_node_id())

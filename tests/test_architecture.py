@@ -78,15 +78,12 @@ ROOMS = {"slots", "windows", "reroute", "planner", "limits", "queue_limits", "di
 
 ALLOWED: set[tuple[str, str]] = {
     # Today's edges that go up a layer or sideways between rooms. Delete, never add.
-    ("admission", "workers"),
     ("dispatch.store", "dispatch"),
     ("dispatch.store_orm", "dispatch"),
     ("limits", "slots"),
     ("limits", "task"),
-    ("limits", "workers"),
     ("slots", "limits"),
     ("slots", "task"),
-    ("slots", "workers"),
     ("windows", "task"),
 }
 

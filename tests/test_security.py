@@ -29,7 +29,7 @@ from django.test import Client, RequestFactory
 from django.urls import reverse
 from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, explain, limits, planner, slots, status, workers
+from django_fair_jobs import decisions, explain, identity, limits, planner, slots, status
 from django_fair_jobs.models import (
     JobDecision,
     LimitChange,
@@ -82,7 +82,7 @@ def process(monkeypatch: pytest.MonkeyPatch) -> uuid.UUID:
     the first run would start a heartbeat and a planner thread in the test process."""
     pid = uuid.uuid4()
     WorkerProcess.objects.register(process_id=pid, node="sec@host", hostname="host", pid=9)
-    monkeypatch.setattr(workers, "current_process_id", lambda node=None: pid)
+    monkeypatch.setattr(identity, "current_process_id", lambda node=None: pid)
     return pid
 
 

@@ -1,0 +1,188 @@
+"""Who this process is: its worker node, its process row, and what it is running
+(layer 2: imports layers 0-1 only).
+
+Every process that runs fair tasks registers one :class:`~django_fair_jobs.models.WorkerProcess`
+row the first time it needs a slot (or at pool start). Registration is lazy and keyed by
+pid, so a prefork child registers itself after the fork and never shares its parent's
+identity. The node's identity (:func:`current_node_id`) is made once per ``celery worker``
+start, in the main process before the pool forks, so all of a node's processes share it and
+a restarted node gets a new one; per-worker queue limits count by it.
+
+What a registered process must then run (its heartbeat and maintenance threads) lives in
+:mod:`django_fair_jobs.workers`, which asks to be told through :func:`on_register`; this
+module never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from django.db import connections
+
+from django_fair_jobs.conf import fair_settings
+
+logger = logging.getLogger("django_fair_jobs.workers")
+
+
+@dataclass
+class Identity:
+    """A registered process: its row's id, its pid, its node name, and the event that
+    stops the threads it started."""
+
+    process_id: uuid.UUID
+    pid: int
+    node: str
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+
+_identity: Identity | None = None
+_lock = threading.Lock()
+_node_id: uuid.UUID | None = None
+_node_name: str | None = None
+_concurrency = 1
+"""Jobs this process runs at once: 1 for a prefork child or a solo pool; a threads pool
+sets its thread count at ``worker_ready``."""
+_on_register: list[Callable[[Identity], object]] = []
+
+
+def on_register(hook: Callable[[Identity], object]) -> None:
+    """Call ``hook`` with the new :class:`Identity` each time this process registers (once
+    per process, again after a fork): the heartbeat and maintenance threads start there."""
+    if hook not in _on_register:
+        _on_register.append(hook)
+
+
+def set_concurrency(value: int) -> None:
+    """Record how many jobs this process runs at once (a threads pool's size)."""
+    global _concurrency
+    _concurrency = max(int(value), 1)
+
+
+def concurrency() -> int:
+    """How many jobs this process runs at once (see :func:`set_concurrency`)."""
+    return _concurrency
+
+
+def consumed_queues() -> list[str]:
+    """The queues this worker consumes (``-Q``), or none outside a worker."""
+    from celery import current_app
+
+    try:
+        return sorted(current_app.amqp.queues.consume_from or ())
+    except Exception:
+        return []
+
+
+def start_node(name: str | None = None) -> uuid.UUID:
+    """Give this worker node a new identity (and remember its Celery node name); called at
+    ``worker_init``, before the pool starts, so that prefork children inherit both."""
+    global _node_id, _node_name
+    _node_id, _node_name = uuid.uuid4(), name
+    return _node_id
+
+
+def current_node_id() -> uuid.UUID:
+    """This process's worker node identity (made on first use outside a worker)."""
+    global _node_id
+    if _node_id is None:
+        with _lock:
+            if _node_id is None:
+                _node_id = uuid.uuid4()
+    return _node_id
+
+
+def current_process_id(node: str | None = None) -> uuid.UUID:
+    """Return this process's id, registering it and starting its heartbeat on first use."""
+    global _identity
+    ident = _identity
+    if ident is not None and ident.pid == os.getpid():
+        return ident.process_id
+    with _lock:
+        if _identity is None or _identity.pid != os.getpid():
+            _identity = _register(node or _node_name or f"celery@{socket.gethostname()}")
+        return _identity.process_id
+
+
+def registered_process_id() -> uuid.UUID | None:
+    """This process's id if it has registered, else None; never registers (so it needs no
+    database and starts no thread)."""
+    ident = _identity
+    return ident.process_id if ident is not None and ident.pid == os.getpid() else None
+
+
+def current() -> Identity | None:
+    """This process's :class:`Identity` if it has registered (in this process, not a
+    parent it was forked from), else None."""
+    ident = _identity
+    return ident if ident is not None and ident.pid == os.getpid() else None
+
+
+def forget() -> None:
+    """Drop this process's identity (it retired its row); the next use registers anew."""
+    global _identity
+    _identity = None
+
+
+def register_row(ident: Identity) -> None:
+    """Write (or write again, after a reap) ``ident``'s worker process row."""
+    from django_fair_jobs.models import WorkerProcess
+
+    WorkerProcess.objects.register(
+        process_id=ident.process_id, node=ident.node, hostname=socket.gethostname(),
+        pid=ident.pid, node_id=current_node_id(), queues=consumed_queues(),
+        concurrency=_concurrency,
+    )  # fmt: skip
+
+
+def _register(node: str) -> Identity:
+    ident = Identity(process_id=uuid.uuid4(), pid=os.getpid(), node=node)
+    register_row(ident)
+    for hook in _on_register:
+        hook(ident)
+    logger.debug("Registered worker process %s (%s pid %s)", ident.process_id, node, ident.pid)
+    return ident
+
+
+def when_gone(pids: list[int], action: Callable[[], object], within: float | None = None) -> None:
+    """Run ``action`` on a thread of its own once every process of ``pids`` (pool
+    processes of this node) has exited. Give up after ``within`` seconds (default
+    ``FAIR_JOBS_WORKER_TIMEOUT``): a process that lives on keeps what it holds, and its
+    job's own release, or the reaper once it dies, gives it back."""
+    deadline = time.monotonic() + (fair_settings.WORKER_TIMEOUT if within is None else within)
+
+    def watch() -> None:
+        try:
+            while time.monotonic() < deadline:
+                if not any(_alive(pid) for pid in pids):
+                    action()
+                    return
+                time.sleep(0.05)
+        except Exception:
+            logger.exception("Could not give back what processes %s held", pids)
+        finally:
+            connections.close_all()
+
+    threading.Thread(target=watch, name="fair-jobs-when-gone", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not: it has exited, unreaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: the pool reaps its children soon enough
