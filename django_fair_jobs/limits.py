@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import current_app
 
-from django_fair_jobs import identity
+from django_fair_jobs import identity, messages
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import (
     LimitError as LimitError,
@@ -235,7 +235,6 @@ def wake_line(queue_limit_id: int, limit: int = 1, app: Celery | None = None) ->
 
     from django_fair_jobs.db import after_commit
     from django_fair_jobs.models import QueueLimit
-    from django_fair_jobs.slots import publish
 
     if after_commit(lambda: wake_line(queue_limit_id, limit, app), router.db_for_write(QueueLimit)):
         return 0
@@ -244,7 +243,7 @@ def wake_line(queue_limit_id: int, limit: int = 1, app: Celery | None = None) ->
         job = QueueLimit.objects.wake_one(queue_limit_id)
         if job is None:
             break
-        publish(job, app=app)
+        messages.publish_woken(job, app=app)
         woken += 1
     return woken
 
@@ -271,12 +270,10 @@ def install(app: Celery | None = None) -> list[str]:
     any pool process exists, so every process runs the wrapped tasks. Returns the names
     of the tasks wrapped.
     """
-    from django_fair_jobs.task import FairTask
-
     celery_app = app or current_app
     wrapped: list[str] = []
     for name, task in sorted(celery_app.tasks.items()):
-        if isinstance(task, FairTask) or name.startswith("celery.") or _is_wrapped(task):
+        if messages.is_fair(task) or name.startswith("celery.") or _is_wrapped(task):
             continue
         task.run = _limited_run(task, task.run)  # type: ignore[method-assign]
         # A tracer built earlier keeps the old run; the next job builds a new one.

@@ -23,19 +23,18 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from celery import Task as CeleryTask
-from celery import current_app
 from django.db import DatabaseError, DataError
 from kombu.exceptions import EncodeError
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, identity
+from django_fair_jobs import decisions, identity, messages
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 from django_fair_jobs.db import after_commit
 from django_fair_jobs.errors import (
     TenantLimitError as TenantLimitError,
 )
-from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition, Woken
+from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition
 from django_fair_jobs.tenants import for_log
 
 if TYPE_CHECKING:
@@ -224,14 +223,7 @@ def postpone(
     wake = headers.pop(fair_headers.WAKE, None) if is_woken(task) else None
     headers.pop(fair_headers.WAKE, None)
     sig = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
-    if wake is not None:
-        sig.options["headers"] = {**headers, fair_headers.WAKE: wake}
-    from django_fair_jobs.task import FairTask
-
-    if wake is not None and isinstance(task, FairTask):
-        sig.apply_async(fair_wake=wake)
-    else:
-        sig.apply_async()
+    messages.send(sig, task, wake)
 
 
 def refuse(
@@ -466,30 +458,13 @@ def wake(slot_id: int, limit: int | None = 1, app: Celery | None = None) -> int:
         job = TenantQueueSlot.objects.wake_one(slot_id)
         if job is None:
             break
-        publish(job, app=app)
+        messages.publish_woken(job, app=app)
         woken += 1
     return woken
 
 
-def publish(job: Woken, app: Celery | None = None) -> None:
-    """Re-publish a woken parked job. If the broker refuses it, the job stays marked
-    woken and the sweep puts it back in line once its reservation expires."""
-    celery_app = app or current_app
-    try:
-        sig = celery_app.signature(loads(job.signature))
-        # The header is for a publisher without the task class (send_task); FairTask's
-        # apply_async takes the number from the fair_wake option.
-        sig.options["headers"] = {**(sig.options.get("headers") or {}), fair_headers.WAKE: job.wake}
-        from django_fair_jobs.task import FairTask
-
-        if isinstance(celery_app.tasks.get(sig.task or ""), FairTask):
-            sig.apply_async(fair_wake=job.wake)
-        else:
-            sig.apply_async()  # a plain task (queue limits) knows no fair_* option
-    except Exception:
-        logger.exception("Could not re-publish woken job %s; the sweep will retry it", job.task_id)
-        return
-    logger.debug("Woke parked job %s on slot %s", job.task_id, job.slot_id)
+publish = messages.publish_woken
+"""The old name of :func:`django_fair_jobs.messages.publish_woken` (one release)."""
 
 
 def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) -> None:

@@ -112,6 +112,10 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     current transaction commits. Publishing works from async code too.
     """
 
+    fair_jobs_task = True
+    """Marks a ``FairTask`` for the layers below it
+    (:func:`django_fair_jobs.messages.is_fair`), which do not import this class."""
+
     fair_max_jobs: int | None = None
     """Jobs of one tenant that may run at once on this task's queue. A tenant's slot row
     may override it in the admin. None: ``FAIR_JOBS_DEFAULT_MAX_JOBS``."""

@@ -35,6 +35,7 @@ from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 from django_fair_jobs import headers as fair_headers
+from django_fair_jobs import messages
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 from django_fair_jobs.errors import (
     RuleError as RuleError,
@@ -284,12 +285,11 @@ def windows_by_key(app: Any = None) -> dict[str, list[int]]:
     its rules count over; the admin shows a tenant's count for each."""
     from celery import current_app
 
-    from django_fair_jobs.task import FairTask
-
     found: dict[str, set[int]] = {}
     max_window = fair_settings.MAX_THROTTLING_WINDOW
+    task: Any
     for task in (app or current_app).tasks.values():
-        if not isinstance(task, FairTask):
+        if not messages.is_fair(task):
             continue
         try:
             rules = task.fair_rules()

@@ -88,7 +88,8 @@ def test_edit_limit__raising_wakes_parked_jobs(
 ) -> None:
     published: list[str] = []
     monkeypatch.setattr(
-        "django_fair_jobs.slots.publish", lambda job, app=None: published.append(job.task_id)
+        "django_fair_jobs.messages.publish_woken",
+        lambda job, app=None: published.append(job.task_id),
     )
     acquire(process, "j1")
     TenantQueueSlot.objects.try_park(

@@ -81,10 +81,7 @@ ALLOWED: set[tuple[str, str]] = {
     ("dispatch.store", "dispatch"),
     ("dispatch.store_orm", "dispatch"),
     ("limits", "slots"),
-    ("limits", "task"),
     ("slots", "limits"),
-    ("slots", "task"),
-    ("windows", "task"),
 }
 
 
@@ -310,6 +307,14 @@ OLD_PATHS = {
     "planner.PublishFailedError": "errors.PublishFailedError",
     "limits.LimitError": "errors.LimitError",
     "dispatch.DispatchError": "errors.DispatchError",
+    "slots.publish": "messages.publish_woken",
+    "workers.current_process_id": "identity.current_process_id",
+    "workers.current_node_id": "identity.current_node_id",
+    "workers.registered_process_id": "identity.registered_process_id",
+    "workers.when_gone": "identity.when_gone",
+    "workers.start_node": "identity.start_node",
+    "workers.set_concurrency": "identity.set_concurrency",
+    "workers.consumed_queues": "identity.consumed_queues",
     "tenants.HEADER": "headers.TENANT",
     "slots.WAKE_HEADER": "headers.WAKE",
     "slots.DEFERRALS_HEADER": "headers.DEFERRALS",
@@ -329,3 +334,21 @@ def test_old_import_path__still_gives_the_moved_name(old: str, new: str) -> None
         return getattr(importlib.import_module(f"{NAME}.{module}"), attribute)
 
     assert load(old) is load(new)
+
+
+def test_is_fair__a_fair_task_is__a_plain_task_is_not() -> None:
+    from celery import Task, shared_task
+
+    from django_fair_jobs import messages
+    from django_fair_jobs.task import FairTask
+
+    @shared_task(name="tests.architecture.plain")
+    def plain() -> None:
+        """A plain Celery task."""
+
+    @shared_task(base=FairTask, name="tests.architecture.fair")
+    def fair() -> None:
+        """A fair task."""
+
+    assert messages.is_fair(fair) and isinstance(fair, FairTask)
+    assert not messages.is_fair(plain) and isinstance(plain, Task)

@@ -123,7 +123,7 @@ def test_limit_zero__pauses_and_raising_it_wakes_the_line(
     assert row().parked_jobs == 1
     woken: list[str] = []
     monkeypatch.setattr(
-        "django_fair_jobs.slots.publish", lambda job, app=None: woken.append(job.task_id)
+        "django_fair_jobs.messages.publish_woken", lambda job, app=None: woken.append(job.task_id)
     )
     limits.set_limits("hooks", max_jobs=1)
     assert woken == ["j1"]
@@ -312,7 +312,7 @@ def test_limit_cleared_while_jobs_run__waiting_jobs_woken_at_once__queue_drains_
     assert park("j2") == "parked"
     woken: list[str] = []
     monkeypatch.setattr(
-        "django_fair_jobs.slots.publish", lambda job, app=None: woken.append(job.task_id)
+        "django_fair_jobs.messages.publish_woken", lambda job, app=None: woken.append(job.task_id)
     )
     limits.set_limits("hooks", max_jobs=None)
     assert woken == ["j2"]  # not left waiting for j1 to finish
