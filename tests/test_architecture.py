@@ -78,8 +78,6 @@ ROOMS = {"slots", "windows", "reroute", "planner", "limits", "queue_limits", "di
 
 ALLOWED: set[tuple[str, str]] = {
     # Today's edges that go up a layer or sideways between rooms. Delete, never add.
-    ("dispatch.store", "dispatch"),
-    ("dispatch.store_orm", "dispatch"),
     ("limits", "slots"),
     ("slots", "limits"),
 }

@@ -50,6 +50,10 @@ from kombu.utils.json import dumps, loads
 
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs import validation
+from django_fair_jobs.dispatch.types import BATCH as BATCH
+from django_fair_jobs.dispatch.types import Job as Job
+from django_fair_jobs.dispatch.types import Ready as Ready
+from django_fair_jobs.dispatch.types import Started as Started
 from django_fair_jobs.errors import (
     DispatchError as DispatchError,
 )
@@ -76,32 +80,12 @@ FENCE_DELAY = 1.0
 """Seconds a job waits in line again when its tenant slot was full at start (a job of
 another task, or an operator's lowered limit, took the room after it was dispatched)."""
 
-BATCH = 1000
-"""Most jobs one step dispatches at once (a new worker node's whole capacity)."""
-
 
 @dataclass(frozen=True)
 class Options:
     """A validated ``fair_dispatch`` option."""
 
     tenant_weights: Callable[[list[str]], Mapping[str, Any]] | None
-
-
-@dataclass(frozen=True)
-class Ready:
-    """A job dispatched and to be published now: its row id and stored signature."""
-
-    job_id: int
-    signature: str
-
-
-@dataclass(frozen=True)
-class Started:
-    """What the start of a dispatched job found: ``"started"`` (it runs; ``cap`` is its
-    tenant's cap in force, or None) or ``"duplicate"`` (another copy ran or runs)."""
-
-    status: str
-    cap: int | None = None
 
 
 def option_errors(raw: Any) -> list[str]:
@@ -168,20 +152,6 @@ def weight_of(options: Options, queue: str, tenant: str, task_name: str) -> floa
         weight = 1.0
     _weights[(queue, tenant)] = (weight, now + WEIGHT_TTL)
     return weight
-
-
-@dataclass(frozen=True)
-class Job:
-    """A job ready to be stored in its line."""
-
-    queue: str
-    tenant: str
-    task_name: str
-    task_id: str
-    signature: str
-    not_before: datetime | None
-    weight: float | None
-    cap: int | None
 
 
 def prepare(

@@ -14,7 +14,7 @@ from django_fair_jobs.dispatch.models import DISPATCHED, RUNNING
 from django_fair_jobs.sql import queries
 
 if TYPE_CHECKING:
-    from django_fair_jobs.dispatch import Job, Ready, Started
+    from django_fair_jobs.dispatch.types import Job, Ready, Started
 
 MAX_BACKOFF = 60.0
 """Longest wait before a job whose publish failed is tried again (seconds)."""
@@ -34,7 +34,7 @@ class Store:
 
     @staticmethod
     def _ready(rows: list[tuple[Any, ...]]) -> list[Ready]:
-        from django_fair_jobs.dispatch import Ready
+        from django_fair_jobs.dispatch.types import Ready
 
         return [Ready(int(job_id), signature) for job_id, signature in rows if job_id is not None]
 
@@ -76,7 +76,7 @@ class Store:
 
     def start(self, job_id: int, process_id: uuid.UUID) -> Started:
         """See :func:`django_fair_jobs.dispatch.start`."""
-        from django_fair_jobs.dispatch import Started
+        from django_fair_jobs.dispatch.types import Started
 
         rows = self._rows("dispatch_start", {"job": job_id, "process": process_id})
         if not rows:  # the tenant row is gone: the job still started
@@ -199,7 +199,7 @@ class Store:
 
 
 def _batch() -> int:
-    from django_fair_jobs.dispatch import BATCH
+    from django_fair_jobs.dispatch.types import BATCH
 
     return BATCH
 

@@ -24,7 +24,7 @@ from django_fair_jobs.dispatch.models import (
 )
 
 if TYPE_CHECKING:
-    from django_fair_jobs.dispatch import Job, Ready, Started
+    from django_fair_jobs.dispatch.types import Job, Ready, Started
 
 
 class Store(pg_store.Store):
@@ -51,7 +51,7 @@ class Store(pg_store.Store):
         return None if first is None else int(first)
 
     def _dispatch(self, queue: str, limit: int) -> list[Ready]:
-        from django_fair_jobs.dispatch import Ready
+        from django_fair_jobs.dispatch.types import Ready
         from django_fair_jobs.models import TenantQueueSlot
 
         row = self._queues().filter(queue=queue).first()
@@ -127,7 +127,7 @@ class Store(pg_store.Store):
 
     def enqueue(self, job: Job) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue`."""
-        from django_fair_jobs.dispatch import BATCH
+        from django_fair_jobs.dispatch.types import BATCH
 
         with transaction.atomic(using=self.alias):
             if self._put(job):
@@ -165,7 +165,7 @@ class Store(pg_store.Store):
 
     def enqueue_many(self, jobs: list[Job]) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue_many` (one transaction)."""
-        from django_fair_jobs.dispatch import BATCH
+        from django_fair_jobs.dispatch.types import BATCH
 
         ready: list[Ready] = []
         with transaction.atomic(using=self.alias):
@@ -177,7 +177,7 @@ class Store(pg_store.Store):
 
     def start(self, job_id: int, process_id: uuid.UUID) -> Started:
         """See :func:`django_fair_jobs.dispatch.start`."""
-        from django_fair_jobs.dispatch import Started
+        from django_fair_jobs.dispatch.types import Started
         from django_fair_jobs.models import TenantQueueSlot
 
         with transaction.atomic(using=self.alias):
@@ -217,7 +217,7 @@ class Store(pg_store.Store):
 
         from django.utils import timezone
 
-        from django_fair_jobs.dispatch import BATCH
+        from django_fair_jobs.dispatch.types import BATCH
 
         back = not ended and delay <= 0
         with transaction.atomic(using=self.alias):
@@ -297,7 +297,7 @@ class Store(pg_store.Store):
 
     def lost(self, lost_after: float) -> list[Ready]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.lost`."""
-        from django_fair_jobs.dispatch import Ready
+        from django_fair_jobs.dispatch.types import Ready
 
         with transaction.atomic(using=self.alias):
             stale = self._jobs().filter(
