@@ -1,30 +1,48 @@
 """What happens when a job starts and ends: the hold protocol, read top to bottom.
 
-Today it holds fair dispatch's steps (the rest of the protocol moves here from
-``task.py`` and ``slots.py`` with the layout in ARCHITECTURE.md): a dispatched job marks
-its row running (one round trip; a second copy of the message is dropped), takes its
-tenant slot only when its tenant has a cap (the fence that keeps the limit whatever was
-dispatched), runs, and ends its row in the round trip that dispatches the next job.
+The only module besides ``publishing`` that combines the mechanism rooms. A job's start:
+
+1. :func:`enter` takes what the job needs (:func:`acquire`): on a limited queue its place
+   in the queue and, with a tenant, its tenant slot, in one statement, both or neither
+   (:mod:`django_fair_jobs.limits`); elsewhere its tenant slot alone
+   (:mod:`django_fair_jobs.slots`).
+2. If the tenant or the queue is full, :func:`defer` parks the job in the slot's or the
+   queue's line (or re-publishes it with a jittered countdown, ``fair_on_limit="retry"``);
+   a duplicate or stale copy is dealt with by :func:`refuse`; with the database down the
+   delivery is postponed through the broker (:func:`postpone`). No path loses the job.
+3. The job runs; :func:`release` gives back its slot and place, and wakes the parked jobs
+   that can run now.
+
+A dispatched job (``fair_dispatch``) marks its row running (one round trip; a second copy
+of the message is dropped), takes its tenant slot only when its tenant has a cap (the
+fence that keeps the limit whatever was dispatched), runs, and ends its row in the round
+trip that dispatches the next job (:func:`run_dispatched`). Plain tasks on a limited queue
+(``FAIR_JOBS_LIMIT_PLAIN_TASKS``) go through :func:`enter` too (:func:`install`).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from celery import Task as CeleryTask
 from celery.exceptions import Ignore
-from django.db import DatabaseError
+from django.db import DatabaseError, DataError
+from kombu.exceptions import EncodeError
+from kombu.utils.json import dumps
 
-from django_fair_jobs import dispatch, identity, slots
+from django_fair_jobs import decisions, dispatch, identity, limits, messages, slots
+from django_fair_jobs import headers as fair_headers
+from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition
+from django_fair_jobs.tenants import for_log
 
 if TYPE_CHECKING:
-    import uuid
-
-    from celery import Task
-
-    from django_fair_jobs.managers import Grant
+    from celery import Celery, Task
 
 logger = logging.getLogger("django_fair_jobs.admission")
 
@@ -51,7 +69,7 @@ def release_held(task: Task[Any, Any]) -> None:
     grant = getattr(task.request, "fair_grant", None)
     if grant is not None:
         setattr(task.request, "fair_grant", None)  # noqa: B010
-        slots.release(grant, app=task.app)
+        release(grant, app=task.app)
 
 
 def run_dispatched(
@@ -79,7 +97,7 @@ def run_dispatched(
         logger.info("Job %s (%s) already ran or runs: this copy is dropped", job_id, task.name)
         raise Ignore()
     if started.cap is not None and tenant is not None:
-        acquired = slots.acquire(
+        acquired = acquire(
             tenant=tenant, queue=queue, task_id=str(task.request.id), limit=started.cap,
             node=task.request.hostname, woken=False,
         )  # fmt: skip
@@ -125,3 +143,417 @@ def retry_pending_ends(app: Any) -> int:
         dispatch.publish(app, ready)
         done += 1
     return done
+
+
+_PARK_ATTEMPTS = 20
+"""How often park may answer "room" (a slot freed meanwhile) before we park anyway and
+leave the job to the sweep. Each "room" means the slot changed hands, so this is only
+reached under extreme churn."""
+
+_pending_releases: list[Grant] = []
+
+_holds_lock = threading.Lock()
+
+_uncertain: set[tuple[str, uuid.UUID]] = set()
+"""(task id, process id) of acquires that failed with a database error in this process:
+one may have committed with its reply lost (a failover, a pooler restart), leaving a lease
+held by this live process under a token nobody has. It is given back at the next
+heartbeat, or before the job's next copy starts here. Guarded by ``_holds_lock``."""
+
+_running: set[str] = set()
+"""Task ids of the jobs holding a grant in this process (``enter`` to ``release``): their
+leases are never mistaken for those of a lost reply. Guarded by ``_holds_lock``."""
+
+
+def enter(
+    task: Task[Any, Any],
+    *,
+    tenant: str | None,
+    queue: str,
+    limit: int,
+    on_limit: str,
+    retry_countdown: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Grant | None:
+    """Take a slot for the current job of ``task``, or deal with the delivery.
+
+    On a limited queue (:mod:`django_fair_jobs.limits`) the job takes its place in the
+    queue and, with a ``tenant``, its tenant slot, both or neither; elsewhere its tenant
+    slot alone (a job without a tenant on an unlimited queue gets an empty grant).
+
+    Returns a :class:`Grant` when the job may run. None means the message must be
+    acknowledged without running: the job was parked or rescheduled (its tenant or its
+    queue is at its limit), postponed (a duplicate delivery, or the database is
+    unreachable), or dropped (a stale copy of a woken job). No path loses the job.
+    """
+    request = task.request
+    woken = fair_headers.is_woken(task.request)
+    task_id = str(request.id)
+    try:
+        with _holds_lock:
+            lost = [pid for (uncertain_id, pid) in _uncertain if uncertain_id == task_id]
+        for process_id in lost:  # this job's own lease from a lost reply would refuse it
+            _drop_uncertain([task_id], process_id)
+        acquired = acquire(
+            tenant=tenant, queue=queue, task_id=task_id, limit=limit,
+            node=request.hostname, woken=woken,
+        )  # fmt: skip
+        if acquired.grant is not None:
+            with _holds_lock:
+                _running.add(task_id)
+            return acquired.grant
+        if acquired.status not in ("full", "queue_full"):
+            refuse(task, acquired.status, args, kwargs, woken=woken)
+            return None
+        if not decisions.enforcing():
+            return shadow_grant(task, acquired.status, tenant=tenant, queue=queue, limit=limit)
+        return defer(
+            task, tenant=tenant, queue=queue, limit=limit, on_limit=on_limit,
+            retry_countdown=retry_countdown, args=args, kwargs=kwargs, woken=woken,
+        )  # fmt: skip
+    except DataError:
+        # A value the database refuses is refused again at every attempt: postponing the
+        # job would repeat forever, so it fails here, with the database's reason.
+        logger.exception("%s[%s]: the database refused the job's slot", task.name, request.id)
+        raise
+    except DatabaseError as exc:
+        # The acquire may have committed with its reply lost: give its lease back later.
+        # A process that never registered cannot have taken one.
+        holder = identity.registered_process_id()
+        if holder is not None:
+            with _holds_lock:
+                _uncertain.add((task_id, holder))
+        # Without the database no slot can be taken; failing the task would lose the job
+        # (its message is acknowledged), so it goes back through the broker, which needs no
+        # database. If it was parked before the error, the copy that starts first deletes
+        # the parked row, so it still runs once.
+        postpone(
+            task, args, kwargs, countdown=retry_countdown,
+            reason=f"database unavailable ({exc.__class__.__name__}: {exc})".strip(),
+        )  # fmt: skip
+        return None
+
+
+def shadow_grant(
+    task: Task[Any, Any], status: str, *, tenant: str | None, queue: str, limit: int
+) -> Grant:
+    """Shadow mode: record that the current job would have been deferred (its tenant or
+    its queue is at its limit) and let it run without a slot: an empty grant, so that its
+    release gives back nothing and the counters keep counting only jobs within limits."""
+    mechanism = "queue_limit" if status == "queue_full" else "slots"
+    decisions.record(
+        task_id=str(task.request.id), task_name=task.name, tenant=tenant, queue=queue,
+        mechanism=mechanism, action="defer", detail={"limit": limit},
+    )  # fmt: skip
+    return Grant(None, str(task.request.id), uuid.uuid4())
+
+
+def acquire(
+    *, tenant: str | None, queue: str, task_id: str, limit: int, node: str | None, woken: bool
+) -> Acquisition | LimitedAcquisition:
+    """Take the slots of ``task_id`` on ``queue``: its place in the queue if the queue is
+    limited, and ``tenant``'s slot (``woken``: the message is a re-published parked job)."""
+    from django_fair_jobs.models import ParkedJob, TenantQueueSlot
+
+    if limits.is_limited(queue):
+        acquired = _acquire_limited(
+            queue=queue, tenant=tenant, limit=limit, task_id=task_id, node=node, woken=woken
+        )
+        if acquired.status != "unlimited":
+            return acquired
+    if tenant is None:
+        # No slot to take. A woken job (its queue's limit was cleared while it waited)
+        # takes its parked row with it; a copy that finds none was started already.
+        if woken and not ParkedJob.objects.filter(task_id=task_id).delete()[0]:
+            return Acquisition("stale")
+        return Acquisition("held", Grant(None, task_id, uuid.uuid4()))
+    return TenantQueueSlot.objects.try_acquire(
+        tenant=tenant,
+        queue=queue,
+        task_id=task_id,
+        limit=limit,
+        process_id=identity.current_process_id(node),
+        timeout=fair_settings.WORKER_TIMEOUT,
+        woken=woken,
+    )
+
+
+def _acquire_limited(
+    *,
+    queue: str,
+    tenant: str | None,
+    limit: int,
+    task_id: str,
+    node: str | None,
+    woken: bool,
+) -> LimitedAcquisition:
+    """Take a place in ``queue`` and, with a ``tenant``, its slot, for ``task_id``."""
+    from django_fair_jobs.models import QueueLimit, SlotLease
+
+    process_id, node_id = identity.current_process_id(node), identity.current_node_id()
+    for _ in range(2):
+        acquired = QueueLimit.objects.try_acquire(
+            queue=queue, tenant=tenant, limit=limit, task_id=task_id,
+            process_id=process_id, node_id=node_id, woken=woken,
+        )  # fmt: skip
+        if acquired.status != "reserved":
+            return acquired
+        # A tenant slot reserved for this job before its queue was limited: give it back
+        # and take both together.
+        for slot_id in SlotLease.objects.drop_for_task(task_id, running=False)[0]:
+            slots.wake(slot_id, limit=1)
+    return acquired
+
+
+def postpone(
+    task: Task[Any, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    countdown: float,
+    reason: str,
+) -> None:
+    """Re-publish the current job unchanged (same task id, same ``retries``) to come back
+    after ``countdown`` seconds. Needs only the broker, not the database."""
+    request = task.request
+    logger.warning(
+        "%s[%s]: %s; re-published to run in %.1f s", task.name, request.id, reason, countdown
+    )
+    # A woken copy stays marked as one, so that it still cannot run after another copy. A
+    # redelivery is a fresh start (see is_woken) and must come back as one: unmarked.
+    headers = dict(request.headers or {})
+    wake = headers.pop(fair_headers.WAKE, None) if fair_headers.is_woken(task.request) else None
+    headers.pop(fair_headers.WAKE, None)
+    sig = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
+    messages.send(sig, task, wake)
+
+
+def refuse(
+    task: Task[Any, Any],
+    status: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    woken: bool,
+) -> None:
+    """Deal with a delivery that must not run now (acquire said ``duplicate`` or ``stale``).
+
+    A copy of a woken job is dropped: the copy that started deleted the parked row, so
+    this one has nothing left to do. A duplicate of a fresh job (the broker delivered it
+    twice) is postponed by ``FAIR_JOBS_WORKER_TIMEOUT``: if the running copy's process dies
+    meanwhile, its lease is reaped by then and this copy runs; if it lives, this copy runs
+    after it, never beside it.
+    """
+    request = task.request
+    if status == "stale" or woken:
+        logger.info(
+            "%s[%s]: %s copy of a woken job dropped (another copy started it)",
+            task.name, request.id, status,
+        )  # fmt: skip
+        return
+    postpone(
+        task, args, kwargs, countdown=fair_settings.WORKER_TIMEOUT,
+        reason="already running in a live worker",
+    )  # fmt: skip
+
+
+def defer(
+    task: Task[Any, Any],
+    *,
+    tenant: str | None,
+    queue: str,
+    limit: int,
+    on_limit: str,
+    retry_countdown: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    woken: bool,
+) -> Grant | None:
+    """Defer the current job of ``task`` because its tenant or its queue is at a limit.
+
+    Returns a :class:`Grant` if a slot freed while parking (run the job now), else None
+    (the job is parked or rescheduled; acknowledge the message without running it).
+    """
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+
+    request = task.request
+    limited = limits.is_limited(queue)
+    deferrals = int((request.headers or {}).get(fair_headers.DEFERRALS) or 0) + 1
+    headers = {**(request.headers or {}), fair_headers.DEFERRALS: deferrals}
+    headers.pop(fair_headers.WAKE, None)
+    signature = None
+    if on_limit != "retry":
+        try:
+            signature = dumps(
+                dict(task.signature_from_request(request, args, kwargs, headers=headers))
+            )
+        except (TypeError, ValueError) as exc:
+            # Only a job published by name with a serializer richer than JSON gets here
+            # (FairTask.apply_async refuses such arguments): it cannot be stored, so it
+            # waits through the broker instead, never lost.
+            logger.warning(
+                "%s[%s]: cannot park (%s: its arguments are not JSON); re-published to "
+                "retry in %.1f s instead", task.name, request.id, exc, retry_countdown,
+            )  # fmt: skip
+    if signature is None:
+        countdown = retry_countdown * random.uniform(0.5, 1.5)
+        # Like Task.retry(), but keeping request.retries: deferral is not a failure.
+        sig = task.signature_from_request(
+            request, args, kwargs, countdown=countdown, headers=headers
+        )
+        if limited:
+            QueueLimit.objects.count_deferral(queue)
+        elif tenant is not None:
+            TenantQueueSlot.objects.count_deferral(tenant=tenant, queue=queue)
+        try:
+            sig.apply_async()
+        except EncodeError:
+            # Arguments JSON cannot store (FairArgumentsError): straight to the broker in
+            # the job's own serializer, which FairTask.apply_async refuses at a first publish.
+            CeleryTask.apply_async(task, sig.args, sig.kwargs, **sig.options)
+        logger.debug(
+            "Deferred %s[%s]: tenant %s at its limit on %s; retrying in %.1f s",
+            task.name, request.id, for_log(tenant), queue, countdown,
+        )  # fmt: skip
+        return None
+    for _ in range(_PARK_ATTEMPTS):
+        if limited or tenant is None:
+            outcome = limits.park(
+                queue=queue, tenant=tenant, limit=limit, task_id=str(request.id),
+                task_name=task.name, signature=signature, woken=woken,
+            )  # fmt: skip
+        else:
+            outcome = TenantQueueSlot.objects.try_park(
+                tenant=tenant, queue=queue, task_id=str(request.id), task_name=task.name,
+                limit=limit, signature=signature, woken=woken,
+            )  # fmt: skip
+        if outcome == "stale":
+            refuse(task, outcome, args, kwargs, woken=woken)
+            return None
+        if outcome != "room":
+            logger.debug(
+                "Deferred %s[%s]: tenant %s at its limit on %s; %s",
+                task.name, request.id, for_log(tenant), queue, outcome.replace("_", " "),
+            )  # fmt: skip
+            return None
+        again = acquire(
+            tenant=tenant, queue=queue, task_id=str(request.id), limit=limit,
+            node=request.hostname, woken=woken,
+        )  # fmt: skip
+        if again.grant is not None:
+            return again.grant
+        if again.status not in ("full", "queue_full"):
+            refuse(task, again.status, args, kwargs, woken=woken)
+            return None
+    postpone(
+        task, args, kwargs, countdown=retry_countdown,
+        reason=f"could not park or start after {_PARK_ATTEMPTS} tries",
+    )  # fmt: skip
+    return None
+
+
+def release(grant: Grant, app: Celery | None = None) -> None:
+    """Give back ``grant``'s slots and wake the parked jobs that can now run.
+
+    Never raises: a job that succeeded stays a success. A failed release is kept and
+    retried by this process's heartbeat (no slot is lost); a failed wake-up is left to the
+    maintenance sweep.
+    """
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+
+    with _holds_lock:
+        _running.discard(grant.task_id)
+    if grant.slot_id is None and grant.queue_limit_id is None:
+        return  # the job held nothing (no tenant, no queue limit)
+    in_line: int | None = 0
+    try:
+        if grant.queue_limit_id is not None:
+            released = QueueLimit.objects.release(grant)
+            in_line, parked = released if released is not None else (None, None)
+        else:
+            parked = TenantQueueSlot.objects.release(grant)
+    except Exception:
+        logger.exception("Could not release the slots of %s; will retry", grant.task_id)
+        with _holds_lock:
+            _pending_releases.append(grant)
+        return
+    if in_line is None or (grant.queue_limit_id is None and parked is None):
+        logger.info(
+            "Lease of %s was gone at release (reaped or taken over); nothing released",
+            grant.task_id,
+        )
+        return
+    try:
+        if in_line and grant.queue_limit_id is not None:
+            limits.wake_line(grant.queue_limit_id, limit=1, app=app)
+        if parked and grant.slot_id is not None:
+            slots.wake(grant.slot_id, limit=1, app=app)
+    except Exception:
+        logger.exception("Could not wake a parked job after %s; the sweep will", grant.task_id)
+
+
+def retry_pending_releases() -> int:
+    """Retry releases that failed earlier in this process, and give back the leases of
+    acquires whose reply may have been lost; returns how many releases succeeded."""
+    with _holds_lock:
+        pending = list(_pending_releases)
+        _pending_releases.clear()
+        uncertain = sorted(_uncertain)
+    done = 0
+    for grant in pending:
+        before = len(_pending_releases)
+        release(grant)
+        done += len(_pending_releases) == before
+    by_process: dict[uuid.UUID, list[str]] = {}
+    for task_id, process_id in uncertain:
+        by_process.setdefault(process_id, []).append(task_id)
+    for process_id, task_ids in by_process.items():
+        try:
+            _drop_uncertain(task_ids, process_id)
+        except DatabaseError:
+            logger.warning("Could not check %s lease(s) of lost replies yet", len(task_ids))
+    return done
+
+
+def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
+    """Give back the leases ``process_id`` may hold for ``task_ids`` from acquires whose
+    reply was lost (none where the acquire did not commit), except those of jobs running
+    here now; then wake jobs on the slots freed. One transaction for all of them. Raises
+    DatabaseError (the entries stay for the next try)."""
+    from django_fair_jobs.models import SlotLease
+
+    with _holds_lock:
+        # A copy that took its slot since holds its own lease; leave it alone.
+        orphans = [task_id for task_id in task_ids if task_id not in _running]
+    slot_ids, queue_ids = (
+        SlotLease.objects.drop_held_by(orphans, process_id) if orphans else ([], [])
+    )
+    with _holds_lock:
+        _uncertain.difference_update((task_id, process_id) for task_id in task_ids)
+    if slot_ids or queue_ids:
+        logger.warning(
+            "Gave back %s slot(s) of acquires whose reply was lost; their jobs can start",
+            len(slot_ids) + len(queue_ids),
+        )
+    for queue_limit_id in queue_ids:
+        limits.wake_line(queue_limit_id, limit=1)
+    for slot_id in slot_ids:
+        slots.wake(slot_id, limit=1)
+
+
+def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) -> None:
+    """Drop a revoked job's parked row and reservations, and its running leases too if it
+    was ``terminated``; wake jobs on the slots freed.
+
+    A revoke without terminate (or an expired duplicate copy) leaves a running copy's
+    lease alone: that copy still runs and releases it.
+    """
+    from django_fair_jobs.models import ParkedJob, SlotLease
+
+    ParkedJob.objects.forget(task_id)
+    slot_ids, queue_ids = SlotLease.objects.drop_for_task(task_id, running=terminated)
+    for queue_limit_id in queue_ids:
+        limits.wake_line(queue_limit_id, limit=1, app=app)
+    for slot_id in slot_ids:
+        slots.wake(slot_id, limit=1, app=app)

@@ -16,14 +16,11 @@ wraps every task that is not a ``FairTask`` at start-up (:func:`install`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
-
-from celery import current_app
 
 from django_fair_jobs import identity, messages
 from django_fair_jobs.conf import fair_settings
@@ -33,9 +30,8 @@ from django_fair_jobs.errors import (
 from django_fair_jobs.managers import UNCHANGED
 
 if TYPE_CHECKING:
-    from celery import Celery, Task
+    from celery import Celery
 
-    from django_fair_jobs.managers import LimitedAcquisition
     from django_fair_jobs.models import QueueLimit
 
 logger = logging.getLogger("django_fair_jobs.limits")
@@ -180,34 +176,6 @@ def reset(
     ]
 
 
-def acquire(
-    *,
-    queue: str,
-    tenant: str | None,
-    limit: int,
-    task_id: str,
-    node: str | None,
-    woken: bool,
-) -> LimitedAcquisition:
-    """Take a place in ``queue`` and, with a ``tenant``, its slot, for ``task_id``."""
-    from django_fair_jobs.models import QueueLimit, SlotLease
-    from django_fair_jobs.slots import wake
-
-    process_id, node_id = identity.current_process_id(node), identity.current_node_id()
-    for _ in range(2):
-        acquired = QueueLimit.objects.try_acquire(
-            queue=queue, tenant=tenant, limit=limit, task_id=task_id,
-            process_id=process_id, node_id=node_id, woken=woken,
-        )  # fmt: skip
-        if acquired.status != "reserved":
-            return acquired
-        # A tenant slot reserved for this job before its queue was limited: give it back
-        # and take both together.
-        for slot_id in SlotLease.objects.drop_for_task(task_id, running=False)[0]:
-            wake(slot_id, limit=1)
-    return acquired
-
-
 def park(
     *,
     queue: str,
@@ -259,62 +227,6 @@ def wake_waiting(queue_ids: set[int] | None = None, app: Celery | None = None) -
         if queue_ids is None or queue_id in queue_ids:
             woken += wake_line(queue_id, limit=room, app=app)
     return woken
-
-
-def install(app: Celery | None = None) -> list[str]:
-    """Apply queue limits to every task of ``app`` that is not a ``FairTask`` (those are
-    limited already), without changing the tasks: each one's ``run`` is wrapped so that a
-    job from a limited queue takes its place first, or is parked.
-
-    Called by the worker at start-up when ``FAIR_JOBS_LIMIT_PLAIN_TASKS`` is True, before
-    any pool process exists, so every process runs the wrapped tasks. Returns the names
-    of the tasks wrapped.
-    """
-    celery_app = app or current_app
-    wrapped: list[str] = []
-    for name, task in sorted(celery_app.tasks.items()):
-        if messages.is_fair(task) or name.startswith("celery.") or _is_wrapped(task):
-            continue
-        task.run = _limited_run(task, task.run)  # type: ignore[method-assign]
-        # A tracer built earlier keeps the old run; the next job builds a new one.
-        task.__trace__ = None
-        wrapped.append(name)
-    return wrapped
-
-
-def _is_wrapped(task: Task[Any, Any]) -> bool:
-    return bool(getattr(task.run, "_fair_limited", False))
-
-
-def _limited_run(task: Task[Any, Any], run: Any) -> Any:
-    @functools.wraps(run)
-    def limited_run(*args: Any, **kwargs: Any) -> Any:
-        from celery.exceptions import Ignore
-
-        from django_fair_jobs import slots
-
-        request = task.request
-        if request.is_eager or request.id is None:
-            return run(*args, **kwargs)
-        queue = slots.request_queue(task)
-        # A woken copy goes through enter() even if the limit is gone, to consume its
-        # parked row (or be dropped as a stale copy).
-        if not is_limited(queue) and not slots.is_woken(task):
-            return run(*args, **kwargs)
-        grant = slots.enter(
-            task, tenant=None, queue=queue, limit=fair_settings.DEFAULT_MAX_JOBS,
-            on_limit=fair_settings.ON_LIMIT, retry_countdown=fair_settings.RETRY_COUNTDOWN,
-            args=args, kwargs=kwargs,
-        )  # fmt: skip
-        if grant is None:
-            raise Ignore()
-        try:
-            return run(*args, **kwargs)
-        finally:
-            slots.release(grant, app=task.app)
-
-    limited_run._fair_limited = True  # type: ignore[attr-defined]
-    return limited_run
 
 
 def queue_status() -> list[dict[str, Any]]:

@@ -26,3 +26,12 @@ def declared_queue(task: Task[Any, Any], args: Any, kwargs: Any) -> str:
     task_type: Any = task
     route = task.app.amqp.router.route({}, task.name, args or (), kwargs or {}, task_type=task_type)
     return queue_name(route["queue"])
+
+
+def request_queue(task: Task[Any, Any]) -> str:
+    """The queue the current job of ``task`` was delivered from: the delivery's routing
+    key (the queue's name with Celery's default direct exchanges), else the task's
+    declared queue, else ``task_default_queue``."""
+    info = task.request.delivery_info or {}
+    queue = info.get("routing_key") or getattr(task, "queue", None)
+    return str(queue or task.app.conf.task_default_queue)

@@ -27,7 +27,7 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
     # limits for queues that have none stored, and the plain-task hook if asked for.
     from django.db import connections
 
-    from django_fair_jobs import limits
+    from django_fair_jobs import limits, plain_tasks
     from django_fair_jobs.checks import fail_fast_on_bad_settings
     from django_fair_jobs.conf import fair_settings
     from django_fair_jobs.identity import start_node
@@ -43,7 +43,7 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
         connections.close_all()
     if fair_settings.LIMIT_PLAIN_TASKS:
         app = getattr(sender, "app", None)
-        wrapped = limits.install(app)
+        wrapped = plain_tasks.install(app)
         logger.info("Queue limits apply to %s plain tasks", len(wrapped))
 
 
@@ -140,7 +140,7 @@ def _forget(task_id: str, *, terminated: bool) -> None:
     from celery import current_app
 
     from django_fair_jobs import dispatch
-    from django_fair_jobs.slots import forget_task
+    from django_fair_jobs.admission import forget_task
 
     forget_task(task_id, terminated=terminated)
     dispatch.forget(current_app, task_id, terminated=terminated)

@@ -26,6 +26,7 @@ from django_fair_jobs import (
     limits,
     planner,
     publishing,
+    routing,
     slots,
     validation,
     windows,
@@ -450,10 +451,14 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             warn_missing_tenant(self.name)
         elif not self.fair_slots and fair_headers.MAX_JOBS not in (request.headers or {}):
             tenant = None  # rerouting only: no tenant slot
-        queue = slots.request_queue(self)
-        if tenant is None and not limits.is_limited(queue) and not slots.is_woken(self):
+        queue = routing.request_queue(self)
+        if (
+            tenant is None
+            and not limits.is_limited(queue)
+            and not fair_headers.is_woken(self.request)
+        ):
             return super().__call__(*args, **kwargs)
-        grant = slots.enter(
+        grant = admission.enter(
             self,
             tenant=tenant,
             queue=queue,

@@ -111,8 +111,8 @@ def _maintenance_loop(ident: identity.Identity) -> None:
     """Once per interval: retry this process's failed releases, ends and planned starts,
     and take part in the cluster's maintenance pass. Each of them may publish (wake-ups,
     dispatches), so a broker that stops answering blocks this thread, never the heartbeat."""
+    from django_fair_jobs.admission import retry_pending_releases
     from django_fair_jobs.planner import retry_pending_starts
-    from django_fair_jobs.slots import retry_pending_releases
 
     try:
         while not ident.stop.wait(fair_settings.HEARTBEAT_INTERVAL):

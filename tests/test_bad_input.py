@@ -698,7 +698,7 @@ def test_pickle_serializer__unstorable_arguments_refused_all_the_same(
 def test_pickle_serializer__parked_job_stored_as_json_and_woken_whole(
     pickle_app: Any, process: uuid.UUID, broker_env: dict[str, str]
 ) -> None:
-    from django_fair_jobs import slots
+    from django_fair_jobs import admission
 
     holder = TenantQueueSlot.objects.try_acquire(
         tenant="acme", queue="fair", task_id="holder", limit=1, process_id=process, timeout=60
@@ -711,7 +711,7 @@ def test_pickle_serializer__parked_job_stored_as_json_and_woken_whole(
     row = ParkedJob.objects.get(task_id="parked")
     stored = json.loads(row.signature)  # plain JSON text, whatever the task serializer
     assert stored["args"] == ["acme", 0] and stored["options"]["task_id"] == "parked"
-    slots.release(holder)  # wakes it: re-published through the (pickle) app
+    admission.release(holder)  # wakes it: re-published through the (pickle) app
     assert broker_depth() == 1
     assert not JobRun.objects.exists()  # parked, not run and not lost
 
@@ -801,12 +801,12 @@ def test_permanent_database_error_at_admission__fails__not_postponed(
     # only errors of an unreachable database are worth waiting out through the broker.
     from django.db import DataError
 
-    from django_fair_jobs import slots
+    from django_fair_jobs import admission
 
     def refuse(**_: Any) -> Any:
         raise DataError("value too long for type character varying(255)")
 
-    monkeypatch.setattr(slots, "acquire", refuse)
+    monkeypatch.setattr(admission, "acquire", refuse)
     with pytest.raises(DataError):
         run_as_worker(tasks.limited1, ("acme", 0), task_id="data-error", headers={})
     assert broker_depth() == 0 and not JobRun.objects.exists()

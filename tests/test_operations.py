@@ -23,6 +23,7 @@ from kombu.utils.json import dumps
 
 from django_fair_jobs import (
     Explanation,
+    admission,
     decisions,
     explain,
     limits,
@@ -149,7 +150,7 @@ def test_explain__reserved_after_a_wake__woken_once_its_reservation_is_gone(
 ) -> None:
     first = acquire(process, "j1")
     park("j2")
-    slots.release(first)  # wakes j2: its slot is reserved and it is re-published
+    admission.release(first)  # wakes j2: its slot is reserved and it is re-published
     reserved = explain("j2")
     assert reserved.state == "reserved"
     assert reserved.details["holding"] == [{"tenant_slot": "acme on q", "running": 1, "limit": 1}]

@@ -56,26 +56,26 @@ def test_acquire_committed_but_its_reply_lost__slot_not_leaked__the_job_runs(
     # limit 1 stayed blocked.
     from django.db import OperationalError
 
-    from django_fair_jobs import limits, slots
+    from django_fair_jobs import admission, limits
 
     if queue_limited:  # the queue path: a place in the queue and the tenant slot
         limits.set_limits("fair", max_jobs=2)
         monkeypatch.setattr(limits, "is_limited", lambda queue: queue == "fair")
-    real_acquire = slots.acquire
+    real_acquire = admission.acquire
 
     def commit_then_lose_the_reply(**kwargs: Any) -> Any:
         real_acquire(**kwargs)
         raise OperationalError("server closed the connection unexpectedly")
 
-    monkeypatch.setattr(slots, "acquire", commit_then_lose_the_reply)
+    monkeypatch.setattr(admission, "acquire", commit_then_lose_the_reply)
     with pytest.raises(Ignore):  # postponed through the broker
         run_as_worker(tasks.limited1, ("acme", 0), task_id="lost-reply", headers={})
-    monkeypatch.setattr(slots, "acquire", real_acquire)
+    monkeypatch.setattr(admission, "acquire", real_acquire)
     assert SlotLease.objects.filter(task_id="lost-reply").exists()  # the orphan
     # The copy postponed through the broker comes back to this process or another one.
     # Either way it runs, once this process gave the orphan back: at its next heartbeat,
     # or at once if the copy starts here first.
-    slots.retry_pending_releases()
+    admission.retry_pending_releases()
     assert not SlotLease.objects.exists()
     assert TenantQueueSlot.objects.get(tenant="acme").current_jobs == 0
     assert list(QueueLimit.objects.values_list("current_jobs", "running")) == (
@@ -92,18 +92,18 @@ def test_acquire_reply_lost__the_copy_starts_here_before_the_heartbeat__it_runs(
 ) -> None:
     from django.db import OperationalError
 
-    from django_fair_jobs import slots
+    from django_fair_jobs import admission
 
-    real_acquire = slots.acquire
+    real_acquire = admission.acquire
 
     def commit_then_lose_the_reply(**kwargs: Any) -> Any:
         real_acquire(**kwargs)
         raise OperationalError("server closed the connection unexpectedly")
 
-    monkeypatch.setattr(slots, "acquire", commit_then_lose_the_reply)
+    monkeypatch.setattr(admission, "acquire", commit_then_lose_the_reply)
     with pytest.raises(Ignore):
         run_as_worker(tasks.limited1, ("acme", 0), task_id="lost-reply", headers={})
-    monkeypatch.setattr(slots, "acquire", real_acquire)
+    monkeypatch.setattr(admission, "acquire", real_acquire)
     assert run_as_worker(tasks.limited1, ("acme", 0), task_id="lost-reply", headers={}) == (
         "acme:done"
     )

@@ -29,7 +29,7 @@ from django.test import Client, RequestFactory
 from django.urls import reverse
 from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, explain, identity, limits, planner, slots, status
+from django_fair_jobs import admission, decisions, explain, identity, limits, planner, slots, status
 from django_fair_jobs.models import (
     JobDecision,
     LimitChange,
@@ -289,10 +289,10 @@ def test_hostile_tenant__queue_limit_path__round_trips_exactly(
     tenant: str, process: uuid.UUID
 ) -> None:
     limits.set_limits("hostile", max_jobs=1)
-    first = slots.acquire(tenant=tenant, queue="hostile", task_id="a", limit=5, node="n@h",
+    first = admission.acquire(tenant=tenant, queue="hostile", task_id="a", limit=5, node="n@h",
                           woken=False)  # fmt: skip
     assert first.grant is not None, first.status
-    assert slots.acquire(tenant=tenant, queue="hostile", task_id="b", limit=5, node="n@h",
+    assert admission.acquire(tenant=tenant, queue="hostile", task_id="b", limit=5, node="n@h",
                          woken=False).status == "queue_full"  # fmt: skip
     assert limits.park(queue="hostile", tenant=tenant, limit=5, task_id="b", task_name="t",
                        signature="{}", woken=False) == "parked"  # fmt: skip
