@@ -153,9 +153,15 @@ class Store:
                 cap, slack = capacity.get(queue, 0), nodes.get(queue, 0) * slack_per_node
                 row = known.get(queue)
                 if row is None:
-                    DispatchQueue.objects.using(self.alias).create(
-                        queue=queue, capacity=cap, slack=slack
+                    # The first enqueue on the queue inserts its row too, without this
+                    # lock: insert only if absent (waiting for that enqueue to commit),
+                    # then set the capacity, rather than fail on the duplicate key.
+                    queues = DispatchQueue.objects.using(self.alias)
+                    queues.bulk_create(
+                        [DispatchQueue(queue=queue, capacity=cap, slack=slack)],
+                        ignore_conflicts=True,
                     )
+                    queues.filter(queue=queue).update(capacity=cap, slack=slack)
                     if cap:
                         grown[queue] = cap
                 elif (row.capacity, row.slack) != (cap, slack):

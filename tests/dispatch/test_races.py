@@ -1,0 +1,66 @@
+"""Dispatch under concurrency, with real PostgreSQL sessions."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+from django.db import connection, connections
+
+from django_fair_jobs import dispatch
+from django_fair_jobs.dispatch.models import DispatchQueue
+from django_fair_jobs.models import WorkerProcess
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="two sessions racing need PostgreSQL"
+)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_refresh_capacity__the_queue_row_inserted_meanwhile_by_an_enqueue__no_error() -> None:
+    # A worker process that starts computes its queue's capacity while the first enqueue
+    # on that queue inserts the queue's row. The refresh found no row, waited on the
+    # enqueue's, and failed on the duplicate key: the queue kept no capacity until the
+    # next maintenance pass, so a countdown come due was not dispatched.
+    WorkerProcess.objects.register(
+        process_id=uuid.uuid4(), node="n@h", hostname="h", pid=1, queues=["race"], concurrency=2
+    )
+    import psycopg
+
+    params = connection.get_connection_params()
+    enqueue = psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"})
+    enqueue.execute(
+        "INSERT INTO fair_jobs_dispatchqueue"
+        " (queue, capacity, slack, in_flight, virtual_time, dispatched_total, updated_at)"
+        " VALUES ('race', 0, 0, 0, 0, 0, now()) ON CONFLICT (queue) DO NOTHING"
+    )  # uncommitted: its transaction is open, as an enqueue's is mid-statement
+    errors: list[BaseException] = []
+
+    def refresh() -> None:
+        try:
+            dispatch.refresh_capacity(slack_per_node=0, timeout=60)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=refresh)
+    thread.start()
+    try:
+        with psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"}) as look:
+            wait_for(
+                lambda: look.execute(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                ).fetchone()[0],  # type: ignore[index]
+                20,
+                "the refresh to wait on the enqueue's row",
+            )
+    finally:
+        enqueue.commit()
+        enqueue.close()
+        thread.join(20)
+    assert errors == []
+    assert DispatchQueue.objects.get(queue="race").capacity == 2
