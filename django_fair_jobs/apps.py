@@ -14,5 +14,7 @@ class FairJobsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        # Imported for their side effects only: check registration and signal wiring.
-        from django_fair_jobs import checks, signals  # noqa: F401
+        # Imported for their side effects only: check registration, signal wiring, and
+        # the heartbeat's registration hook (identity.on_register), so that a process
+        # that registers from any path starts its heartbeat and maintenance threads.
+        from django_fair_jobs import checks, signals, workers  # noqa: F401

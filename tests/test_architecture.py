@@ -11,6 +11,9 @@ only shrink. When it is empty the layout is the one the code map describes.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -348,3 +351,19 @@ def test_is_fair__a_fair_task_is__a_plain_task_is_not() -> None:
 
     assert messages.is_fair(fair) and isinstance(fair, FairTask)
     assert not messages.is_fair(plain) and isinstance(plain, Task)
+
+
+def test_registration__starts_the_heartbeat__though_the_rooms_never_import_workers() -> None:
+    # identity (layer 2) cannot import workers (layer 6); workers hooks itself in when it
+    # is imported, which the app's ready() must guarantee before any job runs. A fresh
+    # interpreter, since this one may have imported workers already.
+    code = (
+        "import django; django.setup()\n"
+        "from django_fair_jobs import identity\n"
+        "print(sorted(h.__module__ + '.' + h.__name__ for h in identity._on_register))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"},
+    ).stdout  # fmt: skip
+    assert "django_fair_jobs.workers._start_threads" in out, out
