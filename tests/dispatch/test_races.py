@@ -30,7 +30,8 @@ def test_refresh_capacity__the_queue_row_inserted_meanwhile_by_an_enqueue__no_er
     import psycopg
 
     params = connection.get_connection_params()
-    enqueue = psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"})
+    connect_params = {k: v for k, v in params.items() if k != "cursor_factory"}
+    enqueue = psycopg.connect(**connect_params)
     enqueue.execute(
         "INSERT INTO fair_jobs_dispatchqueue"
         " (queue, capacity, slack, in_flight, virtual_time, dispatched_total, updated_at)"
@@ -49,12 +50,15 @@ def test_refresh_capacity__the_queue_row_inserted_meanwhile_by_an_enqueue__no_er
     thread = threading.Thread(target=refresh)
     thread.start()
     try:
-        with psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"}) as look:
+        # Autocommit: inside one transaction pg_stat_activity keeps its first snapshot.
+        with psycopg.connect(autocommit=True, **connect_params) as look:
+            # Until the refresh waits on the enqueue's row (or ends at once, an error).
+            waiting = (
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
             wait_for(
-                lambda: look.execute(
-                    "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE wait_event_type = 'Lock' AND datname = current_database()"
-                ).fetchone()[0],  # type: ignore[index]
+                lambda: not thread.is_alive() or look.execute(waiting).fetchone() != (0,),
                 20,
                 "the refresh to wait on the enqueue's row",
             )
