@@ -26,6 +26,10 @@ MAX_JOBS = "fair_max_jobs"
 """A job rerouted by a rule with ``max_jobs``: its tenant's slot limit on the rule's
 queue."""
 
+PLAN_SHADOW = "shadow"
+"""The :data:`PLAN` header's value on a planned job that shadow mode sent straight to the
+broker: it has no virtual-queue row to delete when it starts."""
+
 PLAN = "fair_plan"
 """A promoted planned job: it passes straight through (a retry of it too), and its start
 deletes its row."""

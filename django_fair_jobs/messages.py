@@ -1,10 +1,11 @@
 """The one place a job is sent again (layer 1: imports layer 0 only).
 
-A parked job woken on its tenant slot or in its queue's line, and a delivery postponed
-(a duplicate, or the database unreachable), are published again from their stored or
-delivered signature. A woken copy carries the wake number, which marks it as the copy that
-may consume its parked row: as the ``fair_wake`` header for a publisher without the task
-class, and as ``FairTask``'s ``fair_wake`` option, which its ``apply_async`` reads.
+A parked job woken on its tenant slot or in its queue's line (:func:`publish_woken`), and
+a delivery postponed (a duplicate, or the database unreachable: :func:`postpone`), are
+published again from their stored or delivered signature. A woken copy carries the wake
+number, which marks it as the copy that may consume its parked row: as the ``fair_wake``
+header for a publisher without the task class, and as ``FairTask``'s ``fair_wake`` option,
+which its ``apply_async`` reads.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from kombu.utils.json import loads
 from django_fair_jobs import headers as fair_headers
 
 if TYPE_CHECKING:
-    from celery import Celery, Signature
+    from celery import Celery, Signature, Task
 
-logger = logging.getLogger("django_fair_jobs.slots")
+logger = logging.getLogger("django_fair_jobs.messages")
 
 
 class WokenJob(Protocol):
@@ -67,3 +68,26 @@ def publish_woken(job: WokenJob, app: Celery | None = None) -> None:
         logger.exception("Could not re-publish woken job %s; the sweep will retry it", job.task_id)
         return
     logger.debug("Woke parked job %s on slot %s", job.task_id, job.slot_id)
+
+
+def postpone(
+    task: Task[Any, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    countdown: float,
+    reason: str,
+) -> None:
+    """Re-publish the current job unchanged (same task id, same ``retries``) to come back
+    after ``countdown`` seconds. Needs only the broker, not the database."""
+    request = task.request
+    logger.warning(
+        "%s[%s]: %s; re-published to run in %.1f s", task.name, request.id, reason, countdown
+    )
+    # A woken copy stays marked as one, so that it still cannot run after another copy. A
+    # redelivery is a fresh start (see is_woken) and must come back as one: unmarked.
+    headers = dict(request.headers or {})
+    wake = headers.pop(fair_headers.WAKE, None) if fair_headers.is_woken(task.request) else None
+    headers.pop(fair_headers.WAKE, None)
+    sig = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
+    send(sig, task, wake)

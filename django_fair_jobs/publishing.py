@@ -1,5 +1,6 @@
-"""The publish side: the bridge from async code to the database, and the hold of a
-fair dispatch job in its tenant's line.
+"""The publish pipeline of a ``FairTask`` job (:func:`prepare`): check it, mark its
+headers, hold it in its tenant's line or virtual queue, or count it by the rerouting rules
+and pick its queue; and the bridge from async code to the database.
 
 A ``FairTask`` publish may read and write rows (a rerouting count, a planned job, a
 shadow-mode decision, and whatever a task's ``fair_tenant`` looks up). Django refuses
@@ -16,12 +17,18 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from celery.utils import uuid
 from django.db import close_old_connections
+from kombu.utils.json import dumps
 
-from django_fair_jobs import dispatch
+from django_fair_jobs import decisions, dispatch, planner, validation, windows
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.db import after_commit
+from django_fair_jobs.errors import FairArgumentsError, TaskIdError
+from django_fair_jobs.tenants import normalize_tenant, warn_missing_tenant
 
 if TYPE_CHECKING:
     from celery import Task
@@ -127,3 +134,157 @@ def _dispatch_options(task: Task[Any, Any]) -> dispatch.Options:
     if parsed is None:
         raise dispatch.DispatchError(f"{task.name}: fair_dispatch is not set.")
     return parsed  # type: ignore[no-any-return]
+
+
+SHADOW_PLANNED = fair_headers.PLAN_SHADOW
+"""The old name of :data:`django_fair_jobs.headers.PLAN_SHADOW` (one release)."""
+
+
+@dataclass
+class Prepared:
+    """A job ready to publish, or held: ``held`` is the ``AsyncResult`` of a job that waits
+    in its tenant's line or virtual queue (nothing goes to the broker now); otherwise the
+    job goes to the broker with ``task_id`` and ``options`` (headers marked, queue picked)."""
+
+    task_id: str | None
+    options: dict[str, Any]
+    held: AsyncResult[Any] | None = None
+
+
+def check_arguments(task: Task[Any, Any], args: Any, kwargs: Any) -> None:
+    """Raise :class:`~django_fair_jobs.errors.FairArgumentsError` if kombu's JSON cannot
+    store the job's arguments: a parked, planned or dispatched job is kept as JSON."""
+    try:
+        dumps([args or (), kwargs or {}])
+    except (TypeError, ValueError) as exc:
+        raise FairArgumentsError(
+            f"{task.name}: the job's arguments cannot be stored as JSON ({exc}). A job that "
+            "is parked or planned is kept as JSON whatever task_serializer says; pass ids, "
+            "strings, numbers, lists and dicts (turn sets into lists, objects into ids)."
+        ) from None
+
+
+def prepare(
+    task: Any,
+    args: Any,
+    kwargs: Any,
+    task_id: str | None,
+    options: dict[str, Any],
+    *,
+    link: Any = None,
+    link_error: Any = None,
+) -> Prepared:
+    """The publish pipeline of a ``FairTask`` job, in order: check the arguments and the
+    task id; mark the headers (tenant, dispatch, plan, wake); hold the job in its tenant's
+    line (``fair_dispatch``) or virtual queue (``fair_plan``), or in shadow mode record
+    that it would have been; else count it by the rerouting rules and pick its queue."""
+    check_arguments(task, args, kwargs)
+    problem = validation.task_id_problem(task_id)
+    if problem is not None:
+        raise TaskIdError(f"{task.name}: {problem}.")
+    headers, dispatched = _mark(task, args, kwargs, options)
+    tenant = headers[fair_headers.TENANT]
+    eager = task.app.conf.task_always_eager
+    if task.fair_dispatch and dispatched is None and not eager:
+        if decisions.enforcing():
+            held = _with_links(options, headers, link, link_error, task_id)
+            return Prepared(task_id, options, hold_for_dispatch(task, tenant, args, kwargs, held))
+        # Shadow mode: the job would wait in its tenant's line; it goes to the broker.
+        task_id = _record_hold(task, tenant, options, task_id, "dispatch")
+    if task.fair_plan and fair_headers.PLAN not in headers and not eager:
+        if decisions.enforcing():
+            # A first publish of a planned task waits in its tenant's virtual queue; a
+            # promotion and every re-publish of one (retry, wake-up) carry the header.
+            held = _with_links(options, headers, link, link_error, task_id)
+            return Prepared(task_id, options, planner.intercept(task, tenant, args, kwargs, held))
+        # Shadow mode: the job would wait in its tenant's virtual queue; it goes to the
+        # broker at once, marked as promoted so that no re-publish is held either.
+        headers[fair_headers.PLAN] = SHADOW_PLANNED
+        task_id = _record_hold(task, tenant, options, task_id, "planner")
+    task_id = _reroute(task, headers, args, kwargs, task_id, options)
+    options["headers"] = headers
+    return Prepared(task_id, options)
+
+
+def _mark(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """The job's headers, from its options' ``fair_*`` keys (popped); and the dispatched
+    row id it carries, if any."""
+    headers = dict(options.get("headers") or {})
+    # A dispatched job's header names its row; a re-publish built from its request (a
+    # retry) must wait in line again, so only the dispatch itself carries it.
+    headers.pop(fair_headers.DISPATCH, None)
+    dispatched = options.pop("fair_dispatched", None)
+    if dispatched is not None:
+        headers[fair_headers.DISPATCH] = int(dispatched)
+    if options.pop("fair_planned", False):
+        headers[fair_headers.PLAN] = 1  # a promotion: it goes to the broker
+    # The wake number marks one specific re-publish of a parked job; a retry or any
+    # other re-publish built from that request must not inherit it.
+    headers.pop(fair_headers.WAKE, None)
+    wake = options.pop("fair_wake", None)
+    if wake is not None:
+        headers[fair_headers.WAKE] = wake
+    explicit = options.pop("fair_tenant", None)
+    if explicit is not None:
+        headers[fair_headers.TENANT] = normalize_tenant(explicit)
+    elif fair_headers.TENANT not in headers:
+        headers[fair_headers.TENANT] = normalize_tenant(
+            task.fair_tenant(*(args or ()), **(kwargs or {}))
+        )
+    return headers, dispatched
+
+
+def _with_links(
+    options: dict[str, Any], headers: dict[str, Any], link: Any, link_error: Any,
+    task_id: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The options a held job is stored with: its headers, links and task id."""
+    options["headers"] = headers
+    if link is not None:
+        options["link"] = link
+    if link_error is not None:
+        options["link_error"] = link_error
+    return {**options, "task_id": task_id}
+
+
+def _record_hold(
+    task: Any, tenant: str | None, options: dict[str, Any], task_id: str | None, mechanism: str
+) -> str:
+    """Shadow mode: record that the job would have been held; returns its task id."""
+    task_id = task_id or uuid()
+    decisions.record(
+        task_id=task_id, task_name=task.name, tenant=tenant,
+        queue=str(options.get("queue") or getattr(task, "queue", None)
+                  or task.app.conf.task_default_queue),
+        mechanism=mechanism, action="hold",
+    )  # fmt: skip
+    return task_id
+
+
+def _reroute(
+    task: Any,
+    headers: dict[str, Any],
+    args: Any,
+    kwargs: Any,
+    task_id: str | None,
+    options: dict[str, Any],
+) -> str | None:
+    """Count the job by the task's rerouting rules and send it to the queue they pick
+    (``options["queue"]``); returns its task id (made here if it was counted)."""
+    rules = task.fair_rules()
+    if not rules:
+        return task_id
+    queue = windows.should_count(task, headers, options.get("queue"), args, kwargs)
+    if queue is None:
+        return task_id
+    tenant = headers[fair_headers.TENANT]
+    if tenant is None:
+        warn_missing_tenant(task.name, published=True)
+        return task_id
+    task_id = task_id or uuid()
+    decision = windows.count(task, tenant, queue, rules)
+    windows.apply(
+        decision, options, headers, task_id=task_id, task_name=task.name, tenant=tenant,
+        queue=queue,
+    )  # fmt: skip
+    return task_id

@@ -15,20 +15,13 @@ from numbers import Real
 from typing import Any
 
 from celery.contrib.django.task import DjangoTask
-from celery.exceptions import Ignore
-from celery.utils import uuid
-from kombu.utils.json import dumps
 
 from django_fair_jobs import (
     admission,
     decisions,
     dispatch,
-    limits,
     planner,
     publishing,
-    routing,
-    slots,
-    validation,
     windows,
 )
 from django_fair_jobs import headers as fair_headers
@@ -42,23 +35,11 @@ from django_fair_jobs.errors import (
 from django_fair_jobs.errors import (
     TaskIdError as TaskIdError,
 )
-from django_fair_jobs.tenants import normalize_tenant, warn_missing_tenant, worker_tenant
+from django_fair_jobs.tenants import normalize_tenant
 from django_fair_jobs.windows import Rule, RuleError
 
-SHADOW_PLANNED = "shadow"
-"""The planner header's value on a planned job that shadow mode sent straight to the
-broker: it has no virtual-queue row to delete when it starts."""
-
-
-def _check_arguments(task: FairTask, args: Any, kwargs: Any) -> None:
-    try:
-        dumps([args or (), kwargs or {}])
-    except (TypeError, ValueError) as exc:
-        raise FairArgumentsError(
-            f"{task.name}: the job's arguments cannot be stored as JSON ({exc}). A job that "
-            "is parked or planned is kept as JSON whatever task_serializer says; pass ids, "
-            "strings, numbers, lists and dicts (turn sets into lists, objects into ids)."
-        ) from None
+SHADOW_PLANNED = publishing.SHADOW_PLANNED
+"""The old name of :data:`django_fair_jobs.publishing.SHADOW_PLANNED` (one release)."""
 
 
 def _validate_options(cls: type[FairTask]) -> None:
@@ -233,101 +214,15 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         shadow: str | None,
         **options: Any,
     ) -> Any:
-        _check_arguments(self, args, kwargs)
-        problem = validation.task_id_problem(task_id)
-        if problem is not None:
-            raise TaskIdError(f"{self.name}: {problem}.")
-        headers = dict(options.get("headers") or {})
-        # A dispatched job's header names its row; a re-publish built from its request (a
-        # retry) must wait in line again, so only the dispatch itself carries it.
-        headers.pop(fair_headers.DISPATCH, None)
-        dispatched = options.pop("fair_dispatched", None)
-        if dispatched is not None:
-            headers[fair_headers.DISPATCH] = int(dispatched)
-        if options.pop("fair_planned", False):
-            headers[fair_headers.PLAN] = 1  # a promotion: it goes to the broker
-        # The wake number marks one specific re-publish of a parked job; a retry or any
-        # other re-publish built from that request must not inherit it.
-        headers.pop(fair_headers.WAKE, None)
-        wake = options.pop("fair_wake", None)
-        if wake is not None:
-            headers[fair_headers.WAKE] = wake
-        explicit = options.pop("fair_tenant", None)
-        if explicit is not None:
-            headers[fair_headers.TENANT] = normalize_tenant(explicit)
-        elif fair_headers.TENANT not in headers:
-            headers[fair_headers.TENANT] = normalize_tenant(
-                self.fair_tenant(*(args or ()), **(kwargs or {}))
-            )
-        if self.fair_dispatch and dispatched is None and not self.app.conf.task_always_eager:
-            if decisions.enforcing():
-                options["headers"] = headers
-                if link is not None:
-                    options["link"] = link
-                if link_error is not None:
-                    options["link_error"] = link_error
-                return publishing.hold_for_dispatch(
-                    self,
-                    headers[fair_headers.TENANT],
-                    args,
-                    kwargs,
-                    {**options, "task_id": task_id},
-                )
-            # Shadow mode: the job would wait in its tenant's line; it goes to the broker.
-            task_id = task_id or uuid()
-            decisions.record(
-                task_id=task_id, task_name=self.name, tenant=headers[fair_headers.TENANT],
-                queue=str(options.get("queue") or getattr(self, "queue", None)
-                          or self.app.conf.task_default_queue),
-                mechanism="dispatch", action="hold",
-            )  # fmt: skip
-        if (
-            self.fair_plan
-            and fair_headers.PLAN not in headers
-            and not self.app.conf.task_always_eager
-            and not decisions.enforcing()
-        ):
-            # Shadow mode: the job would wait in its tenant's virtual queue; it goes to
-            # the broker at once, marked as promoted so that no re-publish is held either.
-            task_id = task_id or uuid()
-            headers[fair_headers.PLAN] = SHADOW_PLANNED
-            decisions.record(
-                task_id=task_id, task_name=self.name, tenant=headers[fair_headers.TENANT],
-                queue=str(options.get("queue") or getattr(self, "queue", None)
-                          or self.app.conf.task_default_queue),
-                mechanism="planner", action="hold",
-            )  # fmt: skip
-        if (
-            self.fair_plan
-            and fair_headers.PLAN not in headers
-            and not self.app.conf.task_always_eager
-        ):
-            # A first publish of a planned task waits in its tenant's virtual queue; a
-            # promotion and every re-publish of one (retry, wake-up) carry the header.
-            options["headers"] = headers
-            if link is not None:
-                options["link"] = link
-            if link_error is not None:
-                options["link_error"] = link_error
-            return planner.intercept(self, headers[fair_headers.TENANT], args, kwargs,
-                                     {**options, "task_id": task_id})  # fmt: skip
-        rules = self.fair_rules()
-        if rules:
-            queue = windows.should_count(self, headers, options.get("queue"), args, kwargs)
-            if queue is not None:
-                if headers[fair_headers.TENANT] is None:
-                    warn_missing_tenant(self.name, published=True)
-                else:
-                    task_id = task_id or uuid()
-                    decision = windows.count(self, headers[fair_headers.TENANT], queue, rules)
-                    windows.apply(
-                        decision, options, headers, task_id=task_id, task_name=self.name,
-                        tenant=headers[fair_headers.TENANT], queue=queue,
-                    )  # fmt: skip
-        options["headers"] = headers
-        return super().apply_async(
-            args, kwargs, task_id, producer, link, link_error, shadow, **options
+        prepared = publishing.prepare(
+            self, args, kwargs, task_id, options, link=link, link_error=link_error
         )
+        if prepared.held is not None:  # waiting in its tenant's line or virtual queue
+            return prepared.held
+        return super().apply_async(
+            args, kwargs, prepared.task_id, producer, link, link_error, shadow,
+            **prepared.options,
+        )  # fmt: skip
 
     def bulk_enqueue(
         self, items: Iterable[tuple[Sequence[Any], Mapping[str, Any]]], **options: Any
@@ -361,7 +256,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     ) -> tuple[str | None, tuple[Any, ...], dict[str, Any], dict[str, Any]]:
         """One job of a dispatched ``bulk_enqueue``, as ``apply_async`` would hold it:
         checked arguments, its tenant (``fair_tenant=`` or the classmethod) in its header."""
-        _check_arguments(self, args, kwargs)
+        publishing.check_arguments(self, args, kwargs)
         item = dict(options)
         headers = dict(item.get("headers") or {})
         headers.pop(fair_headers.DISPATCH, None)
@@ -373,111 +268,11 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         item["headers"] = headers
         return tenant, args, kwargs, item
 
-    def _fair_request_tenant(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        headers = self.request.headers or {}
-        if fair_headers.TENANT in headers:
-            return worker_tenant(headers[fair_headers.TENANT], self.name)
-        value = getattr(self.request, fair_headers.TENANT, None)
-        if value is not None:
-            return worker_tenant(value, self.name)
-        # Published without our apply_async (send_task by name): resolve it here.
-        return worker_tenant(self.fair_tenant(*args, **kwargs), self.name)
-
-    def _fair_retry_countdown(self) -> float:
-        if self.fair_retry_countdown is None:
-            return fair_settings.RETRY_COUNTDOWN
-        return float(self.fair_retry_countdown)
-
-    def _fair_reroute(self, tenant: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Count a job that was published without :meth:`apply_async` (``send_task`` by
-        name) when it is first delivered; True if a rule re-published it elsewhere.
-
-        A redelivery is not counted again. Jobs that went through ``apply_async`` carry the
-        window header and are left alone.
-        """
-        request = self.request
-        if fair_headers.is_redelivered(request):
-            return False
-        headers = request.headers if request.headers is not None else {}
-        queue = windows.should_count(self, headers, slots.request_queue(self), args, kwargs)
-        if queue is None:
-            return False
-        decision = windows.count(self, tenant, queue, self.fair_rules())
-        options: dict[str, Any] = {}
-        marks: dict[str, Any] = {fair_headers.TENANT: tenant}
-        windows.apply(
-            decision, options, marks, task_id=str(request.id), task_name=self.name,
-            tenant=tenant, queue=queue,
-        )  # fmt: skip
-        if "queue" not in options:
-            # It stays: a retry or a park of this run is built from these headers.
-            request.headers = {**headers, **marks}
-            return False
-        self.signature_from_request(
-            request, args, kwargs, queue=options["queue"], headers={**headers, **marks}
-        ).apply_async()
-        return True
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the job inside one of its tenant's slots, or defer it.
-
-        Eager calls (``apply()``, ``task_always_eager``) run unthrottled: there is no
-        message to park and the caller waits for the result.
-        """
-        request = self.request
-        if request.is_eager or request.id is None:
+        """Run the job inside what it holds (its tenant's slot, its queue's place, its
+        dispatched row), or defer it: see :func:`django_fair_jobs.admission.holding`."""
+        with admission.holding(self, args, kwargs):  # raises Ignore when deferred
             return super().__call__(*args, **kwargs)
-        problem = validation.task_id_problem(request.id)
-        if problem is not None:
-            # Sent by name (apply_async refuses it): no slot or line can hold the job, and
-            # postponing it would repeat forever; it fails, saying why.
-            raise TaskIdError(f"{self.name}: {problem}.")
-        dispatched = (request.headers or {}).get(fair_headers.DISPATCH)
-        if self.fair_dispatch and dispatched is not None:
-            tenant = self._fair_request_tenant(args, kwargs)
-            if tenant is None:
-                warn_missing_tenant(self.name)
-            return admission.run_dispatched(
-                self, int(dispatched), tenant, slots.request_queue(self),
-                lambda: super(FairTask, self).__call__(*args, **kwargs),
-            )  # fmt: skip
-        planned = (request.headers or {}).get(fair_headers.PLAN)
-        if self.fair_plan and planned is not None and planned != SHADOW_PLANNED:
-            planner.started(str(request.id))
-        tenant = self._fair_request_tenant(args, kwargs)
-        if tenant is not None and self.fair_rules() and self._fair_reroute(tenant, args, kwargs):
-            raise Ignore()
-        if tenant is None:
-            warn_missing_tenant(self.name)
-        elif not self.fair_slots and fair_headers.MAX_JOBS not in (request.headers or {}):
-            tenant = None  # rerouting only: no tenant slot
-        queue = routing.request_queue(self)
-        if (
-            tenant is None
-            and not limits.is_limited(queue)
-            and not fair_headers.is_woken(self.request)
-        ):
-            return super().__call__(*args, **kwargs)
-        grant = admission.enter(
-            self,
-            tenant=tenant,
-            queue=queue,
-            limit=self.fair_limit(),
-            on_limit=self.fair_on_limit or fair_settings.ON_LIMIT,
-            retry_countdown=self._fair_retry_countdown(),
-            args=args,
-            kwargs=kwargs,
-        )
-        if grant is None:
-            # Acknowledge without a state change: the job is parked, rescheduled or
-            # postponed under the same task id (or was a stale copy), and AsyncResult
-            # keeps waiting for its real end.
-            raise Ignore()
-        admission.keep_grant(self, grant)
-        try:
-            return super().__call__(*args, **kwargs)
-        finally:
-            admission.release_held(self)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``, with the job's slot (and queue place) given back before the

@@ -151,3 +151,16 @@ def worker_tenant(value: Any, task_name: str) -> str | None:
                 fair_settings.TENANT_WARNING_INTERVAL,
             )
         return None
+
+
+def request_tenant(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The tenant of the job ``task`` runs now: its ``fair_tenant`` header (or request
+    attribute), else, for a job published without ``FairTask.apply_async`` (``send_task``
+    by name), ``task.fair_tenant(*args, **kwargs)``; checked as a worker checks it."""
+    headers = task.request.headers or {}
+    if fair_headers.TENANT in headers:
+        return worker_tenant(headers[fair_headers.TENANT], task.name)
+    value = getattr(task.request, fair_headers.TENANT, None)
+    if value is not None:
+        return worker_tenant(value, task.name)
+    return worker_tenant(task.fair_tenant(*args, **kwargs), task.name)

@@ -35,7 +35,7 @@ from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 from django_fair_jobs import headers as fair_headers
-from django_fair_jobs import messages
+from django_fair_jobs import messages, routing
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 from django_fair_jobs.errors import (
     RuleError as RuleError,
@@ -299,3 +299,34 @@ def windows_by_key(app: Any = None) -> dict[str, list[int]]:
         if rules:
             found.setdefault(key, set()).update(min(rule.per, max_window) for rule in rules)
     return {key: sorted(pers) for key, pers in found.items()}
+
+
+def count_delivered(task: Any, tenant: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Count a job that was published without ``FairTask.apply_async`` (``send_task`` by
+    name) when it is first delivered; True if a rule re-published it elsewhere.
+
+    A redelivery is not counted again. Jobs that went through ``apply_async`` carry the
+    window header and are left alone.
+    """
+    request = task.request
+    if fair_headers.is_redelivered(request):
+        return False
+    headers = request.headers if request.headers is not None else {}
+    queue = should_count(task, headers, routing.request_queue(task), args, kwargs)
+    if queue is None:
+        return False
+    decision = count(task, tenant, queue, task.fair_rules())
+    options: dict[str, Any] = {}
+    marks: dict[str, Any] = {fair_headers.TENANT: tenant}
+    apply(
+        decision, options, marks, task_id=str(request.id), task_name=task.name,
+        tenant=tenant, queue=queue,
+    )  # fmt: skip
+    if "queue" not in options:
+        # It stays: a retry or a park of this run is built from these headers.
+        request.headers = {**headers, **marks}
+        return False
+    task.signature_from_request(
+        request, args, kwargs, queue=options["queue"], headers={**headers, **marks}
+    ).apply_async()
+    return True

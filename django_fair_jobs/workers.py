@@ -294,21 +294,31 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         dispatch_republished=repaired.republished,
         dispatch_dispatched=repaired.dispatched,
     )
-    if repaired.requeued or repaired.dropped or repaired.republished:
+    _log_maintenance(report)
+    return report
+
+
+def _log_maintenance(report: MaintenanceReport) -> None:
+    """Log what a maintenance pass did, if it did anything."""
+    if report.dispatch_requeued or report.dispatch_dropped or report.dispatch_republished:
         logger.info(
             "Maintenance: fair dispatch put %s jobs of dead workers back in line, dropped %s "
             "(not acks_late), published %s again (not started in time), dispatched %s",
-            repaired.requeued, repaired.dropped, repaired.republished, repaired.dispatched,
+            report.dispatch_requeued, report.dispatch_dropped, report.dispatch_republished,
+            report.dispatch_dispatched,
         )  # fmt: skip
-    if reaped.leases or woken or lost or fixed or pruned or boosts_ended or decisions_pruned:
+    if (
+        report.leases_reaped or report.jobs_woken or report.lost_rewoken or report.counters_fixed
+        or report.windows_pruned or report.boosts_ended or report.decisions_pruned
+    ):  # fmt: skip
         logger.info(
             "Maintenance: reaped %s leases on %s tenant slots and %s queues, re-queued %s "
             "lost wake-ups, woke %s parked jobs, fixed %s counters, pruned %s idle windows "
             "and %s old decisions, ended %s boosts",
-            report.leases_reaped, report.slots_reaped, report.queues_reaped, lost, woken,
-            fixed, pruned, decisions_pruned, boosts_ended,
+            report.leases_reaped, report.slots_reaped, report.queues_reaped,
+            report.lost_rewoken, report.jobs_woken, report.counters_fixed,
+            report.windows_pruned, report.decisions_pruned, report.boosts_ended,
         )  # fmt: skip
-    return report
 
 
 def _refresh_capacity() -> dict[str, int]:

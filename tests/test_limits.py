@@ -351,7 +351,7 @@ def test_postpone__keeps_the_wake_mark_only_on_a_woken_copy(
 ) -> None:
     from celery.canvas import Signature
 
-    from django_fair_jobs import admission, slots
+    from django_fair_jobs import messages, slots
     from tests.testapp import tasks
 
     sent: list[tuple[dict[str, object], dict[str, object]]] = []
@@ -366,7 +366,7 @@ def test_postpone__keeps_the_wake_mark_only_on_a_woken_copy(
         is_eager=False,
     )
     try:
-        admission.postpone(task, ("acme",), {}, countdown=1, reason="test")
+        messages.postpone(task, ("acme",), {}, countdown=1, reason="test")
     finally:
         task.pop_request()
     ((options, kwargs),) = sent

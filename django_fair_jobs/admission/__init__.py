@@ -16,7 +16,8 @@ The only module besides ``publishing`` that combines the mechanism rooms. A job'
 A dispatched job (``fair_dispatch``) marks its row running (one round trip; a second copy
 of the message is dropped), takes its tenant slot only when its tenant has a cap (the
 fence that keeps the limit whatever was dispatched), runs, and ends its row in the round
-trip that dispatches the next job (:func:`run_dispatched`). Plain tasks on a limited queue
+trip that dispatches the next job (:func:`dispatched_run`). :func:`holding` runs it all
+around a ``FairTask`` job. Plain tasks on a limited queue
 (``FAIR_JOBS_LIMIT_PLAIN_TASKS``) go through :func:`enter` too (:func:`install`).
 """
 
@@ -24,10 +25,10 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from celery import Task as CeleryTask
 from celery.exceptions import Ignore
@@ -35,21 +36,35 @@ from django.db import DatabaseError, DataError
 from kombu.exceptions import EncodeError
 from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, dispatch, identity, limits, messages, slots
+from django_fair_jobs import (
+    decisions,
+    dispatch,
+    identity,
+    limits,
+    messages,
+    planner,
+    routing,
+    slots,
+    tenants,
+    validation,
+    windows,
+)
 from django_fair_jobs import headers as fair_headers
+from django_fair_jobs.admission import ends
+from django_fair_jobs.admission.ends import end as end
+from django_fair_jobs.admission.ends import forget_task as forget_task
+from django_fair_jobs.admission.ends import release as release
+from django_fair_jobs.admission.ends import retry_pending_ends as retry_pending_ends
+from django_fair_jobs.admission.ends import retry_pending_releases as retry_pending_releases
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.errors import TaskIdError
 from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition
-from django_fair_jobs.tenants import for_log
+from django_fair_jobs.tenants import for_log, warn_missing_tenant
 
 if TYPE_CHECKING:
-    from celery import Celery, Task
+    from celery import Task
 
 logger = logging.getLogger("django_fair_jobs.admission")
-
-T = TypeVar("T")
-
-_pending_ends: list[tuple[int, uuid.UUID]] = []
-_pending_lock = threading.Lock()
 
 
 def _process_id() -> uuid.UUID:
@@ -69,18 +84,80 @@ def release_held(task: Task[Any, Any]) -> None:
     grant = getattr(task.request, "fair_grant", None)
     if grant is not None:
         setattr(task.request, "fair_grant", None)  # noqa: B010
-        release(grant, app=task.app)
+        ends.release(grant, app=task.app)
 
 
-def run_dispatched(
+@contextmanager
+def holding(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """The hold protocol around one run of a ``FairTask`` job: the job runs inside the
+    ``with`` block once it holds what it needs, and gives it back when the block ends.
+
+    Raises ``Ignore`` (the message is acknowledged without a state change, and
+    ``AsyncResult`` keeps waiting for the job's real end) when the job must not run now:
+    it was parked, rescheduled, postponed or rerouted under the same task id, or was a
+    stale or duplicate copy. Eager calls (``apply()``, ``task_always_eager``) run
+    unthrottled: there is no message to park and the caller waits for the result.
+    """
+    request = task.request
+    if request.is_eager or request.id is None:
+        yield
+        return
+    problem = validation.task_id_problem(request.id)
+    if problem is not None:
+        # Sent by name (apply_async refuses it): no slot or line can hold the job, and
+        # postponing it would repeat forever; it fails, saying why.
+        raise TaskIdError(f"{task.name}: {problem}.")
+    marks = request.headers or {}
+    if task.fair_dispatch and marks.get(fair_headers.DISPATCH) is not None:
+        tenant = tenants.request_tenant(task, args, kwargs)
+        if tenant is None:
+            warn_missing_tenant(task.name)
+        queue = routing.request_queue(task)
+        with dispatched_run(task, int(marks[fair_headers.DISPATCH]), tenant, queue):
+            yield
+        return
+    if task.fair_plan and marks.get(fair_headers.PLAN) not in (None, fair_headers.PLAN_SHADOW):
+        planner.started(str(request.id))
+    tenant = tenants.request_tenant(task, args, kwargs)
+    if (
+        tenant is not None
+        and task.fair_rules()
+        and windows.count_delivered(task, tenant, args, kwargs)
+    ):
+        raise Ignore()  # rerouted: its copy on the rule's queue runs instead
+    if tenant is None:
+        warn_missing_tenant(task.name)
+    elif not task.fair_slots and fair_headers.MAX_JOBS not in marks:
+        tenant = None  # rerouting only: no tenant slot
+    queue = routing.request_queue(task)
+    if tenant is None and not limits.is_limited(queue) and not fair_headers.is_woken(request):
+        yield
+        return
+    grant = enter(
+        task, tenant=tenant, queue=queue, limit=task.fair_limit(),
+        on_limit=task.fair_on_limit or fair_settings.ON_LIMIT,
+        retry_countdown=fair_settings.RETRY_COUNTDOWN
+        if task.fair_retry_countdown is None else float(task.fair_retry_countdown),
+        args=args, kwargs=kwargs,
+    )  # fmt: skip
+    if grant is None:
+        raise Ignore()  # parked, rescheduled or postponed under the same task id
+    keep_grant(task, grant)
+    try:
+        yield
+    finally:
+        release_held(task)
+
+
+@contextmanager
+def dispatched_run(
     task: Task[Any, Any],
     job_id: int,
     tenant: str | None,
     queue: str,
-    call: Callable[[], T],
-) -> T:
-    """Run a dispatched job: start its row, take its tenant slot if its tenant has a cap,
-    call ``call()``, then end the row and publish the jobs its room went to.
+) -> Iterator[None]:
+    """Hold a dispatched job's run: start its row, take its tenant slot if its tenant has a
+    cap, let the job run, then end the row and publish the jobs its room went to.
 
     Raises ``Ignore`` (the message is acknowledged, nothing runs) for a second copy of a
     job, when the database cannot mark the start (the row stays dispatched and is
@@ -107,62 +184,16 @@ def run_dispatched(
             raise Ignore()
         keep_grant(task, acquired.grant)
     try:
-        return call()
+        yield
     finally:
         release_held(task)
-        end(task, job_id, process)
-
-
-def end(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> None:
-    """End a dispatched job's row and publish the jobs dispatched into its room. If the
-    database cannot be reached, the end is kept and tried again at the next heartbeat
-    (:func:`retry_pending_ends`), so the room is not lost while the process lives."""
-    try:
-        ready = dispatch.end(job_id, process)
-    except DatabaseError:
-        logger.exception("Could not end dispatched job %s; retrying at the next heartbeat", job_id)
-        with _pending_lock:
-            _pending_ends.append((job_id, process))
-        return
-    dispatch.publish(task.app, ready)
-
-
-def retry_pending_ends(app: Any) -> int:
-    """End the rows whose end failed earlier in this process; returns how many ended."""
-    with _pending_lock:
-        pending = list(_pending_ends)
-        _pending_ends.clear()
-    done = 0
-    for position, (job_id, process) in enumerate(pending):
-        try:
-            ready = dispatch.end(job_id, process)
-        except DatabaseError:
-            with _pending_lock:
-                _pending_ends.extend(pending[position:])
-            break
-        dispatch.publish(app, ready)
-        done += 1
-    return done
+        ends.end(task, job_id, process)
 
 
 _PARK_ATTEMPTS = 20
 """How often park may answer "room" (a slot freed meanwhile) before we park anyway and
 leave the job to the sweep. Each "room" means the slot changed hands, so this is only
 reached under extreme churn."""
-
-_pending_releases: list[Grant] = []
-
-_holds_lock = threading.Lock()
-
-_uncertain: set[tuple[str, uuid.UUID]] = set()
-"""(task id, process id) of acquires that failed with a database error in this process:
-one may have committed with its reply lost (a failover, a pooler restart), leaving a lease
-held by this live process under a token nobody has. It is given back at the next
-heartbeat, or before the job's next copy starts here. Guarded by ``_holds_lock``."""
-
-_running: set[str] = set()
-"""Task ids of the jobs holding a grant in this process (``enter`` to ``release``): their
-leases are never mistaken for those of a lost reply. Guarded by ``_holds_lock``."""
 
 
 def enter(
@@ -191,17 +222,17 @@ def enter(
     woken = fair_headers.is_woken(task.request)
     task_id = str(request.id)
     try:
-        with _holds_lock:
-            lost = [pid for (uncertain_id, pid) in _uncertain if uncertain_id == task_id]
+        with ends._holds_lock:
+            lost = [pid for (uncertain_id, pid) in ends._uncertain if uncertain_id == task_id]
         for process_id in lost:  # this job's own lease from a lost reply would refuse it
-            _drop_uncertain([task_id], process_id)
+            ends._drop_uncertain([task_id], process_id)
         acquired = acquire(
             tenant=tenant, queue=queue, task_id=task_id, limit=limit,
             node=request.hostname, woken=woken,
         )  # fmt: skip
         if acquired.grant is not None:
-            with _holds_lock:
-                _running.add(task_id)
+            with ends._holds_lock:
+                ends._running.add(task_id)
             return acquired.grant
         if acquired.status not in ("full", "queue_full"):
             refuse(task, acquired.status, args, kwargs, woken=woken)
@@ -222,13 +253,13 @@ def enter(
         # A process that never registered cannot have taken one.
         holder = identity.registered_process_id()
         if holder is not None:
-            with _holds_lock:
-                _uncertain.add((task_id, holder))
+            with ends._holds_lock:
+                ends._uncertain.add((task_id, holder))
         # Without the database no slot can be taken; failing the task would lose the job
         # (its message is acknowledged), so it goes back through the broker, which needs no
         # database. If it was parked before the error, the copy that starts first deletes
         # the parked row, so it still runs once.
-        postpone(
+        messages.postpone(
             task, args, kwargs, countdown=retry_countdown,
             reason=f"database unavailable ({exc.__class__.__name__}: {exc})".strip(),
         )  # fmt: skip
@@ -306,29 +337,6 @@ def _acquire_limited(
     return acquired
 
 
-def postpone(
-    task: Task[Any, Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    countdown: float,
-    reason: str,
-) -> None:
-    """Re-publish the current job unchanged (same task id, same ``retries``) to come back
-    after ``countdown`` seconds. Needs only the broker, not the database."""
-    request = task.request
-    logger.warning(
-        "%s[%s]: %s; re-published to run in %.1f s", task.name, request.id, reason, countdown
-    )
-    # A woken copy stays marked as one, so that it still cannot run after another copy. A
-    # redelivery is a fresh start (see is_woken) and must come back as one: unmarked.
-    headers = dict(request.headers or {})
-    wake = headers.pop(fair_headers.WAKE, None) if fair_headers.is_woken(task.request) else None
-    headers.pop(fair_headers.WAKE, None)
-    sig = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
-    messages.send(sig, task, wake)
-
-
 def refuse(
     task: Task[Any, Any],
     status: str,
@@ -352,7 +360,7 @@ def refuse(
             task.name, request.id, status,
         )  # fmt: skip
         return
-    postpone(
+    messages.postpone(
         task, args, kwargs, countdown=fair_settings.WORKER_TIMEOUT,
         reason="already running in a live worker",
     )  # fmt: skip
@@ -375,7 +383,7 @@ def defer(
     Returns a :class:`Grant` if a slot freed while parking (run the job now), else None
     (the job is parked or rescheduled; acknowledge the message without running it).
     """
-    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+    from django_fair_jobs.models import TenantQueueSlot
 
     request = task.request
     limited = limits.is_limited(queue)
@@ -384,38 +392,9 @@ def defer(
     headers.pop(fair_headers.WAKE, None)
     signature = None
     if on_limit != "retry":
-        try:
-            signature = dumps(
-                dict(task.signature_from_request(request, args, kwargs, headers=headers))
-            )
-        except (TypeError, ValueError) as exc:
-            # Only a job published by name with a serializer richer than JSON gets here
-            # (FairTask.apply_async refuses such arguments): it cannot be stored, so it
-            # waits through the broker instead, never lost.
-            logger.warning(
-                "%s[%s]: cannot park (%s: its arguments are not JSON); re-published to "
-                "retry in %.1f s instead", task.name, request.id, exc, retry_countdown,
-            )  # fmt: skip
+        signature = _stored_signature(task, args, kwargs, headers, retry_countdown)
     if signature is None:
-        countdown = retry_countdown * random.uniform(0.5, 1.5)
-        # Like Task.retry(), but keeping request.retries: deferral is not a failure.
-        sig = task.signature_from_request(
-            request, args, kwargs, countdown=countdown, headers=headers
-        )
-        if limited:
-            QueueLimit.objects.count_deferral(queue)
-        elif tenant is not None:
-            TenantQueueSlot.objects.count_deferral(tenant=tenant, queue=queue)
-        try:
-            sig.apply_async()
-        except EncodeError:
-            # Arguments JSON cannot store (FairArgumentsError): straight to the broker in
-            # the job's own serializer, which FairTask.apply_async refuses at a first publish.
-            CeleryTask.apply_async(task, sig.args, sig.kwargs, **sig.options)
-        logger.debug(
-            "Deferred %s[%s]: tenant %s at its limit on %s; retrying in %.1f s",
-            task.name, request.id, for_log(tenant), queue, countdown,
-        )  # fmt: skip
+        _reschedule(task, tenant, queue, limited, retry_countdown, args, kwargs, headers)
         return None
     for _ in range(_PARK_ATTEMPTS):
         if limited or tenant is None:
@@ -446,114 +425,64 @@ def defer(
         if again.status not in ("full", "queue_full"):
             refuse(task, again.status, args, kwargs, woken=woken)
             return None
-    postpone(
+    messages.postpone(
         task, args, kwargs, countdown=retry_countdown,
         reason=f"could not park or start after {_PARK_ATTEMPTS} tries",
     )  # fmt: skip
     return None
 
 
-def release(grant: Grant, app: Celery | None = None) -> None:
-    """Give back ``grant``'s slots and wake the parked jobs that can now run.
-
-    Never raises: a job that succeeded stays a success. A failed release is kept and
-    retried by this process's heartbeat (no slot is lost); a failed wake-up is left to the
-    maintenance sweep.
-    """
+def _reschedule(
+    task: Task[Any, Any],
+    tenant: str | None,
+    queue: str,
+    limited: bool,
+    retry_countdown: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    headers: dict[str, Any],
+) -> None:
+    """``fair_on_limit = "retry"`` (or a job that cannot be parked): publish it again with
+    a jittered countdown, and count the deferral."""
     from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
-    with _holds_lock:
-        _running.discard(grant.task_id)
-    if grant.slot_id is None and grant.queue_limit_id is None:
-        return  # the job held nothing (no tenant, no queue limit)
-    in_line: int | None = 0
+    request = task.request
+    countdown = retry_countdown * random.uniform(0.5, 1.5)
+    # Like Task.retry(), but keeping request.retries: deferral is not a failure.
+    sig = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
+    if limited:
+        QueueLimit.objects.count_deferral(queue)
+    elif tenant is not None:
+        TenantQueueSlot.objects.count_deferral(tenant=tenant, queue=queue)
     try:
-        if grant.queue_limit_id is not None:
-            released = QueueLimit.objects.release(grant)
-            in_line, parked = released if released is not None else (None, None)
-        else:
-            parked = TenantQueueSlot.objects.release(grant)
-    except Exception:
-        logger.exception("Could not release the slots of %s; will retry", grant.task_id)
-        with _holds_lock:
-            _pending_releases.append(grant)
-        return
-    if in_line is None or (grant.queue_limit_id is None and parked is None):
-        logger.info(
-            "Lease of %s was gone at release (reaped or taken over); nothing released",
-            grant.task_id,
-        )
-        return
+        sig.apply_async()
+    except EncodeError:
+        # Arguments JSON cannot store (FairArgumentsError): straight to the broker in
+        # the job's own serializer, which FairTask.apply_async refuses at a first publish.
+        CeleryTask.apply_async(task, sig.args, sig.kwargs, **sig.options)
+    logger.debug(
+        "Deferred %s[%s]: tenant %s at its limit on %s; retrying in %.1f s",
+        task.name, request.id, for_log(tenant), queue, countdown,
+    )  # fmt: skip
+
+
+def _stored_signature(
+    task: Task[Any, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    headers: dict[str, Any],
+    retry_countdown: float,
+) -> str | None:
+    """The current job's signature as kombu JSON, to park it; None if JSON cannot hold it."""
+    request = task.request
     try:
-        if in_line and grant.queue_limit_id is not None:
-            limits.wake_line(grant.queue_limit_id, limit=1, app=app)
-        if parked and grant.slot_id is not None:
-            slots.wake(grant.slot_id, limit=1, app=app)
-    except Exception:
-        logger.exception("Could not wake a parked job after %s; the sweep will", grant.task_id)
-
-
-def retry_pending_releases() -> int:
-    """Retry releases that failed earlier in this process, and give back the leases of
-    acquires whose reply may have been lost; returns how many releases succeeded."""
-    with _holds_lock:
-        pending = list(_pending_releases)
-        _pending_releases.clear()
-        uncertain = sorted(_uncertain)
-    done = 0
-    for grant in pending:
-        before = len(_pending_releases)
-        release(grant)
-        done += len(_pending_releases) == before
-    by_process: dict[uuid.UUID, list[str]] = {}
-    for task_id, process_id in uncertain:
-        by_process.setdefault(process_id, []).append(task_id)
-    for process_id, task_ids in by_process.items():
-        try:
-            _drop_uncertain(task_ids, process_id)
-        except DatabaseError:
-            logger.warning("Could not check %s lease(s) of lost replies yet", len(task_ids))
-    return done
-
-
-def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
-    """Give back the leases ``process_id`` may hold for ``task_ids`` from acquires whose
-    reply was lost (none where the acquire did not commit), except those of jobs running
-    here now; then wake jobs on the slots freed. One transaction for all of them. Raises
-    DatabaseError (the entries stay for the next try)."""
-    from django_fair_jobs.models import SlotLease
-
-    with _holds_lock:
-        # A copy that took its slot since holds its own lease; leave it alone.
-        orphans = [task_id for task_id in task_ids if task_id not in _running]
-    slot_ids, queue_ids = (
-        SlotLease.objects.drop_held_by(orphans, process_id) if orphans else ([], [])
-    )
-    with _holds_lock:
-        _uncertain.difference_update((task_id, process_id) for task_id in task_ids)
-    if slot_ids or queue_ids:
+        return dumps(dict(task.signature_from_request(request, args, kwargs, headers=headers)))
+    except (TypeError, ValueError) as exc:
+        # Only a job published by name with a serializer richer than JSON gets here
+        # (FairTask.apply_async refuses such arguments): it cannot be stored, so it
+        # waits through the broker instead, never lost.
         logger.warning(
-            "Gave back %s slot(s) of acquires whose reply was lost; their jobs can start",
-            len(slot_ids) + len(queue_ids),
-        )
-    for queue_limit_id in queue_ids:
-        limits.wake_line(queue_limit_id, limit=1)
-    for slot_id in slot_ids:
-        slots.wake(slot_id, limit=1)
-
-
-def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) -> None:
-    """Drop a revoked job's parked row and reservations, and its running leases too if it
-    was ``terminated``; wake jobs on the slots freed.
-
-    A revoke without terminate (or an expired duplicate copy) leaves a running copy's
-    lease alone: that copy still runs and releases it.
-    """
-    from django_fair_jobs.models import ParkedJob, SlotLease
-
-    ParkedJob.objects.forget(task_id)
-    slot_ids, queue_ids = SlotLease.objects.drop_for_task(task_id, running=terminated)
-    for queue_limit_id in queue_ids:
-        limits.wake_line(queue_limit_id, limit=1, app=app)
-    for slot_id in slot_ids:
-        slots.wake(slot_id, limit=1, app=app)
+            "%s[%s]: cannot park (%s: its arguments are not JSON); re-published to "
+            "retry in %.1f s instead", task.name, request.id, exc, retry_countdown,
+        )  # fmt: skip
+        return None

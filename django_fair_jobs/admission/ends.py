@@ -1,0 +1,183 @@
+"""What happens when a job ends: give back its tenant slot and queue place and wake the
+parked jobs that can run now (:func:`release`), end a dispatched job's row in the round
+trip that dispatches the next one (:func:`end`), and keep what failed to retry it at the
+next heartbeat, so that nothing is lost while the process lives."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from django.db import DatabaseError
+
+from django_fair_jobs import dispatch, limits, slots
+from django_fair_jobs.managers import Grant
+
+if TYPE_CHECKING:
+    from celery import Celery, Task
+
+logger = logging.getLogger("django_fair_jobs.admission")
+
+
+_pending_ends: list[tuple[int, uuid.UUID]] = []
+
+
+_pending_lock = threading.Lock()
+
+
+_pending_releases: list[Grant] = []
+
+
+_holds_lock = threading.Lock()
+
+
+_uncertain: set[tuple[str, uuid.UUID]] = set()
+"""(task id, process id) of acquires that failed with a database error in this process:
+one may have committed with its reply lost (a failover, a pooler restart), leaving a lease
+held by this live process under a token nobody has. It is given back at the next
+heartbeat, or before the job's next copy starts here. Guarded by ``_holds_lock``."""
+
+
+_running: set[str] = set()
+"""Task ids of the jobs holding a grant in this process (``enter`` to ``release``): their
+leases are never mistaken for those of a lost reply. Guarded by ``_holds_lock``."""
+
+
+def release(grant: Grant, app: Celery | None = None) -> None:
+    """Give back ``grant``'s slots and wake the parked jobs that can now run.
+
+    Never raises: a job that succeeded stays a success. A failed release is kept and
+    retried by this process's heartbeat (no slot is lost); a failed wake-up is left to the
+    maintenance sweep.
+    """
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+
+    with _holds_lock:
+        _running.discard(grant.task_id)
+    if grant.slot_id is None and grant.queue_limit_id is None:
+        return  # the job held nothing (no tenant, no queue limit)
+    in_line: int | None = 0
+    try:
+        if grant.queue_limit_id is not None:
+            released = QueueLimit.objects.release(grant)
+            in_line, parked = released if released is not None else (None, None)
+        else:
+            parked = TenantQueueSlot.objects.release(grant)
+    except Exception:
+        logger.exception("Could not release the slots of %s; will retry", grant.task_id)
+        with _holds_lock:
+            _pending_releases.append(grant)
+        return
+    if in_line is None or (grant.queue_limit_id is None and parked is None):
+        logger.info(
+            "Lease of %s was gone at release (reaped or taken over); nothing released",
+            grant.task_id,
+        )
+        return
+    try:
+        if in_line and grant.queue_limit_id is not None:
+            limits.wake_line(grant.queue_limit_id, limit=1, app=app)
+        if parked and grant.slot_id is not None:
+            slots.wake(grant.slot_id, limit=1, app=app)
+    except Exception:
+        logger.exception("Could not wake a parked job after %s; the sweep will", grant.task_id)
+
+
+def retry_pending_releases() -> int:
+    """Retry releases that failed earlier in this process, and give back the leases of
+    acquires whose reply may have been lost; returns how many releases succeeded."""
+    with _holds_lock:
+        pending = list(_pending_releases)
+        _pending_releases.clear()
+        uncertain = sorted(_uncertain)
+    done = 0
+    for grant in pending:
+        before = len(_pending_releases)
+        release(grant)
+        done += len(_pending_releases) == before
+    by_process: dict[uuid.UUID, list[str]] = {}
+    for task_id, process_id in uncertain:
+        by_process.setdefault(process_id, []).append(task_id)
+    for process_id, task_ids in by_process.items():
+        try:
+            _drop_uncertain(task_ids, process_id)
+        except DatabaseError:
+            logger.warning("Could not check %s lease(s) of lost replies yet", len(task_ids))
+    return done
+
+
+def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
+    """Give back the leases ``process_id`` may hold for ``task_ids`` from acquires whose
+    reply was lost (none where the acquire did not commit), except those of jobs running
+    here now; then wake jobs on the slots freed. One transaction for all of them. Raises
+    DatabaseError (the entries stay for the next try)."""
+    from django_fair_jobs.models import SlotLease
+
+    with _holds_lock:
+        # A copy that took its slot since holds its own lease; leave it alone.
+        orphans = [task_id for task_id in task_ids if task_id not in _running]
+    slot_ids, queue_ids = (
+        SlotLease.objects.drop_held_by(orphans, process_id) if orphans else ([], [])
+    )
+    with _holds_lock:
+        _uncertain.difference_update((task_id, process_id) for task_id in task_ids)
+    if slot_ids or queue_ids:
+        logger.warning(
+            "Gave back %s slot(s) of acquires whose reply was lost; their jobs can start",
+            len(slot_ids) + len(queue_ids),
+        )
+    for queue_limit_id in queue_ids:
+        limits.wake_line(queue_limit_id, limit=1)
+    for slot_id in slot_ids:
+        slots.wake(slot_id, limit=1)
+
+
+def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) -> None:
+    """Drop a revoked job's parked row and reservations, and its running leases too if it
+    was ``terminated``; wake jobs on the slots freed.
+
+    A revoke without terminate (or an expired duplicate copy) leaves a running copy's
+    lease alone: that copy still runs and releases it.
+    """
+    from django_fair_jobs.models import ParkedJob, SlotLease
+
+    ParkedJob.objects.forget(task_id)
+    slot_ids, queue_ids = SlotLease.objects.drop_for_task(task_id, running=terminated)
+    for queue_limit_id in queue_ids:
+        limits.wake_line(queue_limit_id, limit=1, app=app)
+    for slot_id in slot_ids:
+        slots.wake(slot_id, limit=1, app=app)
+
+
+def end(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> None:
+    """End a dispatched job's row and publish the jobs dispatched into its room. If the
+    database cannot be reached, the end is kept and tried again at the next heartbeat
+    (:func:`retry_pending_ends`), so the room is not lost while the process lives."""
+    try:
+        ready = dispatch.end(job_id, process)
+    except DatabaseError:
+        logger.exception("Could not end dispatched job %s; retrying at the next heartbeat", job_id)
+        with _pending_lock:
+            _pending_ends.append((job_id, process))
+        return
+    dispatch.publish(task.app, ready)
+
+
+def retry_pending_ends(app: Any) -> int:
+    """End the rows whose end failed earlier in this process; returns how many ended."""
+    with _pending_lock:
+        pending = list(_pending_ends)
+        _pending_ends.clear()
+    done = 0
+    for position, (job_id, process) in enumerate(pending):
+        try:
+            ready = dispatch.end(job_id, process)
+        except DatabaseError:
+            with _pending_lock:
+                _pending_ends.extend(pending[position:])
+            break
+        dispatch.publish(app, ready)
+        done += 1
+    return done
