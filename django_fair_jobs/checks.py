@@ -259,60 +259,75 @@ def check_task_rules(
         return messages  # reported by check_settings
     known: set[str] | None = None
     for task in fair_tasks(current_app):
+        messages += _option_errors(task, max_window)
         raw = task.fair_tenant_queues
-        for problem in rule_errors(raw, max_window):
-            messages.append(
-                checks.Error(
-                    f"Task {task.name}: {problem}.",
-                    hint='Each rule is {"queue": str, "threshold": int >= 1, "per": seconds '
-                    'or timedelta (optional, default the maximum window), "max_jobs": int '
-                    "(optional)}.",
-                    id="fair_jobs.E011",
-                )
-            )
-        for problem in plan_errors(task.fair_plan):
-            messages.append(
-                checks.Error(
-                    f"Task {task.name}: fair_plan: {problem}.",
-                    hint='fair_plan = {"enqueue_interval": seconds, "enqueue_jobs": N} plus '
-                    "optional tenant_weights, latency_threshold, planner_queue, "
-                    "planner_lock_ttl.",
-                    id="fair_jobs.E015",
-                )
-            )
-        for problem in dispatch_option_errors(getattr(task, "fair_dispatch", None)):
-            messages.append(
-                checks.Error(
-                    f"Task {task.name}: {problem}.",
-                    hint='fair_dispatch = True, or {"tenant_weights": callable or dotted path}.',
-                    id="fair_jobs.E019",
-                )
-            )
-        scope = task.fair_window_scope
-        if scope is not None and scope_error(scope):
-            messages.append(
-                checks.Error(
-                    f"Task {task.name}: fair_window_scope {scope_error(scope)}.",
-                    hint="Leave it unset to use FAIR_JOBS_WINDOW_SCOPE.",
-                    id="fair_jobs.E012",
-                )
-            )
         if not raw or rule_errors(raw, max_window):
             continue
         known = _known_queues(current_app) if known is None else known
-        for rule in raw:
-            if rule["queue"] not in known:
-                messages.append(
-                    checks.Warning(
-                        f"Task {task.name}: rule queue {rule['queue']!r} is not named in "
-                        "task_queues, task_routes, task_default_queue or any task's queue, "
-                        "so perhaps no worker consumes it.",
-                        hint=f"Start workers with -Q including {rule['queue']} and add it to "
-                        "CELERY_TASK_QUEUES, or silence fair_jobs.W001.",
-                        id="fair_jobs.W001",
-                    )
-                )
+        messages += _unknown_queue_warnings(task, raw, known)
     return messages
+
+
+def _option_errors(task: Any, max_window: int) -> list[checks.CheckMessage]:
+    """The errors of one fair task's ``fair_*`` options (E011, E015, E019, E012)."""
+    found: list[checks.CheckMessage] = []
+    raw = task.fair_tenant_queues
+    for problem in rule_errors(raw, max_window):
+        found.append(
+            checks.Error(
+                f"Task {task.name}: {problem}.",
+                hint='Each rule is {"queue": str, "threshold": int >= 1, "per": seconds '
+                'or timedelta (optional, default the maximum window), "max_jobs": int '
+                "(optional)}.",
+                id="fair_jobs.E011",
+            )
+        )
+    for problem in plan_errors(task.fair_plan):
+        found.append(
+            checks.Error(
+                f"Task {task.name}: fair_plan: {problem}.",
+                hint='fair_plan = {"enqueue_interval": seconds, "enqueue_jobs": N} plus '
+                "optional tenant_weights, latency_threshold, planner_queue, "
+                "planner_lock_ttl.",
+                id="fair_jobs.E015",
+            )
+        )
+    for problem in dispatch_option_errors(getattr(task, "fair_dispatch", None)):
+        found.append(
+            checks.Error(
+                f"Task {task.name}: {problem}.",
+                hint='fair_dispatch = True, or {"tenant_weights": callable or dotted path}.',
+                id="fair_jobs.E019",
+            )
+        )
+    scope = task.fair_window_scope
+    if scope is not None and scope_error(scope):
+        found.append(
+            checks.Error(
+                f"Task {task.name}: fair_window_scope {scope_error(scope)}.",
+                hint="Leave it unset to use FAIR_JOBS_WINDOW_SCOPE.",
+                id="fair_jobs.E012",
+            )
+        )
+    return found
+
+
+def _unknown_queue_warnings(task: Any, raw: Any, known: set[str]) -> list[checks.CheckMessage]:
+    """W001 for each of ``task``'s valid rules whose queue no routing setting names."""
+    found: list[checks.CheckMessage] = []
+    for rule in raw:
+        if rule["queue"] not in known:
+            found.append(
+                checks.Warning(
+                    f"Task {task.name}: rule queue {rule['queue']!r} is not named in "
+                    "task_queues, task_routes, task_default_queue or any task's queue, "
+                    "so perhaps no worker consumes it.",
+                    hint=f"Start workers with -Q including {rule['queue']} and add it to "
+                    "CELERY_TASK_QUEUES, or silence fair_jobs.W001.",
+                    id="fair_jobs.W001",
+                )
+            )
+    return found
 
 
 _importing = False

@@ -193,9 +193,46 @@ def _parked(parked: Any, now: datetime) -> Explanation:
     return Explanation(parked.task_id, "parked", summary, details)
 
 
+def _planner_details(
+    planned: Any, details: dict[str, Any]
+) -> tuple[Any, float | None, float | None, bool]:
+    """Add the planner's side of a pending planned job to ``details`` (its tenant's weight,
+    the last run, the queue's latency and backpressure); returns its task (None if not
+    registered here), the queue's latency, the plan's threshold and whether it holds back."""
+    from django_fair_jobs import planner
+    from django_fair_jobs.models import PlannedJob, PlannerRun
+
+    task = next((t for t in planner.planned_tasks() if t.name == planned.task_name), None)
+    plan = None if task is None else planner.parse_plan(getattr(task, "fair_plan", None) or {})
+    weight: Any = None
+    if plan is not None:
+        try:
+            weight = planner.weights(plan, [planned.tenant]).get(planned.tenant, 0.0)
+        except Exception as exc:  # the user's callable: report, never fail explain
+            weight = f"tenant_weights failed: {exc.__class__.__name__}: {exc}"
+    details["tenant_weight"] = weight
+    run = PlannerRun.objects.filter(task_name=planned.task_name).first()
+    latency, depth = PlannedJob.objects.latency(
+        planned.task_name, stale_after=None if plan is None else planner.stale_after(plan)
+    )
+    threshold = None if plan is None else plan.latency_threshold
+    backpressure = latency is not None and threshold is not None and latency > threshold
+    details.update(
+        last_run_at=None if run is None or run.last_run_at is None else run.last_run_at.isoformat(),
+        next_run_at=None if run is None else run.next_run_at.isoformat(),
+        last_promoted=None if run is None else run.last_promoted,
+        last_skipped_for_backpressure=bool(run and run.last_skipped),
+        queue_latency_seconds=None if latency is None else round(latency, 1),
+        promoted_not_started=depth,
+        latency_threshold=threshold,
+        backpressure=backpressure,
+    )  # fmt: skip
+    return task, latency, threshold, backpressure
+
+
 def _planned(planned: Any, now: datetime) -> Explanation:
     from django_fair_jobs import planner
-    from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
+    from django_fair_jobs.models import PlannedJob, PlannerTenant
 
     details: dict[str, Any] = {
         "task": planned.task_name,
@@ -233,31 +270,7 @@ def _planned(planned: Any, now: datetime) -> Explanation:
         task_name=planned.task_name, tenant=planned.tenant
     ).first()
     details["tenant_paused"] = bool(standing and standing.paused)
-    task = next((t for t in planner.planned_tasks() if t.name == planned.task_name), None)
-    plan = None if task is None else planner.parse_plan(getattr(task, "fair_plan", None) or {})
-    weight: Any = None
-    if plan is not None:
-        try:
-            weight = planner.weights(plan, [planned.tenant]).get(planned.tenant, 0.0)
-        except Exception as exc:  # the user's callable: report, never fail explain
-            weight = f"tenant_weights failed: {exc.__class__.__name__}: {exc}"
-    details["tenant_weight"] = weight
-    run = PlannerRun.objects.filter(task_name=planned.task_name).first()
-    latency, depth = PlannedJob.objects.latency(
-        planned.task_name, stale_after=None if plan is None else planner.stale_after(plan)
-    )
-    threshold = None if plan is None else plan.latency_threshold
-    backpressure = latency is not None and threshold is not None and latency > threshold
-    details.update(
-        last_run_at=None if run is None or run.last_run_at is None else run.last_run_at.isoformat(),
-        next_run_at=None if run is None else run.next_run_at.isoformat(),
-        last_promoted=None if run is None else run.last_promoted,
-        last_skipped_for_backpressure=bool(run and run.last_skipped),
-        queue_latency_seconds=None if latency is None else round(latency, 1),
-        promoted_not_started=depth,
-        latency_threshold=threshold,
-        backpressure=backpressure,
-    )  # fmt: skip
+    task, latency, threshold, backpressure = _planner_details(planned, details)
     if not_before := planned.not_before:
         details["not_before"] = not_before.isoformat()
     summary = (f"Pending in tenant {planned.tenant!r}'s virtual queue of {planned.task_name}, "

@@ -504,13 +504,11 @@ def run(
     return RunReport(name, sum(counts.values()), latency, depth, skipped, counts)
 
 
-def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, int]:
-    from django.db.models import F
-
+def _allocation(name: str, plan: Plan) -> tuple[Allocation, dict[str, float]] | None:
+    """How many jobs of each tenant of task ``name`` this run promotes, and in which order
+    (None: no tenant with jobs due and not paused), with the tenants' weights."""
     from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
-    from django_fair_jobs.tenants import for_log
 
-    name = task.name
     pending = PlannedJob.objects.pending(name)
     # Every tenant with jobs due gets its row (pausable in the admin before its first
     # promotion); a new tenant starts at the current virtual time (see allocate).
@@ -523,7 +521,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
     )
     tenants = sorted(t for t in pending if t not in paused)
     if not tenants:
-        return {}
+        return None
     tenant_weights = weights(plan, tenants, task_name=name)
     state = PlannerRun.objects.get(task_name=name)
     # A row never promoted has no pass yet: allocate() starts it at the virtual time.
@@ -536,6 +534,20 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
         {t: pending[t][0] for t in tenants}, tenant_weights, passes, state.virtual_time,
         plan.enqueue_jobs,
     )  # fmt: skip
+    return plan_out, tenant_weights
+
+
+def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, int]:
+    from django.db.models import F
+
+    from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
+    from django_fair_jobs.tenants import for_log
+
+    name = task.name
+    allocated = _allocation(name, plan)
+    if allocated is None:
+        return {}
+    plan_out, tenant_weights = allocated
     celery_app = app or task.app
     broker_down = broker_errors(celery_app)
     transient = TRANSIENT_ERRORS + broker_down

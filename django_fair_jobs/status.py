@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -43,6 +44,22 @@ def age(now: datetime, then: datetime | None) -> float | None:
     return None if then is None else round(max((now - then).total_seconds(), 0.0), 1)
 
 
+def _tenant_entry(by_tenant: dict[str, dict[str, Any]], tenant: str) -> dict[str, Any]:
+    """``tenant``'s row of :func:`tenants`, made empty on first use."""
+    return by_tenant.setdefault(
+        tenant,
+        {"tenant": tenant, "slots": [], "running": 0, "parked": 0, "pending": 0,
+         "oldest_wait_seconds": None, "reroutes_last_hour": 0,
+         "shadow_decisions_last_hour": 0},
+    )  # fmt: skip
+
+
+def _older(row: dict[str, Any], seconds: float | None) -> None:
+    """Keep the longer of ``row``'s oldest wait and ``seconds``."""
+    if seconds is not None and (row["oldest_wait_seconds"] or 0) <= seconds:
+        row["oldest_wait_seconds"] = seconds
+
+
 def tenants(now: datetime) -> list[dict[str, Any]]:
     """Per tenant with something going on: slots, parked, pending, oldest wait, reroutes
     in the last hour. A few grouped queries, whatever the number of jobs."""
@@ -51,19 +68,7 @@ def tenants(now: datetime) -> list[dict[str, Any]]:
     from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob, TenantQueueSlot
 
     by_tenant: dict[str, dict[str, Any]] = {}
-
-    def entry(tenant: str) -> dict[str, Any]:
-        return by_tenant.setdefault(
-            tenant,
-            {"tenant": tenant, "slots": [], "running": 0, "parked": 0, "pending": 0,
-             "oldest_wait_seconds": None, "reroutes_last_hour": 0,
-             "shadow_decisions_last_hour": 0},
-        )  # fmt: skip
-
-    def older(row: dict[str, Any], seconds: float | None) -> None:
-        if seconds is not None and (row["oldest_wait_seconds"] or 0) <= seconds:
-            row["oldest_wait_seconds"] = seconds
-
+    entry = functools.partial(_tenant_entry, by_tenant)
     active = (
         Q(current_jobs__gt=0) | Q(parked_jobs__gt=0) | Q(max_jobs__isnull=False)
         | Q(boost_until__isnull=False)
@@ -85,7 +90,7 @@ def tenants(now: datetime) -> list[dict[str, Any]]:
     for p in parked:
         row = entry(p["slot__tenant"])
         row["parked"] += p["n"]
-        older(row, age(now, p["oldest"]))
+        _older(row, age(now, p["oldest"]))
     pending = (
         PlannedJob.objects.filter(promoted_at__isnull=True)
         .values("tenant")
@@ -94,7 +99,7 @@ def tenants(now: datetime) -> list[dict[str, Any]]:
     for q in pending:
         row = entry(q["tenant"])
         row["pending"] += q["n"]
-        older(row, age(now, q["oldest"]))
+        _older(row, age(now, q["oldest"]))
     recent = (
         JobDecision.objects.filter(at__gte=now - timedelta(hours=1))
         .exclude(tenant="")

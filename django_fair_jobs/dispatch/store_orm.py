@@ -50,12 +50,9 @@ class Store(pg_store.Store):
         )
         return None if first is None else int(first)
 
-    def _dispatch(self, queue: str, limit: int) -> list[Ready]:
-        from django_fair_jobs.dispatch.types import Ready
-        from django_fair_jobs.models import TenantQueueSlot
-
-        row = self._queues().filter(queue=queue).first()
-        vt = row.virtual_time if row is not None else 0.0
+    def _into_line(self, queue: str, vt: float) -> None:
+        """Put ``queue``'s countdowns and ETAs come due in their tenants' lines (a tenant
+        whose line was empty re-enters at the queue's virtual time ``vt``)."""
         due = self._jobs().filter(queue=queue, state=SCHEDULED, not_before__lte=Now())
         for job in list(due.order_by("id")):
             self._jobs().filter(pk=job.pk).update(state=WAITING)
@@ -66,6 +63,13 @@ class Store(pg_store.Store):
                 tenant.head_id = min(tenant.head_id or job.pk, job.pk)
             tenant.waiting += 1
             tenant.save(update_fields=["waiting", "head_id", "pass_value"])
+
+    def _dispatch(self, queue: str, limit: int) -> list[Ready]:
+        from django_fair_jobs.dispatch.types import Ready
+        from django_fair_jobs.models import TenantQueueSlot
+
+        row = self._queues().filter(queue=queue).first()
+        self._into_line(queue, row.virtual_time if row is not None else 0.0)
         if row is None:
             return []
         room = min(row.capacity + row.slack - row.in_flight, limit)
