@@ -33,6 +33,10 @@ from django_fair_jobs.conf import fair_settings
 
 logger = logging.getLogger("django_fair_jobs.workers")
 
+_BEAT_JOIN_SECONDS = 5.0
+"""How long a shutdown waits for a beat under way (a database that does not answer must not
+hold the process's exit for longer)."""
+
 # The old import paths of the identity's functions (one release; see the changelog).
 consumed_queues = identity.consumed_queues
 current_node_id = identity.current_node_id
@@ -90,6 +94,8 @@ def _heartbeat_loop(ident: identity.Identity) -> None:
             try:
                 close_old_connections()
                 if not WorkerProcess.objects.beat(ident.process_id):
+                    if ident.stop.is_set():
+                        return  # retired by this process's shutdown, not reaped
                     # We were presumed dead (a stall longer than the timeout) and reaped:
                     # our old leases are gone and our late releases are fenced; come back.
                     logger.warning(
@@ -186,6 +192,10 @@ def shutdown() -> None:
     if ident is None:
         return
     ident.stop.set()
+    if ident.thread is not None and ident.thread is not threading.current_thread():
+        # A beat under way ends first: one that ran after the retire would find no row
+        # and, were it not stopped, register the process again.
+        ident.thread.join(_BEAT_JOIN_SECONDS)
     try:
         WorkerProcess.objects.retire(ident.process_id)
         _refresh_capacity()

@@ -278,3 +278,38 @@ def test_side_connection_cut_between_two_enqueues__the_next_enqueue_still_works(
     finally:
         managers._forget_side_connection("default")  # the test database can be dropped
     assert TenantWindow.objects.get(tenant="acme").total == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_heartbeat__a_shutdown_between_its_wake_and_its_beat__does_not_register_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The heartbeat wakes, then the process shuts down (stops the heartbeat, retires its
+    # row) before the beat: the beat finds no row. That is not a reap of a live process,
+    # and re-registering would leave the row of a process that is gone, counted as live
+    # capacity until it is reaped a worker timeout later.
+    import os
+    import threading
+
+    from django.test import override_settings
+
+    from django_fair_jobs import identity, workers
+    from django_fair_jobs.managers import WorkerProcessManager
+    from django_fair_jobs.models import WorkerProcess
+
+    ident = identity.Identity(process_id=uuid.uuid4(), pid=os.getpid(), node="n@h")
+    identity.register_row(ident)
+    real_beat = WorkerProcessManager.beat
+
+    def beat_after_a_shutdown(self: WorkerProcessManager, process_id: uuid.UUID) -> bool:
+        ident.stop.set()
+        WorkerProcess.objects.retire(process_id)
+        return real_beat(self, process_id)
+
+    monkeypatch.setattr(WorkerProcessManager, "beat", beat_after_a_shutdown)
+    with override_settings(FAIR_JOBS_HEARTBEAT_INTERVAL=0.01):
+        beating = threading.Thread(target=workers._heartbeat_loop, args=(ident,))
+        beating.start()
+        beating.join(10)
+    assert not beating.is_alive()
+    assert not WorkerProcess.objects.filter(pk=ident.process_id).exists()
