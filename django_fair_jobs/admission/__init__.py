@@ -127,7 +127,7 @@ def holding(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterato
         raise Ignore()  # rerouted: its copy on the rule's queue runs instead
     if tenant is None:
         warn_missing_tenant(task.name)
-    elif not task.fair_slots and fair_headers.MAX_JOBS not in marks:
+    elif not task.fair_slots and fair_headers.MAX_JOBS not in (request.headers or {}):
         tenant = None  # rerouting only: no tenant slot
     queue = routing.request_queue(task)
     if tenant is None and not limits.is_limited(queue) and not fair_headers.is_woken(request):
