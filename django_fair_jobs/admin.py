@@ -34,6 +34,8 @@ from django_fair_jobs.models import (
     TenantWindow,
     WorkerProcess,
 )
+from django_fair_jobs.planner import store as planner_store
+from django_fair_jobs.windows import store as window_store
 
 if TYPE_CHECKING:
     # The admin classes are generic only for the type checker.
@@ -195,7 +197,7 @@ class TenantSlotForm(_SlotForm):
         if boost is not None and "max_jobs" in self.changed_data:
             raise forms.ValidationError("Change max_jobs or set a boost, not both at once.")
         if until is not None:
-            from django_fair_jobs.managers import database_now
+            from django_fair_jobs.db import database_now
 
             if until <= database_now():
                 raise forms.ValidationError("A boost must end in the future.")
@@ -498,7 +500,7 @@ class TenantWindowAdmin(_ReadOnly, _WindowAdmin):
         permissions=["reset"],
     )
     def reset_windows(self, request: HttpRequest, queryset: QuerySet[TenantWindow]) -> None:
-        count = TenantWindow.objects.reset(list(queryset.values_list("pk", flat=True)))
+        count = window_store.reset(list(queryset.values_list("pk", flat=True)))
         self.message_user(
             request, f"Reset {count} window(s); those tenants' next jobs use their normal queue."
         )
@@ -508,7 +510,7 @@ class TenantWindowAdmin(_ReadOnly, _WindowAdmin):
 
         # Computed once per page: which windows each key's rules count over, and when.
         self._windows = windows_by_key()
-        self._now = TenantWindow.objects.database_second()
+        self._now = window_store.database_second()
         return super().changelist_view(request, extra_context)
 
     @admin.display(description="enqueues in window (now)")
@@ -516,7 +518,7 @@ class TenantWindowAdmin(_ReadOnly, _WindowAdmin):
         pers = getattr(self, "_windows", {}).get(obj.key) or []
         if not pers:
             return "no task counts under this key now"
-        counts = TenantWindow.objects.current_counts(obj, pers, getattr(self, "_now", None))
+        counts = window_store.current_counts(obj, pers, getattr(self, "_now", None))
         return ", ".join(f"{n} in {per} s" for per, n in zip(pers, counts, strict=True))
 
     @admin.display(description="last enqueue (UTC)", ordering="last_second")
@@ -587,7 +589,7 @@ class PlannedJobAdmin(_ReadOnly, _PlannedAdmin):
 
     @admin.action(description="Put the selected failed jobs back in line", permissions=["retry"])
     def retry_failed(self, request: HttpRequest, queryset: QuerySet[PlannedJob]) -> None:
-        count = PlannedJob.objects.retry_failed(queryset)
+        count = planner_store.retry_failed(queryset)
         self.message_user(request, f"Put {count} failed job(s) back in line, in their old place.")
 
 
@@ -638,7 +640,7 @@ class PlannerTenantAdmin(_PlannerTenantAdmin):
         )  # fmt: skip
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
-        from django_fair_jobs.managers import database_now
+        from django_fair_jobs.db import database_now
 
         # Ages on the database clock, read once for the page.
         self._now = database_now()

@@ -56,7 +56,7 @@ def prune() -> int:
     """Delete decisions older than ``FAIR_JOBS_DECISION_RETENTION``; returns how many."""
     from datetime import timedelta
 
-    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import JobDecision
 
     cutoff = database_now() - timedelta(seconds=fair_settings.DECISION_RETENTION)

@@ -24,6 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.planner import store as planner_store
 from django_fair_jobs.status import age
 
 _HOLDERS_SHOWN = 20
@@ -67,7 +68,7 @@ def explain(task_id: str) -> Explanation:
     """Say where job ``task_id`` is and why it has not started (or what it holds while it
     runs), from the library's rows: leases, parked jobs, virtual queues and recorded
     decisions. Read-only; a few indexed queries."""
-    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob, SlotLease
 
     task_id = str(task_id)
@@ -200,7 +201,7 @@ def _planner_details(
     the last run, the queue's latency and backpressure); returns its task (None if not
     registered here), the queue's latency, the plan's threshold and whether it holds back."""
     from django_fair_jobs import planner
-    from django_fair_jobs.models import PlannedJob, PlannerRun
+    from django_fair_jobs.models import PlannerRun
 
     task = next((t for t in planner.planned_tasks() if t.name == planned.task_name), None)
     plan = None if task is None else planner.parse_plan(getattr(task, "fair_plan", None) or {})
@@ -212,7 +213,7 @@ def _planner_details(
             weight = f"tenant_weights failed: {exc.__class__.__name__}: {exc}"
     details["tenant_weight"] = weight
     run = PlannerRun.objects.filter(task_name=planned.task_name).first()
-    latency, depth = PlannedJob.objects.latency(
+    latency, depth = planner_store.latency(
         planned.task_name, stale_after=None if plan is None else planner.stale_after(plan)
     )
     threshold = None if plan is None else plan.latency_threshold

@@ -25,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from django.db import connections
+from django.db.models.functions import Now
 
+from django_fair_jobs import db
 from django_fair_jobs.conf import fair_settings
 
 logger = logging.getLogger("django_fair_jobs.workers")
@@ -133,9 +135,8 @@ def forget() -> None:
 
 def register_row(ident: Identity) -> None:
     """Write (or write again, after a reap) ``ident``'s worker process row."""
-    from django_fair_jobs.models import WorkerProcess
 
-    WorkerProcess.objects.register(
+    register_process(
         process_id=ident.process_id, node=ident.node, hostname=socket.gethostname(),
         pid=ident.pid, node_id=current_node_id(), queues=consumed_queues(),
         concurrency=_concurrency,
@@ -186,3 +187,58 @@ def _alive(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] != "Z"
     except (OSError, IndexError):
         return True  # no /proc: the pool reaps its children soon enough
+
+
+# The process rows' storage (database clock only).
+
+
+def register_process(
+    *,
+    process_id: uuid.UUID,
+    node: str,
+    hostname: str,
+    pid: int,
+    node_id: uuid.UUID | None = None,
+    queues: list[str] | None = None,
+    concurrency: int = 1,
+) -> None:
+    """Insert this process's row, or refresh it if it exists (re-registration after a
+    stall during which it was reaped). ``node_id``: the worker node's identity (a new
+    one if not given); ``queues`` and ``concurrency``: what it consumes and how many
+    jobs it runs at once (fair dispatch's capacity)."""
+    from django_fair_jobs.models import WorkerProcess
+
+    WorkerProcess.objects.update_or_create(
+        pk=process_id,
+        defaults={
+            "node": node,
+            "queues": list(queues or ()),
+            "concurrency": concurrency,
+            "node_id": node_id or uuid.uuid4(),
+            "hostname": hostname,
+            "pid": pid,
+            "last_heartbeat_at": Now(),
+        },
+    )
+
+
+def live_nodes(timeout: float) -> int:
+    """How many worker nodes have a process that beat within ``timeout`` seconds."""
+    from django_fair_jobs.models import WorkerProcess
+
+    live = WorkerProcess.objects.filter(last_heartbeat_at__gte=db.ago(timeout))
+    return live.values("node_id").distinct().count()
+
+
+def beat(process_id: uuid.UUID) -> bool:
+    """Refresh the heartbeat; False if the row is gone (this process was reaped)."""
+    from django_fair_jobs.models import WorkerProcess
+
+    return bool(WorkerProcess.objects.filter(pk=process_id).update(last_heartbeat_at=Now()))
+
+
+def retire_process(process_id: uuid.UUID) -> None:
+    """Delete this process's row at a clean shutdown, so its leases are reaped at once."""
+    from django_fair_jobs.models import WorkerProcess
+
+    WorkerProcess.objects.filter(pk=process_id).delete()

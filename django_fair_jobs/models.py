@@ -15,7 +15,11 @@
 * :class:`LimitChange`: the history of limit changes (who, what, when).
 * :class:`Dashboard`: the admin's dashboard page (a proxy, for its permission).
 
-The SQL that changes these rows lives in :mod:`django_fair_jobs.managers`.
+This module is the schema only. The statements that change these rows live in each
+mechanism's store (``slots/store.py``, ``limits/store.py``, ``windows/store.py``,
+``planner/store.py``, ``dispatch/store.py``), in :mod:`django_fair_jobs.leases.store` for
+what tenant slots and queue limits share, and in :mod:`django_fair_jobs.identity` for
+worker processes.
 """
 
 from __future__ import annotations
@@ -31,16 +35,6 @@ from django_fair_jobs.dispatch.models import (  # noqa: F401  (registered with t
     DispatchQueue,
     DispatchTenant,
 )
-from django_fair_jobs.managers import (
-    MaintenanceManager,
-    ParkedJobManager,
-    PlannedJobManager,
-    QueueLimitManager,
-    SlotLeaseManager,
-    TenantQueueSlotManager,
-    TenantWindowManager,
-    WorkerProcessManager,
-)
 from django_fair_jobs.tenants import TENANT_MAX_LENGTH
 
 
@@ -48,7 +42,7 @@ class TenantQueueSlot(models.Model):
     """How many of one tenant's jobs may run at once on one queue, and how many do.
 
     ``current_jobs`` always equals the number of :class:`SlotLease` rows of the slot; it is
-    only changed by the conditional UPDATEs in :class:`TenantQueueSlotManager`.
+    only changed by the conditional UPDATEs in :mod:`django_fair_jobs.slots.store`.
     """
 
     tenant = models.CharField(max_length=TENANT_MAX_LENGTH)
@@ -91,8 +85,6 @@ class TenantQueueSlot(models.Model):
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     updated_at = models.DateTimeField(db_default=Now(), editable=False)
-
-    objects = TenantQueueSlotManager()
 
     class Meta:
         db_table = "fair_jobs_tenantqueueslot"
@@ -151,8 +143,6 @@ class WorkerProcess(models.Model):
     started_at = models.DateTimeField(db_default=Now())
     last_heartbeat_at = models.DateTimeField(db_default=Now())
 
-    objects = WorkerProcessManager()
-
     class Meta:
         db_table = "fair_jobs_workerprocess"
         verbose_name = "worker process"
@@ -173,8 +163,6 @@ class Maintenance(models.Model):
         db_default=0, help_text="Leases of dead workers released by passes of this name."
     )
 
-    objects = MaintenanceManager()
-
     class Meta:
         db_table = "fair_jobs_maintenance"
         verbose_name = "maintenance run"
@@ -190,7 +178,7 @@ class QueueLimit(models.Model):
     node; empty means no cap, 0 pauses the queue. Both are edited at runtime (admin,
     ``manage.py fair_jobs_limit``) and seeded from ``FAIR_JOBS_QUEUE_LIMITS`` and
     ``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` only for queues that have no row. The counters are
-    changed only by the statements of :class:`~django_fair_jobs.managers.QueueLimitManager`:
+    changed only by the statements of :mod:`django_fair_jobs.limits.store`:
     ``current_jobs`` and ``running`` (jobs per node id) always match the leases that name
     this row.
     """
@@ -228,8 +216,6 @@ class QueueLimit(models.Model):
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     updated_at = models.DateTimeField(db_default=Now(), editable=False)
-
-    objects = QueueLimitManager()
 
     class Meta:
         db_table = "fair_jobs_queuelimit"
@@ -279,8 +265,6 @@ class SlotLease(models.Model):
         db_constraint=False,
     )
     acquired_at = models.DateTimeField(db_default=Now())
-
-    objects = SlotLeaseManager()
 
     class Meta:
         db_table = "fair_jobs_slotlease"
@@ -336,8 +320,6 @@ class ParkedJob(models.Model):
         "number, and a copy that is not the latest (or whose row is gone) is dropped.",
     )
 
-    objects = ParkedJobManager()
-
     class Meta:
         db_table = "fair_jobs_parkedjob"
         verbose_name = "parked job"
@@ -381,8 +363,6 @@ class TenantWindow(models.Model):
         help_text="Unix second (database clock) of the latest enqueue; never goes back."
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
-
-    objects = TenantWindowManager()
 
     class Meta:
         db_table = "fair_jobs_tenantwindow"
@@ -473,8 +453,6 @@ class PlannedJob(models.Model):
         null=True, blank=True, help_text="Failed for good: promotion skips it."
     )
     last_error = models.TextField(blank=True, default="", db_default="")
-
-    objects = PlannedJobManager()
 
     class Meta:
         db_table = "fair_jobs_plannedjob"

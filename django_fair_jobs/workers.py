@@ -26,10 +26,15 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import close_old_connections, connections
+from django.db import IntegrityError, close_old_connections, connections, router, transaction
+from django.db.models import F
+from django.db.models.functions import Now
 
-from django_fair_jobs import identity
+from django_fair_jobs import db, identity
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.leases import store as lease_store
+from django_fair_jobs.limits import store as queue_store
+from django_fair_jobs.slots import store as slot_store
 
 logger = logging.getLogger("django_fair_jobs.workers")
 
@@ -85,7 +90,6 @@ identity.on_register(_start_threads)
 def _heartbeat_loop(ident: identity.Identity) -> None:
     """Beat, and nothing else: a beat never waits on the broker or on a long maintenance
     pass, which would let another process reap this one while its jobs run."""
-    from django_fair_jobs.models import WorkerProcess
 
     try:
         while not ident.stop.wait(fair_settings.HEARTBEAT_INTERVAL):
@@ -93,7 +97,7 @@ def _heartbeat_loop(ident: identity.Identity) -> None:
                 return  # a forked copy of this thread's owner; the child registers itself
             try:
                 close_old_connections()
-                if not WorkerProcess.objects.beat(ident.process_id):
+                if not identity.beat(ident.process_id):
                     if ident.stop.is_set():
                         return  # retired by this process's shutdown, not reaped
                     # We were presumed dead (a stall longer than the timeout) and reaped:
@@ -186,7 +190,6 @@ def dispatch_due() -> int:
 def shutdown() -> None:
     """Stop this process's heartbeat and retire its row, so that any slot it still holds
     is given back by the next reap instead of after the timeout."""
-    from django_fair_jobs.models import WorkerProcess
 
     ident = identity.current()
     if ident is None:
@@ -197,7 +200,7 @@ def shutdown() -> None:
         # and, were it not stopped, register the process again.
         ident.thread.join(_BEAT_JOIN_SECONDS)
     try:
-        WorkerProcess.objects.retire(ident.process_id)
+        identity.retire_process(ident.process_id)
         _refresh_capacity()
         # Ungated: this process's own leases are what must come back now.
         run_maintenance()
@@ -236,13 +239,10 @@ def maybe_run_maintenance() -> MaintenanceReport | None:
     Pacing it cluster-wide keeps the write load of maintenance constant however many
     processes beat, so heartbeats are never starved by it (on SQLite, every write contends
     for one lock)."""
-    from django_fair_jobs.models import Maintenance
 
     # A little under the interval, so that beats arriving on time are not skipped by
     # rounding, while two passes still cannot run within one interval.
-    if not Maintenance.objects.claim(
-        "maintenance", interval=fair_settings.HEARTBEAT_INTERVAL * 0.9
-    ):
+    if not claim_maintenance("maintenance", interval=fair_settings.HEARTBEAT_INTERVAL * 0.9):
         return None
     return run_maintenance()
 
@@ -256,34 +256,27 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
     """
     from django_fair_jobs import decisions
     from django_fair_jobs.limits import wake_waiting
-    from django_fair_jobs.models import (
-        Maintenance,
-        ParkedJob,
-        QueueLimit,
-        SlotLease,
-        TenantQueueSlot,
-    )
     from django_fair_jobs.slots import end_boosts, wake
     from django_fair_jobs.windows import prune as prune_windows
 
     if timeout is None:
         timeout = fair_settings.WORKER_TIMEOUT
-    reaped = SlotLease.objects.reap(timeout=timeout)
+    reaped = lease_store.reap(timeout=timeout)
     if reaped.leases:
-        Maintenance.objects.count_reaped(reaped.leases)
+        count_reaped(reaped.leases)
     boosts_ended = end_boosts()
-    lost = ParkedJob.objects.rewake_lost(timeout=timeout)
+    lost = lease_store.rewake_lost(timeout=timeout)
     fixed = (
-        TenantQueueSlot.objects.reconcile_parked()
-        + QueueLimit.objects.reconcile_parked()
-        + QueueLimit.objects.reconcile_running()
+        slot_store.reconcile_parked()
+        + queue_store.reconcile_parked()
+        + queue_store.reconcile_running()
     )
     woken = wake_waiting()
-    for slot_id in TenantQueueSlot.objects.with_waiting_room():
+    for slot_id in slot_store.with_waiting_room():
         woken += wake(slot_id, limit=None)
     pruned = 0
     # Idle windows age by the day, not by the beat: a scan a minute is plenty.
-    if Maintenance.objects.claim("windows", interval=_WINDOW_PRUNE_INTERVAL):
+    if claim_maintenance("windows", interval=_WINDOW_PRUNE_INTERVAL):
         pruned = prune_windows()
         decisions_pruned = decisions.prune()
     else:
@@ -373,3 +366,43 @@ def _repair_dispatch() -> Any:
     except Exception:
         logger.exception("Fair dispatch maintenance failed; it runs again next pass")
         return dispatch.Repaired()
+
+
+# Cluster-wide pacing of maintenance passes.
+
+
+def claim_maintenance(name: str, *, interval: float) -> bool:
+    """True if this caller may run ``name`` now: nobody ran it for ``interval`` seconds.
+
+    One conditional upsert on PostgreSQL; two callers at once cannot both win.
+    """
+    from django_fair_jobs.models import Maintenance
+
+    alias = router.db_for_write(Maintenance)
+    if db.is_postgres(alias):
+        return bool(db.run(alias, "claim_maintenance", {"name": name, "interval": interval}))
+    with transaction.atomic(using=alias):
+        if Maintenance.objects.filter(name=name, last_run_at__lt=db.ago(interval)).update(
+            last_run_at=Now()
+        ):
+            return True
+        if Maintenance.objects.filter(name=name).exists():
+            return False
+        Maintenance.objects.create(name=name)
+    return True
+
+
+def count_reaped(leases: int) -> None:
+    """Add ``leases`` reaped leases to the cluster-wide total (for the metrics)."""
+    from django_fair_jobs.models import Maintenance
+
+    if not Maintenance.objects.filter(name="reaped").update(
+        leases_reaped_total=F("leases_reaped_total") + leases
+    ):
+        try:
+            with transaction.atomic(using=router.db_for_write(Maintenance)):
+                Maintenance.objects.create(name="reaped", leases_reaped_total=leases)
+        except IntegrityError:
+            Maintenance.objects.filter(name="reaped").update(
+                leases_reaped_total=F("leases_reaped_total") + leases
+            )

@@ -17,6 +17,8 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from django_fair_jobs import identity
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -215,11 +217,8 @@ def in_process_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
     the test process."""
     import uuid
 
-    from django_fair_jobs import identity
-    from django_fair_jobs.models import WorkerProcess
-
     pid = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=pid, node="bad@host", hostname="host", pid=7)
+    identity.register_process(process_id=pid, node="bad@host", hostname="host", pid=7)
     monkeypatch.setattr(identity, "current_process_id", lambda node=None: pid)
     monkeypatch.setattr(identity, "registered_process_id", lambda: pid)
     return pid

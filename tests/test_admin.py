@@ -10,7 +10,11 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.test import Client
 
+from django_fair_jobs import identity
+from django_fair_jobs.limits import store as queue_store
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+from django_fair_jobs.slots import store as slot_store
+from django_fair_jobs.windows import store as window_store
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -25,12 +29,12 @@ def staff(client: Client) -> Client:
 @pytest.fixture
 def process() -> uuid.UUID:
     pid = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=pid, node="n@h", hostname="h", pid=1)
+    identity.register_process(process_id=pid, node="n@h", hostname="h", pid=1)
     return pid
 
 
 def acquire(process: uuid.UUID, task_id: str, limit: int = 1) -> Any:
-    return TenantQueueSlot.objects.try_acquire(
+    return slot_store.try_acquire(
         tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
     ).grant
 
@@ -92,7 +96,7 @@ def test_edit_limit__raising_wakes_parked_jobs(
         lambda job, app=None: published.append(job.task_id),
     )
     acquire(process, "j1")
-    TenantQueueSlot.objects.try_park(
+    slot_store.try_park(
         tenant="acme", queue="q", task_id="j2", task_name="t", limit=1, signature="{}"
     )
     slot = TenantQueueSlot.objects.get()
@@ -117,7 +121,7 @@ def test_action_pause__sets_limit_zero(staff: Client, process: uuid.UUID) -> Non
         "/admin/fair_jobs/tenantqueueslot/",
         {"action": "pause_tenants", "_selected_action": [slot.pk]},
     )
-    TenantQueueSlot.objects.release(grant)
+    slot_store.release(grant)
     assert acquire(process, "j2") is None
     assert TenantQueueSlot.objects.get().max_jobs == 0
 
@@ -125,8 +129,8 @@ def test_action_pause__sets_limit_zero(staff: Client, process: uuid.UUID) -> Non
 def test_action_reap__releases_dead_workers_only(staff: Client, process: uuid.UUID) -> None:
     acquire(process, "j1")
     dead = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=dead, node="d@h", hostname="h", pid=2)
-    TenantQueueSlot.objects.try_acquire(
+    identity.register_process(process_id=dead, node="d@h", hostname="h", pid=2)
+    slot_store.try_acquire(
         tenant="other", queue="q", task_id="j9", limit=1, process_id=dead, timeout=60
     )
     # Time passes: the dead worker's heartbeat and lease both age beyond the timeout.
@@ -143,7 +147,7 @@ def test_action_reap__releases_dead_workers_only(staff: Client, process: uuid.UU
 
 def test_parked_and_process_pages__render_read_only(staff: Client, process: uuid.UUID) -> None:
     acquire(process, "j1")
-    TenantQueueSlot.objects.try_park(
+    slot_store.try_park(
         tenant="acme", queue="q", task_id="j2", task_name="t", limit=1, signature="{}"
     )
     assert staff.get("/admin/fair_jobs/parkedjob/").status_code == 200
@@ -175,7 +179,7 @@ def test_migrations__in_sync() -> None:
 
 def test_parked_jobs_and_processes__cannot_be_deleted(staff: Client, process: uuid.UUID) -> None:
     acquire(process, "j1")
-    TenantQueueSlot.objects.try_park(
+    slot_store.try_park(
         tenant="acme", queue="q", task_id="j2", task_name="t", limit=1, signature="{}"
     )
     parked = ParkedJob.objects.get()
@@ -195,7 +199,7 @@ def test_window_pages__show_current_counts_and_reroutes_read_only(staff: Client)
     from tests.testapp import tasks
 
     for _ in range(4):
-        TenantWindow.objects.record(
+        window_store.record(
             key=f"task:{tasks.rerouted.name}",
             tenant="acme",
             task_name=tasks.rerouted.name,
@@ -222,7 +226,7 @@ def test_queue_limits__listed_with_running_by_node_and_edited_without_touching_c
 
     limits.set_limits("hooks", max_jobs=1)
     WorkerProcess.objects.filter(pk=process).update(node_id=current_node_id())
-    got = QueueLimit.objects.try_acquire(
+    got = queue_store.try_acquire(
         queue="hooks", tenant=None, limit=1, task_id="j1", process_id=process,
         node_id=current_node_id(),
     )  # fmt: skip

@@ -12,8 +12,9 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client, override_settings
 from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, limits, slots
-from django_fair_jobs.managers import database_now
+from django_fair_jobs import decisions, identity, limits, slots
+from django_fair_jobs.db import database_now
+from django_fair_jobs.limits import store as queue_store
 from django_fair_jobs.models import (
     JobDecision,
     LimitChange,
@@ -26,6 +27,8 @@ from django_fair_jobs.models import (
     TenantWindow,
     WorkerProcess,
 )
+from django_fair_jobs.slots import store as slot_store
+from django_fair_jobs.windows import store as window_store
 from tests.testapp import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -72,14 +75,14 @@ def ops(client: Client) -> Client:
 @pytest.fixture
 def process() -> uuid.UUID:
     pid = uuid.uuid4()
-    WorkerProcess.objects.register(
+    identity.register_process(
         process_id=pid, node="n1@host", hostname="host", pid=4242, node_id=NODE
     )
     return pid
 
 
 def acquire(process: uuid.UUID, task_id: str, tenant: str = "acme", limit: int = 1) -> None:
-    got = TenantQueueSlot.objects.try_acquire(
+    got = slot_store.try_acquire(
         tenant=tenant, queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
     )
     assert got.grant is not None, got.status
@@ -87,7 +90,7 @@ def acquire(process: uuid.UUID, task_id: str, tenant: str = "acme", limit: int =
 
 def park(task_id: str, tenant: str = "acme") -> None:
     signature = dumps(dict(tasks.limited1.signature((tenant, 0), task_id=task_id)))
-    outcome = TenantQueueSlot.objects.try_park(
+    outcome = slot_store.try_park(
         tenant=tenant, queue="q", task_id=task_id, task_name=tasks.limited1.name, limit=1,
         signature=str(signature),
     )  # fmt: skip
@@ -112,7 +115,7 @@ def texts(response: Any) -> list[str]:
 
 
 def record_window(tenant: str) -> None:
-    TenantWindow.objects.record(
+    window_store.record(
         key=f"task:{tasks.rerouted.name}", tenant=tenant, task_name=tasks.rerouted.name,
         rules=[(60, 2, "fair_slow")],
     )  # fmt: skip
@@ -175,7 +178,7 @@ def test_staff_without_permissions__403_on_pages_and_actions__nothing_changes(
     record_window("acme")
     PlannerTenant.objects.create(task_name=tasks.planned.name, tenant="acme")
     dead = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=dead, node="d@h", hostname="h", pid=2)
+    identity.register_process(process_id=dead, node="d@h", hostname="h", pid=2)
     acquire(dead, "d1", tenant="other")
     WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at=OLD)
     SlotLease.objects.filter(process_id=dead).update(acquired_at=OLD)
@@ -273,7 +276,7 @@ def test_action_reap_dead_workers__from_slots_and_queues(ops: Client, process: u
     acquire(process, "live")
     limits.set_limits("hooks", max_jobs=2)
     dead = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=dead, node="d@h", hostname="h", pid=2, node_id=NODE)
+    identity.register_process(process_id=dead, node="d@h", hostname="h", pid=2, node_id=NODE)
     acquire(dead, "d1", tenant="other")
     WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at=OLD)
     SlotLease.objects.filter(process_id=dead).update(acquired_at=OLD)
@@ -286,8 +289,8 @@ def test_action_reap_dead_workers__from_slots_and_queues(ops: Client, process: u
     assert Maintenance.objects.get(name="reaped").leases_reaped_total == 1
     # The same action on the queue page.
     again = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=again, node="d@h", hostname="h", pid=3, node_id=NODE)
-    held = QueueLimit.objects.try_acquire(
+    identity.register_process(process_id=again, node="d@h", hostname="h", pid=3, node_id=NODE)
+    held = queue_store.try_acquire(
         queue="hooks", tenant=None, limit=1, task_id="h1", process_id=again, node_id=NODE
     )
     assert held.status == "held"

@@ -43,6 +43,7 @@ from django_fair_jobs.models import (
     TenantQueueSlot,
     TenantWindow,
 )
+from django_fair_jobs.slots import store as slot_store
 from django_fair_jobs.task import FairArgumentsError
 from django_fair_jobs.tenants import TenantError, normalize_tenant
 from django_fair_jobs.windows import RuleError, parse_rules, rule_errors
@@ -287,7 +288,7 @@ def test_tenant__stored_exactly__in_the_header_and_the_slot_row(
     tasks.limited1.apply_async(("ignored",), fair_tenant=value)
     (message,) = redis.Redis.from_url(django_settings.CELERY_BROKER_URL).lrange("fair", 0, -1)
     assert json.loads(message)["headers"]["fair_tenant"] == stored
-    grant = TenantQueueSlot.objects.try_acquire(
+    grant = slot_store.try_acquire(
         tenant=stored, queue="fair", task_id="t1", limit=1, process_id=process, timeout=60
     ).grant
     assert grant is not None and grant.slot_id is not None
@@ -377,13 +378,13 @@ def test_property__any_tenant__refused_or_stored_and_read_back_exactly(
         assert not str(value).strip()
         return
     assert tenant == str(value)
-    acquired = TenantQueueSlot.objects.try_acquire(
+    acquired = slot_store.try_acquire(
         tenant=tenant, queue="q", task_id=uuid.uuid4().hex, limit=MAX_LIMIT,
         process_id=process, timeout=60,
     )  # fmt: skip
     assert acquired.grant is not None and acquired.grant.slot_id is not None
     assert TenantQueueSlot.objects.get(pk=acquired.grant.slot_id).tenant == tenant
-    assert TenantQueueSlot.objects.release(acquired.grant) is not None
+    assert slot_store.release(acquired.grant) is not None
 
 
 # tenant_weights ------------------------------------------------------------------------
@@ -700,7 +701,7 @@ def test_pickle_serializer__parked_job_stored_as_json_and_woken_whole(
 ) -> None:
     from django_fair_jobs import admission
 
-    holder = TenantQueueSlot.objects.try_acquire(
+    holder = slot_store.try_acquire(
         tenant="acme", queue="fair", task_id="holder", limit=1, process_id=process, timeout=60
     ).grant
     assert holder is not None
@@ -727,7 +728,7 @@ def test_defer__arguments_json_cannot_store__job_waits_through_the_broker(
     # Published by name with the pickle serializer (FairTask's own publish would refuse a
     # set): the tenant is full, the job cannot be parked as JSON, so it is re-published
     # with a countdown instead of failing.
-    TenantQueueSlot.objects.try_acquire(
+    slot_store.try_acquire(
         tenant="acme", queue="fair", task_id="holder", limit=1, process_id=process, timeout=60
     )
     task = tasks.limited1

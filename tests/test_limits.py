@@ -9,8 +9,10 @@ import pytest
 from django.core.management import call_command
 from django.test import override_settings
 
-from django_fair_jobs import limits
-from django_fair_jobs.managers import Grant
+from django_fair_jobs import identity, limits
+from django_fair_jobs.leases import store as lease_store
+from django_fair_jobs.leases.types import Grant
+from django_fair_jobs.limits import store as queue_store
 from django_fair_jobs.models import (
     ParkedJob,
     QueueLimit,
@@ -18,6 +20,7 @@ from django_fair_jobs.models import (
     TenantQueueSlot,
     WorkerProcess,
 )
+from django_fair_jobs.slots import store as slot_store
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -27,9 +30,7 @@ NODE_A, NODE_B = uuid.uuid4(), uuid.uuid4()
 @pytest.fixture
 def process() -> uuid.UUID:
     pid = uuid.uuid4()
-    WorkerProcess.objects.register(
-        process_id=pid, node="a@host", hostname="host", pid=1, node_id=NODE_A
-    )
+    identity.register_process(process_id=pid, node="a@host", hostname="host", pid=1, node_id=NODE_A)
     return pid
 
 
@@ -46,7 +47,7 @@ def take(process: uuid.UUID) -> Take:
         limit: int = 5,
         woken: bool = False,
     ) -> tuple[str, Grant | None]:
-        got = QueueLimit.objects.try_acquire(
+        got = queue_store.try_acquire(
             queue=queue, tenant=tenant, limit=limit, task_id=task_id,
             process_id=process, node_id=node, woken=woken,
         )  # fmt: skip
@@ -66,7 +67,7 @@ def park(
     node: uuid.UUID = NODE_A,
     limit: int = 5,
 ) -> str:
-    return QueueLimit.objects.try_park(
+    return queue_store.try_park(
         queue=queue, tenant=tenant, limit=limit, task_id=task_id, task_name="t",
         signature="{}", node_id=node,
     )  # fmt: skip
@@ -78,11 +79,11 @@ def test_global_limit__nth_plus_one_refused_until_a_release(take: Take) -> None:
     assert [status for status, _ in grants] == ["held"] * 3
     assert take("j3")[0] == "queue_full"
     assert row().current_jobs == 3 and row().running == {str(NODE_A): 3}
-    released = QueueLimit.objects.release(grants[0][1])  # type: ignore[arg-type]
+    released = queue_store.release(grants[0][1])  # type: ignore[arg-type]
     assert released == (0, None)
     assert take("j3")[0] == "held"
     # A second release with the same grant is fenced off.
-    assert QueueLimit.objects.release(grants[0][1]) is None  # type: ignore[arg-type]
+    assert queue_store.release(grants[0][1]) is None  # type: ignore[arg-type]
     assert row().current_jobs == 3
 
 
@@ -94,7 +95,7 @@ def test_global_limit__shared_by_two_nodes(take: Take) -> None:
     assert [a1[0], a2[0], b1[0]] == ["held"] * 3
     assert take("a3")[0] == take("b2", node=NODE_B)[0] == "queue_full"
     assert row().running == {str(NODE_A): 2, str(NODE_B): 1}
-    QueueLimit.objects.release(a1[1])  # type: ignore[arg-type]
+    queue_store.release(a1[1])  # type: ignore[arg-type]
     assert take("b2", node=NODE_B)[0] == "held"
 
 
@@ -136,7 +137,7 @@ def test_per_worker_zero__pauses_too(take: Take) -> None:
     limits.set_limits("hooks", max_jobs_per_worker=0)
     assert take("j1")[0] == "queue_full"
     assert park("j1") == "parked"
-    assert QueueLimit.objects.wake_one(row().pk) is None
+    assert queue_store.wake_one(row().pk) is None
 
 
 def test_limits__independent_per_queue__unlimited_queue_has_no_row(take: Take) -> None:
@@ -165,7 +166,7 @@ def test_tenant_and_queue__both_or_neither(take: Take) -> None:
     assert take("z1", tenant="zeta", limit=1)[0] == "queue_full"
     assert not TenantQueueSlot.objects.filter(tenant="zeta", current_jobs__gt=0).exists()
     # Released together.
-    QueueLimit.objects.release(grant)
+    queue_store.release(grant)
     slot.refresh_from_db()
     assert (slot.current_jobs, row().current_jobs) == (0, 1)
     assert SlotLease.objects.filter(slot__isnull=False, queue_limit__isnull=True).count() == 0
@@ -180,10 +181,10 @@ def test_park__only_while_blocked__and_wake_skips_jobs_whose_tenant_is_full(take
     assert park("s2", tenant="small", limit=1) == "parked"
     assert park("s2", tenant="small", limit=1) == "already_parked"
     assert row().parked_jobs == 2
-    assert QueueLimit.objects.wake_one(row().pk) is None  # the queue is full
-    in_line, _ = QueueLimit.objects.release(small)  # type: ignore[arg-type,misc]
+    assert queue_store.wake_one(row().pk) is None  # the queue is full
+    in_line, _ = queue_store.release(small)  # type: ignore[arg-type,misc]
     assert in_line == 2
-    woken = QueueLimit.objects.wake_one(row().pk)
+    woken = queue_store.wake_one(row().pk)
     assert woken is not None and woken.task_id == "s2"  # g2 is held up by its tenant only
     assert greedy is not None
 
@@ -192,16 +193,16 @@ def test_reap__gives_back_global_and_node_counts_on_every_queue(take: Take) -> N
     limits.set_limits("hooks", max_jobs=3)
     limits.set_limits("email", max_jobs=3)
     dead = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=dead, node="b@h", hostname="h", pid=2, node_id=NODE_B)
+    identity.register_process(process_id=dead, node="b@h", hostname="h", pid=2, node_id=NODE_B)
     for queue in ("hooks", "email"):
-        QueueLimit.objects.try_acquire(
+        queue_store.try_acquire(
             queue=queue, tenant="acme", limit=5, task_id=f"d-{queue}", process_id=dead,
             node_id=NODE_B,
         )  # fmt: skip
     take("live")
     WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at="2000-01-01T00:00:00Z")
     SlotLease.objects.filter(process_id=dead).update(acquired_at="2000-01-01T00:00:00Z")
-    reaped = SlotLease.objects.reap(timeout=60)
+    reaped = lease_store.reap(timeout=60)
     assert reaped.leases == 2
     assert sorted(n for _, n in reaped.queues) == [1, 1]
     assert row("hooks").running == {str(NODE_A): 1} and row("hooks").current_jobs == 1
@@ -318,7 +319,7 @@ def test_limit_cleared_while_jobs_run__waiting_jobs_woken_at_once__queue_drains_
     assert woken == ["j2"]  # not left waiting for j1 to finish
     # j1 still holds a place: the queue stays on the limited path until it is given back.
     assert "hooks" in limits.limited_queues(refresh=True)
-    assert QueueLimit.objects.release(running) is not None  # type: ignore[arg-type]
+    assert queue_store.release(running) is not None  # type: ignore[arg-type]
     assert "hooks" not in limits.limited_queues(refresh=True)
 
 
@@ -328,7 +329,7 @@ def test_tenant_wake__never_takes_a_job_waiting_in_a_queue_line(take: Take) -> N
     assert park("j2", tenant="acme", limit=1) == "parked"
     slot = TenantQueueSlot.objects.get(tenant="acme", queue="hooks")
     TenantQueueSlot.objects.filter(pk=slot.pk).update(max_jobs=5)
-    assert TenantQueueSlot.objects.wake_one(slot.pk) is None
+    assert slot_store.wake_one(slot.pk) is None
     assert ParkedJob.objects.get().woken_at is None
 
 
@@ -381,8 +382,8 @@ def test_postpone__keeps_the_wake_mark_only_on_a_woken_copy(
 def _dead_queue_lease(task_id: str) -> uuid.UUID:
     """A job that holds a place in ``hooks`` and acme's slot, on a process that died."""
     dead = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=dead, node="b@h", hostname="h", pid=2, node_id=NODE_B)
-    got = QueueLimit.objects.try_acquire(
+    identity.register_process(process_id=dead, node="b@h", hostname="h", pid=2, node_id=NODE_B)
+    got = queue_store.try_acquire(
         queue="hooks", tenant="acme", limit=5, task_id=task_id, process_id=dead, node_id=NODE_B
     )
     assert got.status == "held"
@@ -399,12 +400,12 @@ def test_tenant_path__never_claims_a_queue_lease__the_queue_place_is_not_leaked(
     # release lower only the tenant slot: the queue's place would be lost for good.
     limits.set_limits("hooks", max_jobs=3)
     _dead_queue_lease("x")
-    got = TenantQueueSlot.objects.try_acquire(
+    got = slot_store.try_acquire(
         tenant="acme", queue="hooks", task_id="x", limit=5, process_id=process, timeout=60
     )
     assert got.status == "duplicate" and got.grant is None
     # The lease stays the queue path's: the reaper gives back both places together.
-    SlotLease.objects.reap(timeout=60)
+    lease_store.reap(timeout=60)
     assert (row().current_jobs, row().running) == (0, {})
     assert not TenantQueueSlot.objects.filter(current_jobs__gt=0).exists()
 
@@ -419,9 +420,9 @@ def test_maintenance__recounts_queue_places_from_leases_under_the_row_lock(
     QueueLimit.objects.filter(queue="hooks").update(
         current_jobs=3, running={str(NODE_A): 2, str(NODE_B): 1}
     )
-    assert QueueLimit.objects.reconcile_running() == 1
+    assert queue_store.reconcile_running() == 1
     assert (row().current_jobs, row().running) == (1, {str(NODE_A): 1})
-    assert QueueLimit.objects.reconcile_running() == 0  # nothing left to fix
+    assert queue_store.reconcile_running() == 0  # nothing left to fix
     from django_fair_jobs import workers
 
     QueueLimit.objects.filter(queue="hooks").update(current_jobs=2, running={})

@@ -11,7 +11,7 @@ import pytest
 from django.core.management import call_command
 
 from django_fair_jobs import limits
-from django_fair_jobs.managers import database_now
+from django_fair_jobs.db import database_now
 from django_fair_jobs.models import ParkedJob, QueueLimit, SlotLease, TenantQueueSlot, WorkerProcess
 from tests.conftest import Worker, wait_for
 from tests.test_workers import max_overlap, wait_finished

@@ -21,9 +21,10 @@ from django.urls import path
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from django_fair_jobs import metrics
+from django_fair_jobs import identity, metrics
+from django_fair_jobs.db import database_now
 from django_fair_jobs.limits import set_limits
-from django_fair_jobs.managers import database_now
+from django_fair_jobs.limits import store as queue_store
 from django_fair_jobs.metrics import METRICS, FairJobsCollector, metrics_view, tenant_label
 from django_fair_jobs.models import (
     JobDecision,
@@ -37,6 +38,7 @@ from django_fair_jobs.models import (
     TenantQueueSlot,
     WorkerProcess,
 )
+from django_fair_jobs.slots import store as slot_store
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -78,12 +80,12 @@ def named(samples: Samples, name: str) -> dict[tuple[tuple[str, str], ...], floa
 @pytest.fixture
 def process() -> uuid.UUID:
     pid = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=pid, node="n@h", hostname="h", pid=1)
+    identity.register_process(process_id=pid, node="n@h", hostname="h", pid=1)
     return pid
 
 
 def acquire(process: uuid.UUID, task_id: str, tenant: str = "acme", limit: int = 1) -> Any:
-    return TenantQueueSlot.objects.try_acquire(
+    return slot_store.try_acquire(
         tenant=tenant, queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
     ).grant
 
@@ -110,7 +112,7 @@ def test_tenant_running_and_limit__per_slot(process: uuid.UUID) -> None:
 
 def test_parked_job__tenant_parked_wait_and_deferral_counter(process: uuid.UUID) -> None:
     acquire(process, "j1")
-    outcome = TenantQueueSlot.objects.try_park(
+    outcome = slot_store.try_park(
         tenant="acme", queue="q", task_id="j2", task_name="t", limit=1, signature="{}"
     )
     assert outcome == "parked"
@@ -174,7 +176,7 @@ def test_queue_limits__running_limit_paused_parked_deferrals(process: uuid.UUID)
     set_limits("q", max_jobs=2)
     set_limits("stopped", max_jobs_per_worker=0)
     node_id = WorkerProcess.objects.get().node_id
-    held = QueueLimit.objects.try_acquire(
+    held = queue_store.try_acquire(
         queue="q", tenant=None, limit=1, task_id="j1", process_id=process, node_id=node_id
     )
     assert held.status == "held"
@@ -196,7 +198,7 @@ def test_queue_limits__running_limit_paused_parked_deferrals(process: uuid.UUID)
 def test_queue_line__parked_and_oldest(process: uuid.UUID) -> None:
     set_limits("q", max_jobs=0)
     node_id = WorkerProcess.objects.get().node_id
-    outcome = QueueLimit.objects.try_park(
+    outcome = queue_store.try_park(
         queue="q", tenant=None, limit=1, task_id="j1", task_name="t", signature="{}",
         node_id=node_id,
     )  # fmt: skip
@@ -248,9 +250,9 @@ def test_planner_never_run__no_last_run_samples() -> None:
 
 
 def test_workers__heartbeat_age_alive_and_count() -> None:
-    WorkerProcess.objects.register(process_id=uuid.uuid4(), node="w1@h", hostname="h", pid=1)
+    identity.register_process(process_id=uuid.uuid4(), node="w1@h", hostname="h", pid=1)
     stale = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=stale, node="w2@h", hostname="h", pid=2)
+    identity.register_process(process_id=stale, node="w2@h", hostname="h", pid=2)
     WorkerProcess.objects.filter(pk=stale).update(
         last_heartbeat_at=database_now() - timedelta(seconds=100)
     )
@@ -268,8 +270,8 @@ def test_workers__heartbeat_age_alive_and_count() -> None:
 
 def test_workers__restarted_node_is_one_series() -> None:
     old, new = uuid.uuid4(), uuid.uuid4()
-    WorkerProcess.objects.register(process_id=old, node="w1@h", hostname="h", pid=1)
-    WorkerProcess.objects.register(process_id=new, node="w1@h", hostname="h", pid=2)
+    identity.register_process(process_id=old, node="w1@h", hostname="h", pid=1)
+    identity.register_process(process_id=new, node="w1@h", hostname="h", pid=2)
     WorkerProcess.objects.filter(pk=old).update(
         last_heartbeat_at=database_now() - timedelta(seconds=100)
     )
@@ -338,7 +340,7 @@ def test_collector__reads_the_rows_at_every_scrape(process: uuid.UUID) -> None:
     assert (
         registry.get_sample_value("fair_jobs_tenant_running", {"tenant": "acme", "queue": "q"}) == 2
     )
-    TenantQueueSlot.objects.release(grant)
+    slot_store.release(grant)
     assert (
         registry.get_sample_value("fair_jobs_tenant_running", {"tenant": "acme", "queue": "q"}) == 1
     )

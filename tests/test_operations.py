@@ -26,6 +26,7 @@ from django_fair_jobs import (
     admission,
     decisions,
     explain,
+    identity,
     limits,
     planner,
     slots,
@@ -34,7 +35,10 @@ from django_fair_jobs import (
 )
 from django_fair_jobs.checks import check_settings
 from django_fair_jobs.conf import fair_settings
-from django_fair_jobs.managers import Grant, database_now
+from django_fair_jobs.db import database_now
+from django_fair_jobs.leases import store as lease_store
+from django_fair_jobs.leases.types import Grant
+from django_fair_jobs.limits import store as queue_store
 from django_fair_jobs.models import (
     JobDecision,
     LimitChange,
@@ -47,6 +51,7 @@ from django_fair_jobs.models import (
     TenantQueueSlot,
     WorkerProcess,
 )
+from django_fair_jobs.slots import store as slot_store
 from tests.conftest import ROOT, Worker, wait_for
 from tests.test_workers import max_overlap, wait_finished
 from tests.testapp import tasks
@@ -70,7 +75,7 @@ def _empty_broker(broker_env: dict[str, str]) -> Iterator[None]:
 @pytest.fixture
 def process() -> uuid.UUID:
     pid = uuid.uuid4()
-    WorkerProcess.objects.register(
+    identity.register_process(
         process_id=pid, node="n1@host", hostname="host", pid=4242, node_id=NODE
     )
     return pid
@@ -82,7 +87,7 @@ def signature(task_id: str, tenant: str = "acme") -> str:
 
 
 def acquire(process: uuid.UUID, task_id: str, tenant: str = "acme", limit: int = 1) -> Grant:
-    got = TenantQueueSlot.objects.try_acquire(
+    got = slot_store.try_acquire(
         tenant=tenant, queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
     )
     assert got.grant is not None, got.status
@@ -90,7 +95,7 @@ def acquire(process: uuid.UUID, task_id: str, tenant: str = "acme", limit: int =
 
 
 def park(task_id: str, tenant: str = "acme", limit: int = 1) -> None:
-    outcome = TenantQueueSlot.objects.try_park(
+    outcome = slot_store.try_park(
         tenant=tenant, queue="q", task_id=task_id, task_name=tasks.limited1.name, limit=limit,
         signature=signature(task_id, tenant),
     )  # fmt: skip
@@ -133,7 +138,7 @@ def test_explain__running_on_a_limited_queue__holds_its_place_and_its_tenant_slo
     process: uuid.UUID,
 ) -> None:
     limits.set_limits("hooks", max_jobs=2)
-    got = QueueLimit.objects.try_acquire(
+    got = queue_store.try_acquire(
         queue="hooks", tenant="acme", limit=3, task_id="h1", process_id=process, node_id=NODE
     )
     assert got.status == "held"
@@ -158,7 +163,7 @@ def test_explain__reserved_after_a_wake__woken_once_its_reservation_is_gone(
     # The re-published copy is lost: its reservation expires and is reaped; the parked
     # row stays woken until the sweep puts it back in line.
     SlotLease.objects.filter(task_id="j2").update(acquired_at=OLD)
-    assert SlotLease.objects.reap(timeout=60).leases == 1
+    assert lease_store.reap(timeout=60).leases == 1
     woken = explain("j2")
     assert woken.state == "woken"
     assert woken.details["woken_at"] is not None
@@ -209,11 +214,11 @@ def test_explain__parked_job__limit_shown_is_the_one_that_holds_it_back(
 
 def test_explain__parked_behind_a_queue_limit(process: uuid.UUID) -> None:
     limits.set_limits("hooks", max_jobs=1)
-    held = QueueLimit.objects.try_acquire(
+    held = queue_store.try_acquire(
         queue="hooks", tenant=None, limit=5, task_id="h1", process_id=process, node_id=NODE
     )
     assert held.status == "held"
-    outcome = QueueLimit.objects.try_park(
+    outcome = queue_store.try_park(
         queue="hooks", tenant=None, limit=5, task_id="h2", task_name="t",
         signature=signature("h2"), node_id=NODE,
     )  # fmt: skip
@@ -244,7 +249,7 @@ def test_explain__woken_without_a_reservation__does_not_claim_one(process: uuid.
     """A job woken from a queue's line has no place reserved (the queue's wake reserves
     none, and a reaped reservation is gone): explain must not say it has one."""
     limits.set_limits("hooks", max_jobs=0)
-    outcome = QueueLimit.objects.try_park(
+    outcome = queue_store.try_park(
         queue="hooks", tenant=None, limit=5, task_id="h1", task_name="t",
         signature=signature("h1"), node_id=NODE,
     )  # fmt: skip
@@ -263,16 +268,16 @@ def test_explain__queue_line_job_whose_tenant_has_room__blames_only_the_queue(
     held back by the queue alone: its tenant slot is no reason it waits."""
     limits.set_limits("hooks", max_jobs=1)
     # acme ran a job on the queue before: its slot row exists, with nothing running.
-    earlier = QueueLimit.objects.try_acquire(
+    earlier = queue_store.try_acquire(
         queue="hooks", tenant="acme", limit=5, task_id="a1", process_id=process, node_id=NODE
     )
     assert earlier.grant is not None
-    assert QueueLimit.objects.release(earlier.grant) is not None
-    held = QueueLimit.objects.try_acquire(
+    assert queue_store.release(earlier.grant) is not None
+    held = queue_store.try_acquire(
         queue="hooks", tenant="other", limit=5, task_id="h1", process_id=process, node_id=NODE
     )
     assert held.status == "held"
-    outcome = QueueLimit.objects.try_park(
+    outcome = queue_store.try_park(
         queue="hooks", tenant="acme", limit=5, task_id="h2", task_name="t",
         signature=signature("h2"), node_id=NODE,
     )  # fmt: skip
@@ -719,7 +724,7 @@ def test_healthcheck__require_workers__fails_without_a_live_node_passes_with_one
     assert "heartbeats FAILED: no worker node" in out.getvalue()
     assert "database OK" in out.getvalue()
     pid = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=pid, node="n@h", hostname="h", pid=1)
+    identity.register_process(process_id=pid, node="n@h", hostname="h", pid=1)
     assert "heartbeats OK (1 live node(s))" in command("fair_jobs_healthcheck", "--require-workers")
     WorkerProcess.objects.filter(pk=pid).update(last_heartbeat_at=OLD)
     with pytest.raises(CommandError):
@@ -774,7 +779,7 @@ def test_maintenance__prunes_decisions_past_the_retention() -> None:
 
 def test_maintenance__counts_reaped_leases(process: uuid.UUID) -> None:
     dead = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=dead, node="dead@h", hostname="h", pid=2)
+    identity.register_process(process_id=dead, node="dead@h", hostname="h", pid=2)
     acquire(dead, "d1")
     acquire(dead, "d2", tenant="other")
     acquire(process, "live", tenant="third")
@@ -784,7 +789,7 @@ def test_maintenance__counts_reaped_leases(process: uuid.UUID) -> None:
     assert Maintenance.objects.get(name="reaped").leases_reaped_total == 2
     assert list(SlotLease.objects.values_list("task_id", flat=True)) == ["live"]
     again = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=again, node="dead@h", hostname="h", pid=3)
+    identity.register_process(process_id=again, node="dead@h", hostname="h", pid=3)
     acquire(again, "d3")
     WorkerProcess.objects.filter(pk=again).update(last_heartbeat_at=OLD)
     SlotLease.objects.filter(process_id=again).update(acquired_at=OLD)

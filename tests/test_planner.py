@@ -16,6 +16,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_fair_jobs import planner
 from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
+from django_fair_jobs.planner import store as planner_store
 from tests.conftest import Worker, wait_for
 from tests.test_workers import wait_finished
 from tests.testapp import tasks
@@ -189,14 +190,14 @@ def test_no_tenant__error_at_publish_unless_a_default_tenant_is_set(settings: An
 def test_backpressure__strictly_above_the_threshold_skips(
     age: float, promotes: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from django_fair_jobs import managers
+    from django_fair_jobs import db
 
     tasks.planned.delay("old")
     run_planner()  # promoted, never started: the queue's latency grows
     promoted_at = PlannedJob.objects.get().promoted_at
     assert promoted_at is not None
     monkeypatch.setattr(
-        managers, "database_now", lambda alias="default": promoted_at + timedelta(seconds=age)
+        db, "database_now", lambda alias="default": promoted_at + timedelta(seconds=age)
     )
     tasks.planned.delay("new")
     report = run_planner()
@@ -216,9 +217,9 @@ def test_crash_between_publish_and_mark__the_next_run_publishes_them_again() -> 
             raise ConnectionError("broker gone mid-run")
 
     with pytest.raises(ConnectionError):
-        PlannedJob.objects.promote(tasks.planned.name, "acme", 3, flaky)
+        planner_store.promote(tasks.planned.name, "acme", 3, flaky)
     assert PlannedJob.objects.filter(promoted_at__isnull=True).count() == 3  # nothing lost
-    again = PlannedJob.objects.promote(tasks.planned.name, "acme", 3, lambda row: None)
+    again = planner_store.promote(tasks.planned.name, "acme", 3, lambda row: None)
     assert again[:2] == published  # the same task ids: the duplicate is detectable
 
 
@@ -231,7 +232,7 @@ def test_two_planners_at_once__never_duplicate_or_lose_a_job() -> None:
     def planner_run(slot: int) -> None:
         barrier.wait()
         for _ in range(5):
-            promoted[slot] += PlannedJob.objects.promote(
+            promoted[slot] += planner_store.promote(
                 tasks.planned.name, "acme", 10, lambda row: time.sleep(0.005)
             )
         connection.close()
@@ -247,10 +248,10 @@ def test_two_planners_at_once__never_duplicate_or_lose_a_job() -> None:
 
 def test_planner_lock__one_run_at_a_time() -> None:
     tasks.planned.delay("acme")
-    token = PlannedJob.objects.claim_run(tasks.planned.name, interval=0, lock_ttl=60)
+    token = planner_store.claim_run(tasks.planned.name, interval=0, lock_ttl=60)
     assert token is not None
     assert planner.run(tasks.planned) is None  # the lock is held
-    PlannedJob.objects.finish_run(tasks.planned.name, token)
+    planner_store.finish_run(tasks.planned.name, token)
     assert planner.run(tasks.planned) is not None
 
 

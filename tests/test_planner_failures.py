@@ -16,8 +16,8 @@ from django.utils import timezone
 
 from django_fair_jobs import planner
 from django_fair_jobs.explanations import explain
-from django_fair_jobs.managers import PlannedJobManager
 from django_fair_jobs.models import PlannedJob
+from django_fair_jobs.planner import store as planner_store
 from tests.testapp import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -96,7 +96,7 @@ def test_failed_job__put_back_in_line_by_the_operator() -> None:
     for _ in range(planner.PUBLISH_ATTEMPTS):
         run_planner()
     assert PlannedJob.objects.get(task_id=bad.id).failed_at is not None
-    assert PlannedJob.objects.retry_failed(PlannedJob.objects.filter(task_id=bad.id)) == 1
+    assert planner_store.retry_failed(PlannedJob.objects.filter(task_id=bad.id)) == 1
     row = PlannedJob.objects.get(task_id=bad.id)
     assert row.failed_at is None and row.attempts == 0 and row.last_error
 
@@ -154,26 +154,26 @@ def test_broker_unreachable__the_batch_stays_in_line_uncounted(
 def test_started_fails_once__retried_from_the_heartbeat__the_planner_runs_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from django_fair_jobs import managers
+    from django_fair_jobs import db
 
     job = tasks.planned.delay("acme")
     run_planner()
-    original = PlannedJobManager.started
+    original = planner_store.started
     failures: list[str] = []
 
-    def fails_once(self: PlannedJobManager, task_id: str) -> bool:
+    def fails_once(task_id: str) -> bool:
         if not failures:
             failures.append(task_id)
             raise OperationalError("canceling statement due to lock timeout")
-        return original(self, task_id)
+        return original(task_id)
 
-    monkeypatch.setattr(PlannedJobManager, "started", fails_once)
+    monkeypatch.setattr(planner_store, "started", fails_once)
     planner.started(job.id)  # the job runs; its DELETE failed
     assert failures == [job.id] and PlannedJob.objects.filter(task_id=job.id).exists()
     promoted_at = PlannedJob.objects.get(task_id=job.id).promoted_at
     assert promoted_at is not None
     monkeypatch.setattr(
-        managers, "database_now", lambda alias="default": promoted_at + timedelta(seconds=60)
+        db, "database_now", lambda alias="default": promoted_at + timedelta(seconds=60)
     )
     tasks.planned.delay("other")
     assert run_planner().skipped_for_backpressure  # 60 s > the 30 s threshold

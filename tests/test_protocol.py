@@ -12,6 +12,7 @@ import pytest
 from celery.exceptions import Ignore, Retry
 from celery.signals import before_task_publish
 
+from django_fair_jobs import identity
 from django_fair_jobs.models import QueueLimit, SlotLease, TenantQueueSlot
 from tests.conftest import run_as_worker
 from tests.testapp import tasks
@@ -259,13 +260,13 @@ def test_side_connection_cut_between_two_enqueues__the_next_enqueue_still_works(
     # the first enqueue on each thread raised OperationalError to the caller.
     from django.db import connection, transaction
 
-    from django_fair_jobs import managers
     from django_fair_jobs.models import TenantWindow
+    from django_fair_jobs.windows import store as window_store
     from tests.conftest import is_postgres
 
     with transaction.atomic():
         tasks.rerouted.delay("acme")
-    side = getattr(managers._side_connections, "default", None)
+    side = getattr(window_store._side_connections, "default", None)
     if is_postgres():
         assert side is not None and side.connection is not None
         with connection.cursor() as cursor:  # what a restart does to it
@@ -276,7 +277,7 @@ def test_side_connection_cut_between_two_enqueues__the_next_enqueue_still_works(
         with transaction.atomic():
             tasks.rerouted.delay("acme")
     finally:
-        managers._forget_side_connection("default")  # the test database can be dropped
+        window_store._forget_side_connection("default")  # the test database can be dropped
     assert TenantWindow.objects.get(tenant="acme").total == 2
 
 
@@ -293,20 +294,19 @@ def test_heartbeat__a_shutdown_between_its_wake_and_its_beat__does_not_register_
 
     from django.test import override_settings
 
-    from django_fair_jobs import identity, workers
-    from django_fair_jobs.managers import WorkerProcessManager
+    from django_fair_jobs import workers
     from django_fair_jobs.models import WorkerProcess
 
     ident = identity.Identity(process_id=uuid.uuid4(), pid=os.getpid(), node="n@h")
     identity.register_row(ident)
-    real_beat = WorkerProcessManager.beat
+    real_beat = identity.beat
 
-    def beat_after_a_shutdown(self: WorkerProcessManager, process_id: uuid.UUID) -> bool:
+    def beat_after_a_shutdown(process_id: uuid.UUID) -> bool:
         ident.stop.set()
-        WorkerProcess.objects.retire(process_id)
-        return real_beat(self, process_id)
+        identity.retire_process(process_id)
+        return real_beat(process_id)
 
-    monkeypatch.setattr(WorkerProcessManager, "beat", beat_after_a_shutdown)
+    monkeypatch.setattr(identity, "beat", beat_after_a_shutdown)
     with override_settings(FAIR_JOBS_HEARTBEAT_INTERVAL=0.01):
         beating = threading.Thread(target=workers._heartbeat_loop, args=(ident,))
         beating.start()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from django.conf import settings as django_settings
 
+from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
 from tests.conftest import Worker, wait_for
 from tests.faults import SilentProxy
@@ -59,7 +60,7 @@ def test_broker_stops_answering_during_maintenance__heartbeat_goes_on__no_lease_
     try:
         while time.monotonic() < deadline:
             # What any other process's maintenance does: reap processes silent too long.
-            SlotLease.objects.reap(timeout=timeout)
+            lease_store.reap(timeout=timeout)
             assert SlotLease.objects.filter(pk=lease.pk, token=lease.token).exists(), (
                 "the live worker was reaped: its heartbeat waited on the broker"
             )

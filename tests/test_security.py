@@ -40,9 +40,10 @@ from django_fair_jobs.models import (
     SlotLease,
     TenantQueueSlot,
     TenantWindow,
-    WorkerProcess,
 )
+from django_fair_jobs.slots import store as slot_store
 from django_fair_jobs.tenants import LOG_MAX_LENGTH, for_log
+from django_fair_jobs.windows import store as window_store
 from tests.testapp import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -81,7 +82,7 @@ def process(monkeypatch: pytest.MonkeyPatch) -> uuid.UUID:
     """A registered worker process that in-process job runs use as theirs: without it
     the first run would start a heartbeat and a planner thread in the test process."""
     pid = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=pid, node="sec@host", hostname="host", pid=9)
+    identity.register_process(process_id=pid, node="sec@host", hostname="host", pid=9)
     monkeypatch.setattr(identity, "current_process_id", lambda node=None: pid)
     return pid
 
@@ -127,7 +128,7 @@ def fill_every_table(process: uuid.UUID) -> None:
     """At least one row in every table the admin shows."""
     slots.set_tenant_limit("paused", "fair", 0)  # a slot and a limit change
     limits.set_limits("hooks", max_jobs=3)
-    grant = TenantQueueSlot.objects.try_acquire(
+    grant = slot_store.try_acquire(
         tenant="acme", queue="fair", task_id="running", limit=1, process_id=process, timeout=60
     ).grant
     assert grant is not None
@@ -136,7 +137,7 @@ def fill_every_table(process: uuid.UUID) -> None:
             tasks.limited1, ("acme", 0), task_id="parked", headers={"fair_tenant": "acme"}
         )
     for _ in range(2):  # the second is above threshold 1: a reroute count too
-        TenantWindow.objects.record(
+        window_store.record(
             key=f"task:{tasks.rerouted.name}", tenant="acme", task_name=tasks.rerouted.name,
             rules=[(60, 1, "fair_slow")],
         )  # fmt: skip
@@ -265,18 +266,19 @@ def test_hostile_tenant__slot_protocol__round_trips_exactly(
     tenant: str, process: uuid.UUID
 ) -> None:
     manager = TenantQueueSlot.objects
-    first = manager.try_acquire(tenant=tenant, queue="fair", task_id="a", limit=1,
+    store = slot_store
+    first = store.try_acquire(tenant=tenant, queue="fair", task_id="a", limit=1,
                                 process_id=process, timeout=60).grant  # fmt: skip
     assert first is not None
-    assert manager.try_acquire(tenant=tenant, queue="fair", task_id="b", limit=1,
+    assert store.try_acquire(tenant=tenant, queue="fair", task_id="b", limit=1,
                                process_id=process, timeout=60).status == "full"  # fmt: skip
     signature = dumps(dict(tasks.limited1.signature((tenant, 0), task_id="b")))
-    assert manager.try_park(tenant=tenant, queue="fair", task_id="b", task_name="t", limit=1,
+    assert store.try_park(tenant=tenant, queue="fair", task_id="b", task_name="t", limit=1,
                             signature=signature) == "parked"  # fmt: skip
-    manager.count_deferral(tenant=tenant, queue="fair")
-    assert manager.release(first) == 1  # one parked job to wake
+    store.count_deferral(tenant=tenant, queue="fair")
+    assert store.release(first) == 1  # one parked job to wake
     slot = manager.get(tenant=tenant)
-    woken = manager.wake_one(slot.pk)
+    woken = store.wake_one(slot.pk)
     assert woken is not None and woken.task_id == "b"
     assert json.loads(woken.signature)["args"] == [tenant, 0]
     assert list(manager.values_list("tenant", flat=True)) == [tenant]
@@ -448,7 +450,7 @@ def test_models__store_text_and_json_only__no_binary_or_pickled_field() -> None:
 
 
 def test_stored_jobs__parked_and_planned__are_json_text(process: uuid.UUID) -> None:
-    TenantQueueSlot.objects.try_acquire(
+    slot_store.try_acquire(
         tenant="acme", queue="fair", task_id="holder", limit=1, process_id=process, timeout=60
     )
     with pytest.raises(Ignore):
@@ -556,7 +558,7 @@ def test_logs__longest_tenant_deferred_and_rerouted__short_lines(
     process: uuid.UUID, debug_logs: pytest.LogCaptureFixture
 ) -> None:
     tenant = "L" * 255
-    TenantQueueSlot.objects.try_acquire(
+    slot_store.try_acquire(
         tenant=tenant, queue="fair", task_id="holder", limit=1, process_id=process, timeout=60
     )
     with pytest.raises(Ignore):

@@ -6,8 +6,11 @@ import uuid
 
 import pytest
 
-from django_fair_jobs.managers import Grant
+from django_fair_jobs import identity, workers
+from django_fair_jobs.leases import store as lease_store
+from django_fair_jobs.leases.types import Grant
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+from django_fair_jobs.slots import store as slot_store
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -15,14 +18,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture
 def process() -> uuid.UUID:
     pid = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=pid, node="test@host", hostname="host", pid=1)
+    identity.register_process(process_id=pid, node="test@host", hostname="host", pid=1)
     return pid
 
 
 def acquire(
     process: uuid.UUID, task_id: str, tenant: str = "acme", queue: str = "q", limit: int = 2
 ) -> Grant | None:
-    return TenantQueueSlot.objects.try_acquire(
+    return slot_store.try_acquire(
         tenant=tenant,
         queue=queue,
         task_id=task_id,
@@ -38,7 +41,7 @@ def _slot(grant: Grant | None) -> int:
 
 
 def status(process: uuid.UUID, task_id: str, limit: int = 2) -> str:
-    return TenantQueueSlot.objects.try_acquire(
+    return slot_store.try_acquire(
         tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
     ).status
 
@@ -49,7 +52,7 @@ def slot(tenant: str = "acme", queue: str = "q") -> TenantQueueSlot:
 
 
 def park(task_id: str, tenant: str = "acme", limit: int = 2) -> str:
-    return TenantQueueSlot.objects.try_park(
+    return slot_store.try_park(
         tenant=tenant,
         queue="q",
         task_id=task_id,
@@ -114,7 +117,7 @@ def test_acquire__redelivery_after_holder_died__claims_lease_no_second_slot(
     first = acquire(process, "j1")
     WorkerProcess.objects.filter(pk=process).update(last_heartbeat_at="2000-01-01T00:00:00Z")
     other = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=other, node="b@host", hostname="host", pid=2)
+    identity.register_process(process_id=other, node="b@host", hostname="host", pid=2)
     again = acquire(other, "j1")
     assert first is not None and again is not None
     assert first.token != again.token
@@ -125,8 +128,8 @@ def test_acquire__redelivery_after_holder_died__claims_lease_no_second_slot(
 def test_release__frees_slot_once(process: uuid.UUID) -> None:
     grant = acquire(process, "j1")
     assert grant is not None
-    assert TenantQueueSlot.objects.release(grant) == 0
-    assert TenantQueueSlot.objects.release(grant) is None
+    assert slot_store.release(grant) == 0
+    assert slot_store.release(grant) is None
     assert slot().current_jobs == 0
     assert SlotLease.objects.count() == 0
 
@@ -136,9 +139,9 @@ def test_release__stale_holder_after_takeover__releases_nothing(process: uuid.UU
     WorkerProcess.objects.filter(pk=process).update(last_heartbeat_at="2000-01-01T00:00:00Z")
     fresh = acquire(uuid.uuid4(), "j1")  # a redelivery took the lease over
     assert stale is not None and fresh is not None
-    assert TenantQueueSlot.objects.release(stale) is None
+    assert slot_store.release(stale) is None
     assert slot().current_jobs == 1
-    assert TenantQueueSlot.objects.release(fresh) == 0
+    assert slot_store.release(fresh) == 0
     assert slot().current_jobs == 0
 
 
@@ -147,20 +150,20 @@ def test_release__stale_holder_after_reap__does_not_free_second_slot(process: uu
     assert stale is not None
     WorkerProcess.objects.filter(pk=process).delete()  # presumed dead...
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")  # ...for the whole timeout
-    assert SlotLease.objects.reap(timeout=60).slots == ((stale.slot_id, 1),)
+    assert lease_store.reap(timeout=60).slots == ((stale.slot_id, 1),)
     other = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=other, node="b@host", hostname="host", pid=2)
+    identity.register_process(process_id=other, node="b@host", hostname="host", pid=2)
     successor = acquire(other, "j2", limit=1)
     assert successor is not None
     # The reaped job is still running and now finishes: its release must not free j2's slot.
-    assert TenantQueueSlot.objects.release(stale) is None
+    assert slot_store.release(stale) is None
     assert slot().current_jobs == 1
     assert acquire(other, "j3", limit=1) is None
 
 
 def test_reap__live_process__keeps_its_leases(process: uuid.UUID) -> None:
     dead = uuid.uuid4()
-    WorkerProcess.objects.register(process_id=dead, node="dead@host", hostname="host", pid=2)
+    identity.register_process(process_id=dead, node="dead@host", hostname="host", pid=2)
     assert acquire(process, "j1") is not None
     assert acquire(dead, "j2") is not None
     # Both leases are older than the timeout, so the acquired_at rule spares neither: only
@@ -168,7 +171,7 @@ def test_reap__live_process__keeps_its_leases(process: uuid.UUID) -> None:
     # the same pass.
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
     WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at="2000-01-01T00:00:00Z")
-    reaped = SlotLease.objects.reap(timeout=60)
+    reaped = lease_store.reap(timeout=60)
     assert reaped.leases == 1
     assert list(SlotLease.objects.values_list("task_id", "process_id")) == [("j1", process)]
     assert slot().current_jobs == 1
@@ -186,7 +189,7 @@ def test_park__slot_full__parks_and_counts(process: uuid.UUID) -> None:
 def test_park__slot_freed_meanwhile__answers_room(process: uuid.UUID) -> None:
     grant = acquire(process, "j1", limit=1)
     assert grant is not None
-    TenantQueueSlot.objects.release(grant)
+    slot_store.release(grant)
     assert park("j2", limit=1) == "room"
     assert ParkedJob.objects.count() == 0
 
@@ -196,8 +199,8 @@ def test_release__with_parked__wake_hands_slot_to_oldest(process: uuid.UUID) -> 
     assert holder is not None
     assert park("j2", limit=1) == "parked"
     assert park("j3", limit=1) == "parked"
-    assert TenantQueueSlot.objects.release(holder) == 2
-    woken = TenantQueueSlot.objects.wake_one(_slot(holder))
+    assert slot_store.release(holder) == 2
+    woken = slot_store.wake_one(_slot(holder))
     assert woken is not None and woken.task_id == "j2"
     row = slot()
     assert (row.current_jobs, row.parked_jobs) == (1, 1)
@@ -211,7 +214,7 @@ def test_release__with_parked__wake_hands_slot_to_oldest(process: uuid.UUID) -> 
 def test_wake__no_room__wakes_nobody(process: uuid.UUID) -> None:
     assert acquire(process, "j1", limit=1) is not None
     assert park("j2", limit=1) == "parked"
-    assert TenantQueueSlot.objects.wake_one(slot().pk) is None
+    assert slot_store.wake_one(slot().pk) is None
     assert ParkedJob.objects.get().woken_at is None
 
 
@@ -219,28 +222,28 @@ def test_reap__unclaimed_reservation__frees_slot_and_rewake_requeues(process: uu
     holder = acquire(process, "j1", limit=1)
     assert holder is not None
     assert park("j2", limit=1) == "parked"
-    TenantQueueSlot.objects.release(holder)
-    assert TenantQueueSlot.objects.wake_one(_slot(holder)) is not None
+    slot_store.release(holder)
+    assert slot_store.wake_one(_slot(holder)) is not None
     # The re-published message is lost; time passes beyond the timeout.
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
     ParkedJob.objects.update(woken_at="2000-01-01T00:00:00Z")
-    assert SlotLease.objects.reap(timeout=60).slots == ((holder.slot_id, 1),)
-    assert ParkedJob.objects.rewake_lost(timeout=60) == 1
+    assert lease_store.reap(timeout=60).slots == ((holder.slot_id, 1),)
+    assert lease_store.rewake_lost(timeout=60) == 1
     row = slot()
     assert (row.current_jobs, row.parked_jobs) == (0, 1)
-    assert TenantQueueSlot.objects.with_waiting_room() == [row.pk]
+    assert slot_store.with_waiting_room() == [row.pk]
 
 
 def test_reconcile__drifted_counter__is_repaired(process: uuid.UUID) -> None:
     assert acquire(process, "j1", limit=1) is not None
     assert park("j2", limit=1) == "parked"
     TenantQueueSlot.objects.update(parked_jobs=5)
-    assert TenantQueueSlot.objects.reconcile_parked() == 1
+    assert slot_store.reconcile_parked() == 1
     assert slot().parked_jobs == 1
 
 
 def woken_status(process: uuid.UUID, task_id: str, limit: int = 1) -> str:
-    return TenantQueueSlot.objects.try_acquire(
+    return slot_store.try_acquire(
         tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process,
         timeout=60, woken=True,
     ).status  # fmt: skip
@@ -250,16 +253,16 @@ def test_woken_copies__first_to_start_runs_later_ones_are_stale(process: uuid.UU
     holder = acquire(process, "j1", limit=1)
     assert holder is not None
     assert park("j2", limit=1) == "parked"
-    TenantQueueSlot.objects.release(holder)
-    first = TenantQueueSlot.objects.wake_one(_slot(holder))
+    slot_store.release(holder)
+    first = slot_store.wake_one(_slot(holder))
     assert first is not None and first.wake == 1
     # Its message is slow (a long broker backlog): the reservation expires, the job is
     # woken again and a second copy is published.
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
     ParkedJob.objects.update(woken_at="2000-01-01T00:00:00Z")
-    SlotLease.objects.reap(timeout=60)
-    ParkedJob.objects.rewake_lost(timeout=60)
-    second = TenantQueueSlot.objects.wake_one(_slot(holder))
+    lease_store.reap(timeout=60)
+    lease_store.rewake_lost(timeout=60)
+    second = slot_store.wake_one(_slot(holder))
     assert second is not None and second.wake == 2
     # The old copy arrives first: it may still run (its row exists) and claims the slot.
     assert woken_status(process, "j2") == "held"
@@ -269,7 +272,7 @@ def test_woken_copies__first_to_start_runs_later_ones_are_stale(process: uuid.UU
     assert slot().current_jobs == 1
     # Or after it finished: its row is gone, so it is stale, never a second run.
     running = SlotLease.objects.get(task_id="j2")
-    TenantQueueSlot.objects.release(Grant(running.slot_id, "j2", running.token))
+    slot_store.release(Grant(running.slot_id, "j2", running.token))
     assert woken_status(uuid.uuid4(), "j2") == "stale"
     assert slot().current_jobs == 0
 
@@ -278,8 +281,8 @@ def test_woken_copy__second_copy_while_first_runs__duplicate(process: uuid.UUID)
     holder = acquire(process, "j1", limit=1)
     assert holder is not None
     assert park("j2", limit=1) == "parked"
-    TenantQueueSlot.objects.release(holder)
-    assert TenantQueueSlot.objects.wake_one(_slot(holder)) is not None
+    slot_store.release(holder)
+    assert slot_store.wake_one(_slot(holder)) is not None
     assert woken_status(process, "j2") == "held"
     assert woken_status(process, "j2") == "duplicate"  # dropped: it is a woken copy
 
@@ -287,15 +290,15 @@ def test_woken_copy__second_copy_while_first_runs__duplicate(process: uuid.UUID)
 def test_maintenance_claim__once_per_interval() -> None:
     from django_fair_jobs.models import Maintenance
 
-    assert Maintenance.objects.claim("m", interval=60)
-    assert not Maintenance.objects.claim("m", interval=60)
+    assert workers.claim_maintenance("m", interval=60)
+    assert not workers.claim_maintenance("m", interval=60)
     Maintenance.objects.update(last_run_at="2000-01-01T00:00:00Z")
-    assert Maintenance.objects.claim("m", interval=60)
+    assert workers.claim_maintenance("m", interval=60)
 
 
 def wake_all(slot_id: int) -> list[str]:
     woken = []
-    while (job := TenantQueueSlot.objects.wake_one(slot_id)) is not None:
+    while (job := slot_store.wake_one(slot_id)) is not None:
         woken.append(job.task_id)
     return woken
 
@@ -306,8 +309,8 @@ def test_woken_copy__redelivered_after_its_worker_died__claims_the_dead_lease(
     holder = acquire(process, "j1", limit=1)
     assert holder is not None
     assert park("j2", limit=1) == "parked"
-    TenantQueueSlot.objects.release(holder)
-    assert TenantQueueSlot.objects.wake_one(_slot(holder)) is not None
+    slot_store.release(holder)
+    assert slot_store.wake_one(_slot(holder)) is not None
     assert woken_status(process, "j2") == "held"  # its row is gone now
     WorkerProcess.objects.filter(pk=process).update(last_heartbeat_at="2000-01-01T00:00:00Z")
     # The broker redelivers the same woken message (acks_late) to a new process: the job
@@ -318,7 +321,7 @@ def test_woken_copy__redelivered_after_its_worker_died__claims_the_dead_lease(
 
 def test_park__woken_copy_whose_row_is_gone__stale_not_reparked(process: uuid.UUID) -> None:
     assert acquire(process, "j1", limit=1) is not None
-    outcome = TenantQueueSlot.objects.try_park(
+    outcome = slot_store.try_park(
         tenant="acme", queue="q", task_id="j2", task_name="t", limit=1, signature="{}",
         woken=True,
     )  # fmt: skip
@@ -334,7 +337,7 @@ def test_wake__picks_a_job_with_room_under_its_own_limit(process: uuid.UUID) -> 
     assert park("b4", limit=3) == "parked"
     released = grants[0]
     assert released is not None
-    TenantQueueSlot.objects.release(released)
+    slot_store.release(released)
     # 2 run: no room for a1 (limit 1), room for b4 (limit 3); a1 must not block b4.
     assert wake_all(_slot(released)) == ["b4"]
     assert ParkedJob.objects.get(task_id="a1").woken_at is None
@@ -344,17 +347,17 @@ def test_wake__skips_a_job_whose_copy_is_running(process: uuid.UUID) -> None:
     holder = acquire(process, "h", limit=2)
     assert holder is not None
     assert acquire(process, "j", limit=2) is not None  # a duplicate copy of j runs...
-    TenantQueueSlot.objects.try_park(  # ...while another copy of j had been parked
+    slot_store.try_park(  # ...while another copy of j had been parked
         tenant="acme", queue="q", task_id="j", task_name="t", limit=1, signature="{}"
     )
     assert park("k", limit=2) == "parked"
-    TenantQueueSlot.objects.release(holder)
+    slot_store.release(holder)
     assert wake_all(_slot(holder)) == ["k"]
 
 
 def test_reap__spares_a_lease_claimed_within_the_timeout(process: uuid.UUID) -> None:
     newcomer = uuid.uuid4()  # a process whose row this reaper's view does not have yet
     assert acquire(newcomer, "j1") is not None
-    assert SlotLease.objects.reap(timeout=60).leases == 0
+    assert lease_store.reap(timeout=60).leases == 0
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
-    assert SlotLease.objects.reap(timeout=60).slots == ((slot().pk, 1),)
+    assert lease_store.reap(timeout=60).slots == ((slot().pk, 1),)

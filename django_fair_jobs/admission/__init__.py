@@ -58,7 +58,10 @@ from django_fair_jobs.admission.ends import retry_pending_ends as retry_pending_
 from django_fair_jobs.admission.ends import retry_pending_releases as retry_pending_releases
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import TaskIdError
-from django_fair_jobs.managers import Acquisition, Grant, LimitedAcquisition
+from django_fair_jobs.leases import store as lease_store
+from django_fair_jobs.leases.types import Acquisition, Grant, LimitedAcquisition
+from django_fair_jobs.limits import store as queue_store
+from django_fair_jobs.slots import store as slot_store
 from django_fair_jobs.tenants import for_log, warn_missing_tenant
 
 if TYPE_CHECKING:
@@ -285,7 +288,7 @@ def acquire(
 ) -> Acquisition | LimitedAcquisition:
     """Take the slots of ``task_id`` on ``queue``: its place in the queue if the queue is
     limited, and ``tenant``'s slot (``woken``: the message is a re-published parked job)."""
-    from django_fair_jobs.models import ParkedJob, TenantQueueSlot
+    from django_fair_jobs.models import ParkedJob
 
     if limits.is_limited(queue):
         acquired = _acquire_limited(
@@ -299,7 +302,7 @@ def acquire(
         if woken and not ParkedJob.objects.filter(task_id=task_id).delete()[0]:
             return Acquisition("stale")
         return Acquisition("held", Grant(None, task_id, uuid.uuid4()))
-    return TenantQueueSlot.objects.try_acquire(
+    return slot_store.try_acquire(
         tenant=tenant,
         queue=queue,
         task_id=task_id,
@@ -320,11 +323,10 @@ def _acquire_limited(
     woken: bool,
 ) -> LimitedAcquisition:
     """Take a place in ``queue`` and, with a ``tenant``, its slot, for ``task_id``."""
-    from django_fair_jobs.models import QueueLimit, SlotLease
 
     process_id, node_id = identity.current_process_id(node), identity.current_node_id()
     for _ in range(2):
-        acquired = QueueLimit.objects.try_acquire(
+        acquired = queue_store.try_acquire(
             queue=queue, tenant=tenant, limit=limit, task_id=task_id,
             process_id=process_id, node_id=node_id, woken=woken,
         )  # fmt: skip
@@ -332,7 +334,7 @@ def _acquire_limited(
             return acquired
         # A tenant slot reserved for this job before its queue was limited: give it back
         # and take both together.
-        for slot_id in SlotLease.objects.drop_for_task(task_id, running=False)[0]:
+        for slot_id in lease_store.drop_for_task(task_id, running=False)[0]:
             slots.wake(slot_id, limit=1)
     return acquired
 
@@ -383,7 +385,6 @@ def defer(
     Returns a :class:`Grant` if a slot freed while parking (run the job now), else None
     (the job is parked or rescheduled; acknowledge the message without running it).
     """
-    from django_fair_jobs.models import TenantQueueSlot
 
     request = task.request
     limited = limits.is_limited(queue)
@@ -403,7 +404,7 @@ def defer(
                 task_name=task.name, signature=signature, woken=woken,
             )  # fmt: skip
         else:
-            outcome = TenantQueueSlot.objects.try_park(
+            outcome = slot_store.try_park(
                 tenant=tenant, queue=queue, task_id=str(request.id), task_name=task.name,
                 limit=limit, signature=signature, woken=woken,
             )  # fmt: skip
@@ -444,16 +445,15 @@ def _reschedule(
 ) -> None:
     """``fair_on_limit = "retry"`` (or a job that cannot be parked): publish it again with
     a jittered countdown, and count the deferral."""
-    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
     request = task.request
     countdown = retry_countdown * random.uniform(0.5, 1.5)
     # Like Task.retry(), but keeping request.retries: deferral is not a failure.
     sig = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
     if limited:
-        QueueLimit.objects.count_deferral(queue)
+        queue_store.count_deferral(queue)
     elif tenant is not None:
-        TenantQueueSlot.objects.count_deferral(tenant=tenant, queue=queue)
+        slot_store.count_deferral(tenant=tenant, queue=queue)
     try:
         sig.apply_async()
     except EncodeError:

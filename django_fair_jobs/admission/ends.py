@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING, Any
 from django.db import DatabaseError
 
 from django_fair_jobs import dispatch, limits, slots
-from django_fair_jobs.managers import Grant
+from django_fair_jobs.leases import store as lease_store
+from django_fair_jobs.leases.types import Grant
+from django_fair_jobs.limits import store as queue_store
+from django_fair_jobs.slots import store as slot_store
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -52,7 +55,6 @@ def release(grant: Grant, app: Celery | None = None) -> None:
     retried by this process's heartbeat (no slot is lost); a failed wake-up is left to the
     maintenance sweep.
     """
-    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
     with _holds_lock:
         _running.discard(grant.task_id)
@@ -61,10 +63,10 @@ def release(grant: Grant, app: Celery | None = None) -> None:
     in_line: int | None = 0
     try:
         if grant.queue_limit_id is not None:
-            released = QueueLimit.objects.release(grant)
+            released = queue_store.release(grant)
             in_line, parked = released if released is not None else (None, None)
         else:
-            parked = TenantQueueSlot.objects.release(grant)
+            parked = slot_store.release(grant)
     except Exception:
         logger.exception("Could not release the slots of %s; will retry", grant.task_id)
         with _holds_lock:
@@ -113,14 +115,11 @@ def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
     reply was lost (none where the acquire did not commit), except those of jobs running
     here now; then wake jobs on the slots freed. One transaction for all of them. Raises
     DatabaseError (the entries stay for the next try)."""
-    from django_fair_jobs.models import SlotLease
 
     with _holds_lock:
         # A copy that took its slot since holds its own lease; leave it alone.
         orphans = [task_id for task_id in task_ids if task_id not in _running]
-    slot_ids, queue_ids = (
-        SlotLease.objects.drop_held_by(orphans, process_id) if orphans else ([], [])
-    )
+    slot_ids, queue_ids = lease_store.drop_held_by(orphans, process_id) if orphans else ([], [])
     with _holds_lock:
         _uncertain.difference_update((task_id, process_id) for task_id in task_ids)
     if slot_ids or queue_ids:
@@ -141,10 +140,9 @@ def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) ->
     A revoke without terminate (or an expired duplicate copy) leaves a running copy's
     lease alone: that copy still runs and releases it.
     """
-    from django_fair_jobs.models import ParkedJob, SlotLease
 
-    ParkedJob.objects.forget(task_id)
-    slot_ids, queue_ids = SlotLease.objects.drop_for_task(task_id, running=terminated)
+    lease_store.forget_parked(task_id)
+    slot_ids, queue_ids = lease_store.drop_for_task(task_id, running=terminated)
     for queue_limit_id in queue_ids:
         limits.wake_line(queue_limit_id, limit=1, app=app)
     for slot_id in slot_ids:

@@ -1,7 +1,7 @@
 -- The statements django-fair-jobs runs on PostgreSQL, one named block each.
 -- Each is a single statement (one round trip in autocommit) whose data-modifying CTEs
 -- commit together. Success is judged by what the statement returns, never by a read
--- followed by a write. Other databases use the ORM path in managers.py instead.
+-- followed by a write. Other databases use the ORM path of each room's store.py instead.
 
 -- name: acquire
 -- Take a slot for a starting job, in one round trip. Returns one row: the status

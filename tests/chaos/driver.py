@@ -6,7 +6,7 @@ database and broker in its environment (``DATABASE_URL``, ``CELERY_BROKER_URL``)
   planner parks it), and prints the accepted jobs as JSON;
 - ``reap SECONDS``: runs ``manage.py fair_jobs_reap`` in a loop, as a second reaper would;
 - ``promote``: runs the planner's promotion of ``chaos_planned`` until nothing is due, with
-  each publish slowed, and prints its calls of ``PlannedJob.objects.promote`` as JSON.
+  each publish slowed, and prints its calls of ``planner_store.promote`` as JSON.
 
 A separate process, because the test process's Django and Celery point at the suite's own
 database and broker, not at the chaos ones.
@@ -21,6 +21,8 @@ import time
 from typing import Any
 
 from django.core.management import call_command
+
+from django_fair_jobs.planner import store as planner_store
 
 
 def publish() -> None:
@@ -56,13 +58,12 @@ def promote() -> None:
     0.1 s more, so a claim holds its rows while another claims. Prints ``[{"tenant",
     "ids", "start", "end"}, ...]``, one per claim (wall clock, this machine's)."""
     from django_fair_jobs import planner
-    from django_fair_jobs.managers import PlannedJobManager
-    from django_fair_jobs.models import PlannedJob, PlannerRun
+    from django_fair_jobs.models import PlannerRun
     from tests.testapp.chaos_tasks import chaos_planned
 
     plan = planner.parse_plan(chaos_planned.fair_plan or {})
     PlannerRun.objects.get_or_create(task_name=chaos_planned.name)
-    publish, claim = planner._publish, PlannedJobManager.promote
+    publish, claim = planner._publish, planner_store.promote
     calls: list[dict[str, Any]] = []
 
     def slow_publish(app: Any, row: Any) -> None:
@@ -70,7 +71,6 @@ def promote() -> None:
         time.sleep(0.1)
 
     def recorded(
-        manager: PlannedJobManager,
         task_name: str,
         tenant: str,
         count: int,
@@ -78,13 +78,13 @@ def promote() -> None:
         **options: Any,
     ) -> list[str]:
         start = time.time()
-        ids = claim(manager, task_name, tenant, count, publish, **options)
+        ids = claim(task_name, tenant, count, publish, **options)
         calls.append({"tenant": tenant, "ids": ids, "start": start, "end": time.time()})
         return ids
 
     planner._publish = slow_publish
-    PlannedJobManager.promote = recorded  # type: ignore[method-assign,assignment]
-    while PlannedJob.objects.pending(chaos_planned.name):
+    planner_store.promote = recorded
+    while planner_store.pending(chaos_planned.name):
         if not any(planner._promote(chaos_planned, plan, None).values()):
             time.sleep(0.05)  # the rows left are the other planner's, until it commits
     print(json.dumps(calls))

@@ -8,9 +8,8 @@ import uuid
 import pytest
 from django.db import connection, connections
 
-from django_fair_jobs import dispatch
+from django_fair_jobs import dispatch, identity
 from django_fair_jobs.dispatch.models import DispatchQueue
-from django_fair_jobs.models import WorkerProcess
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.skipif(
@@ -24,7 +23,7 @@ def test_refresh_capacity__the_queue_row_inserted_meanwhile_by_an_enqueue__no_er
     # on that queue inserts the queue's row. The refresh found no row, waited on the
     # enqueue's, and failed on the duplicate key: the queue kept no capacity until the
     # next maintenance pass, so a countdown come due was not dispatched.
-    WorkerProcess.objects.register(
+    identity.register_process(
         process_id=uuid.uuid4(), node="n@h", hostname="h", pid=1, queues=["race"], concurrency=2
     )
     import psycopg

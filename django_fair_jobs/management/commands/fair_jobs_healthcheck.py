@@ -53,7 +53,7 @@ class Command(BaseCommand):
 def _database() -> str:
     from django.db import router
 
-    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import TenantQueueSlot
 
     alias = router.db_for_write(TenantQueueSlot)
@@ -85,7 +85,7 @@ def _settings() -> str:
 
 
 def _heartbeats(require_workers: bool) -> str:
-    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.db import database_now
     from django_fair_jobs.status import nodes
 
     found = nodes(database_now())

@@ -113,7 +113,7 @@ class Command(BaseCommand):
         from datetime import datetime, timedelta
 
         from django_fair_jobs import slots
-        from django_fair_jobs.managers import database_now
+        from django_fair_jobs.db import database_now
         from django_fair_jobs.models import TenantQueueSlot
 
         tenant = options["tenant"]

@@ -55,19 +55,19 @@ from kombu.utils.json import dumps
 
 from bench.tasks import planner_job
 from bench.timing import median_seconds
-from django_fair_jobs import planner
+from django_fair_jobs import identity, planner
 from django_fair_jobs.admin import DASHBOARD_TENANTS
 from django_fair_jobs.conf import fair_settings
-from django_fair_jobs.managers import Grant
+from django_fair_jobs.leases.types import Grant
 from django_fair_jobs.models import (
     PlannedJob,
     SlotLease,
-    TenantQueueSlot,
     TenantWindow,
     WindowBucket,
-    WorkerProcess,
 )
+from django_fair_jobs.slots import store as slot_store
 from django_fair_jobs.windows import prune
+from django_fair_jobs.windows import store as window_store
 from django_fair_jobs.workers import run_maintenance
 
 QUEUE = "bench.load"
@@ -310,7 +310,7 @@ class Command(BaseCommand):
         """Fresh rows for ``case``; returns the live process that holds the slots."""
         self._truncate()
         process_id = uuid.uuid4()
-        WorkerProcess.objects.register(
+        identity.register_process(
             process_id=process_id, node="bench-load@local", hostname="local", pid=0
         )
         max_window = fair_settings.MAX_THROTTLING_WINDOW
@@ -352,7 +352,7 @@ class Command(BaseCommand):
         active = tenants[IDLE_EVERY - 1 :: IDLE_EVERY] or tenants[:1]
         ops["enqueue with 2 rerouting rules (window count)"] = self._per_call(
             cycle(active),
-            lambda t: TenantWindow.objects.record(
+            lambda t: window_store.record(
                 key=WINDOW_KEY, tenant=t, task_name=REROUTE_TASK, rules=RULES
             ),
         )
@@ -362,9 +362,9 @@ class Command(BaseCommand):
             lambda t: planned.apply_async(kwargs={**KWARGS, "tenant": t}, queue=QUEUE),
         )
         ops[f"planner run promoting {self.batch} jobs"] = self._planner_run(planned)
-        WorkerProcess.objects.beat(process_id)  # the seeded holders stay alive
+        identity.beat(process_id)  # the seeded holders stay alive
         measured.pages = self._pages(admin_user)
-        WorkerProcess.objects.beat(process_id)
+        identity.beat(process_id)
         measured.prune = self._prune()
         ops["maintenance pass (run_maintenance)"] = median_seconds(run_maintenance, 3)
         if SlotLease.objects.count() != case.tenants:
@@ -377,7 +377,7 @@ class Command(BaseCommand):
     def _acquire_release(self, tenants: list[str], process_id: uuid.UUID) -> float:
         """One tenant after another: each slot is held by a running job (limit 1); this job
         brings a limit of 2, so it takes the second place and gives it back."""
-        slots = TenantQueueSlot.objects
+        slots = slot_store
         order = cycle(tenants[:: max(len(tenants) // self.repeat, 1)])
         numbers = iter(range(10**9))
 
@@ -395,7 +395,7 @@ class Command(BaseCommand):
     def _park_wake(self, process_id: uuid.UUID) -> float:
         """The life of a deferred job, on a tenant of its own among the seeded ones: park it
         while the slot is held, release the holder, wake it (a reservation), start it."""
-        slots = TenantQueueSlot.objects
+        slots = slot_store
         timeout = fair_settings.WORKER_TIMEOUT
         first = slots.try_acquire(
             tenant="parker", queue=QUEUE, task_id="park-0", limit=1, process_id=process_id,

@@ -29,7 +29,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
+from django_fair_jobs import identity
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+from django_fair_jobs.slots import store as slot_store
 from django_fair_jobs.sql import queries
 
 RAW_SETUP = """
@@ -97,12 +99,12 @@ def _python_worker(args: tuple[int, float, str, bool]) -> int:
     deadline = time.monotonic() + seconds
     pid = uuid.UUID(process_id)
     while time.monotonic() < deadline:
-        acquired = TenantQueueSlot.objects.try_acquire(
+        acquired = slot_store.try_acquire(
             tenant="hot", queue="bench", task_id=f"py-{index}-{pairs}", limit=1_000_000,
             process_id=pid, timeout=60,
         )  # fmt: skip
         assert acquired.grant is not None
-        TenantQueueSlot.objects.release(acquired.grant)
+        slot_store.release(acquired.grant)
         pairs += 1
     connections.close_all()
     return pairs
@@ -132,12 +134,12 @@ class Command(BaseCommand):
         call_command("migrate", verbosity=0)
         self._reset()
         process_id = uuid.uuid4()
-        WorkerProcess.objects.register(
+        identity.register_process(
             process_id=process_id, node="bench@local", hostname="local", pid=0
         )
         self._round_trips(process_id)
         self._reset()
-        WorkerProcess.objects.register(
+        identity.register_process(
             process_id=process_id, node="bench@local", hostname="local", pid=0
         )
         self._throughput(process_id, options["clients"], options["seconds"])
@@ -150,7 +152,7 @@ class Command(BaseCommand):
         WorkerProcess.objects.all().delete()
 
     def _round_trips(self, pid: uuid.UUID) -> None:
-        slots = TenantQueueSlot.objects
+        slots = slot_store
 
         def count(fn: Any) -> tuple[int, Any]:
             with CaptureQueriesContext(connection) as ctx:
@@ -190,12 +192,12 @@ class Command(BaseCommand):
     def _throughput(self, pid: uuid.UUID, clients: int, seconds: float) -> None:
         with connection.cursor() as cursor:
             cursor.execute(RAW_SETUP)
-        grant = TenantQueueSlot.objects.try_acquire(
+        grant = slot_store.try_acquire(
             tenant="hot", queue="bench", task_id="seed", limit=1_000_000, process_id=pid,
             timeout=60,
         ).grant  # fmt: skip
         assert grant is not None and grant.slot_id is not None
-        TenantQueueSlot.objects.release(grant)
+        slot_store.release(grant)
         script = _library_pair_script(pid, grant.slot_id)
         raw = _pgbench(RAW_PAIR, clients, seconds)
         raw_prepared = _pgbench(RAW_PAIR, clients, seconds, mode="prepared")

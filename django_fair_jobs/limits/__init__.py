@@ -27,7 +27,8 @@ from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import (
     LimitError as LimitError,
 )
-from django_fair_jobs.managers import UNCHANGED
+from django_fair_jobs.limits import store as queue_store
+from django_fair_jobs.limits.store import UNCHANGED
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -59,12 +60,11 @@ def limited_queues(*, refresh: bool = False) -> frozenset[str]:
     now = time.monotonic()
     if not refresh and _cache.pid == os.getpid() and now - _cache.loaded_at < REFRESH_SECONDS:
         return _cache.queues
-    from django_fair_jobs.models import QueueLimit
 
     with _cache.lock:
         if _cache.pid != os.getpid():
             seed()
-        _cache.queues = frozenset(QueueLimit.objects.limits())
+        _cache.queues = frozenset(queue_store.limits())
         _cache.loaded_at, _cache.pid = now, os.getpid()
         return _cache.queues
 
@@ -104,9 +104,8 @@ def seed() -> list[str]:
     """Store ``FAIR_JOBS_QUEUE_LIMITS`` and ``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` for the
     queues that have no stored limits (runtime changes survive restarts). Returns the
     queues seeded."""
-    from django_fair_jobs.models import QueueLimit
 
-    seeded = QueueLimit.objects.seed(
+    seeded = queue_store.seed(
         dict(fair_settings.QUEUE_LIMITS), dict(fair_settings.QUEUE_PROCESS_LIMITS)
     )
     if seeded:
@@ -134,9 +133,7 @@ def set_limits(
         if value is not UNCHANGED:
             validate(value, name)
     before = QueueLimit.objects.filter(queue=queue).first()
-    row = QueueLimit.objects.set_limits(
-        queue, max_jobs=max_jobs, max_jobs_per_worker=max_jobs_per_worker
-    )
+    row = queue_store.set_limits(queue, max_jobs=max_jobs, max_jobs_per_worker=max_jobs_per_worker)
     for name in ("max_jobs", "max_jobs_per_worker"):
         LimitChange.record(
             queue=queue, field=name, old=getattr(before, name, None), new=getattr(row, name),
@@ -187,9 +184,8 @@ def park(
     woken: bool,
 ) -> str:
     """Park a job in ``queue``'s line if it is still blocked; see ``park_limited``."""
-    from django_fair_jobs.models import QueueLimit
 
-    return QueueLimit.objects.try_park(
+    return queue_store.try_park(
         queue=queue, tenant=tenant, limit=limit, task_id=task_id, task_name=task_name,
         signature=signature, node_id=identity.current_node_id(), woken=woken,
     )  # fmt: skip
@@ -208,7 +204,7 @@ def wake_line(queue_limit_id: int, limit: int = 1, app: Celery | None = None) ->
         return 0
     woken = 0
     while woken < limit:
-        job = QueueLimit.objects.wake_one(queue_limit_id)
+        job = queue_store.wake_one(queue_limit_id)
         if job is None:
             break
         messages.publish_woken(job, app=app)
@@ -219,11 +215,10 @@ def wake_line(queue_limit_id: int, limit: int = 1, app: Celery | None = None) ->
 def wake_waiting(queue_ids: set[int] | None = None, app: Celery | None = None) -> int:
     """Wake as many parked jobs as the queues have room for (all queues, or ``queue_ids``):
     after a limit is raised, a reap, or a missed wake-up. Returns how many were woken."""
-    from django_fair_jobs.models import QueueLimit, WorkerProcess
 
-    live_nodes = WorkerProcess.objects.live_nodes(fair_settings.WORKER_TIMEOUT)
+    live_nodes = identity.live_nodes(fair_settings.WORKER_TIMEOUT)
     woken = 0
-    for queue_id, room in QueueLimit.objects.with_waiting_room(live_nodes):
+    for queue_id, room in queue_store.with_waiting_room(live_nodes):
         if queue_ids is None or queue_id in queue_ids:
             woken += wake_line(queue_id, limit=room, app=app)
     return woken
@@ -234,7 +229,7 @@ def queue_status() -> list[dict[str, Any]]:
     parked in its line and the age of the oldest, in seconds of the database clock."""
     from django.db.models import Count, Min, Q
 
-    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import QueueLimit, WorkerProcess
 
     now = database_now()

@@ -64,6 +64,7 @@ from django_fair_jobs.errors import (
 from django_fair_jobs.errors import (
     PublishFailedError as PublishFailedError,
 )
+from django_fair_jobs.planner import store as planner_store
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -282,10 +283,9 @@ def started(task_id: str) -> None:
     A database error is logged, never raised (the job still runs); the process remembers
     the start and deletes the row at its next heartbeat (:func:`retry_pending_starts`), so
     the row does not hold the queue's planners back."""
-    from django_fair_jobs.models import PlannedJob
 
     try:
-        if not PlannedJob.objects.started(task_id):
+        if not planner_store.started(task_id):
             logger.debug("%s started with no planned row (a retry, or a second copy)", task_id)
     except Exception:
         logger.exception("Could not mark planned job %s started; retried at the next heartbeat",
@@ -298,7 +298,6 @@ def retry_pending_starts() -> int:
     """Delete the rows of jobs whose start failed to delete them earlier in this process
     (called by the heartbeat); returns how many starts were recorded. Stops at the first
     error and keeps the rest for the next heartbeat."""
-    from django_fair_jobs.models import PlannedJob
 
     with _pending_starts_lock:
         pending = list(_pending_starts)
@@ -306,7 +305,7 @@ def retry_pending_starts() -> int:
     done = 0
     for position, task_id in enumerate(pending):
         try:
-            PlannedJob.objects.started(task_id)
+            planner_store.started(task_id)
         except Exception:
             # Kept whatever the error: a start dropped here would hold its queue back.
             with _pending_starts_lock:
@@ -460,7 +459,7 @@ def run(
 ) -> RunReport | None:
     """Run ``task``'s planner once if it is due (``due_only``) and nobody runs it; returns
     what it did, or None if it did not run."""
-    from django_fair_jobs.models import PlannedJob, PlannerRun
+    from django_fair_jobs.models import PlannerRun
 
     plan = parse_plan(task.fair_plan)  # type: ignore[attr-defined]
     name = task.name
@@ -472,7 +471,7 @@ def run(
         # On the database clock, the claim's.
         due = Now() - Value(timedelta(seconds=1))
         PlannerRun.objects.filter(task_name=name).update(next_run_at=due)
-    token = PlannedJob.objects.claim_run(
+    token = planner_store.claim_run(
         name, interval=plan.enqueue_interval, lock_ttl=plan.planner_lock_ttl
     )
     if token is None:
@@ -482,7 +481,7 @@ def run(
     skipped = False
     try:
         lost_after = stale_after(plan)
-        requeued = PlannedJob.objects.requeue_stale(name, lost_after)
+        requeued = planner_store.requeue_stale(name, lost_after)
         if requeued:
             # Its message is gone (a purged queue), or its start could not delete the row
             # and the process died before retrying: publishing it again loses no job.
@@ -491,13 +490,13 @@ def run(
                 "never started (message lost?); they are published again",
                 name, requeued, lost_after,
             )  # fmt: skip
-        latency, depth = PlannedJob.objects.latency(name, stale_after=lost_after)
+        latency, depth = planner_store.latency(name, stale_after=lost_after)
         if latency is not None and latency > plan.latency_threshold:
             skipped = True
         else:
             counts = _promote(task, plan, app)
     finally:
-        PlannedJob.objects.finish_run(
+        planner_store.finish_run(
             name, token, last_promoted=sum(counts.values()), last_latency=latency,
             last_skipped=skipped,
         )  # fmt: skip
@@ -507,9 +506,9 @@ def run(
 def _allocation(name: str, plan: Plan) -> tuple[Allocation, dict[str, float]] | None:
     """How many jobs of each tenant of task ``name`` this run promotes, and in which order
     (None: no tenant with jobs due and not paused), with the tenants' weights."""
-    from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
+    from django_fair_jobs.models import PlannerRun, PlannerTenant
 
-    pending = PlannedJob.objects.pending(name)
+    pending = planner_store.pending(name)
     # Every tenant with jobs due gets its row (pausable in the admin before its first
     # promotion); a new tenant starts at the current virtual time (see allocate).
     PlannerTenant.objects.bulk_create(
@@ -540,7 +539,7 @@ def _allocation(name: str, plan: Plan) -> tuple[Allocation, dict[str, float]] | 
 def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, int]:
     from django.db.models import F
 
-    from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
+    from django_fair_jobs.models import PlannerRun, PlannerTenant
     from django_fair_jobs.tenants import for_log
 
     name = task.name
@@ -556,7 +555,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
     for tenant in plan_out.order:
         wanted = plan_out.counts[tenant]
         try:
-            promoted = PlannedJob.objects.promote(
+            promoted = planner_store.promote(
                 name, tenant, wanted, lambda row: _publish(celery_app, row),
                 transient=transient, max_attempts=PUBLISH_ATTEMPTS,
                 gave_up=lambda row, exc: _gave_up(celery_app, row, exc),
@@ -671,7 +670,7 @@ def status(app: Celery | None = None) -> list[dict[str, Any]]:
     in all, and whether promotion is paused."""
     from django.db.models import Count, Min, Q
 
-    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
 
     now = database_now()

@@ -26,6 +26,7 @@ from django_fair_jobs.db import after_commit
 from django_fair_jobs.errors import (
     TenantLimitError as TenantLimitError,
 )
+from django_fair_jobs.slots import store as slot_store
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -66,7 +67,7 @@ def wake(slot_id: int, limit: int | None = 1, app: Celery | None = None) -> int:
         return 0
     woken = 0
     while limit is None or woken < limit:
-        job = TenantQueueSlot.objects.wake_one(slot_id)
+        job = slot_store.wake_one(slot_id)
         if job is None:
             break
         messages.publish_woken(job, app=app)
@@ -139,7 +140,7 @@ def boost(
     """
     from django.db import transaction
 
-    from django_fair_jobs.managers import database_now
+    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import LimitChange, TenantQueueSlot
 
     _check_limit(max_jobs, "A boost's max_jobs")

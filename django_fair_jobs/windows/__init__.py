@@ -42,6 +42,7 @@ from django_fair_jobs.errors import (
 )
 from django_fair_jobs.routing import declared_queue, queue_name
 from django_fair_jobs.tenants import for_log
+from django_fair_jobs.windows import store as window_store
 
 if TYPE_CHECKING:
     from celery import Task
@@ -198,9 +199,8 @@ class Decision:
 def count(task: Task[Any, Any], tenant: str, queue: str, rules: Sequence[Rule]) -> Decision:
     """Record one enqueue of ``tenant`` for ``task`` (declared on ``queue``) and pick the
     rule that reroutes it, in one statement. Logs each reroute at debug level."""
-    from django_fair_jobs.models import TenantWindow
 
-    recorded = TenantWindow.objects.record(
+    recorded = window_store.record(
         key=counting_key(task, queue),
         tenant=tenant,
         task_name=task.name,
@@ -275,9 +275,8 @@ def apply(
 def prune() -> int:
     """Delete the window rows of tenants idle for longer than the maximum window; run by
     the workers' maintenance pass, so no scheduled job is needed."""
-    from django_fair_jobs.models import TenantWindow
 
-    return TenantWindow.objects.prune(max_window=fair_settings.MAX_THROTTLING_WINDOW)
+    return window_store.prune(max_window=fair_settings.MAX_THROTTLING_WINDOW)
 
 
 def windows_by_key(app: Any = None) -> dict[str, list[int]]:

@@ -1,0 +1,453 @@
+"""Queue limits' storage: the stored limits, and acquire, park, release and wake on a limited
+queue, each one statement on PostgreSQL (the ``*_limited`` and ``wake_queue`` blocks of
+``sql/postgresql.sql``) and the same steps through the ORM on other databases."""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from django.db import (
+    IntegrityError,
+    models,
+    router,
+    transaction,
+)
+from django.db.models import F, Q
+from django.db.models.functions import Coalesce, Greatest, Now
+
+from django_fair_jobs import db
+from django_fair_jobs.leases import store as leases
+from django_fair_jobs.leases.types import (
+    Grant,
+    LimitedAcquisition,
+    LimitedStatus,
+    ParkOutcome,
+    Woken,
+)
+
+if TYPE_CHECKING:
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+
+
+UNCHANGED: Any = object()
+"""Marks a limit left as it is by :func:`set_limits`."""
+
+
+def limits() -> dict[str, tuple[int | None, int | None]]:
+    """``{queue: (max_jobs, max_jobs_per_worker)}`` of every queue with a limit set, or
+    still draining (jobs holding a place or waiting in line after its limit was
+    cleared: they must be given back and woken through the queue's row)."""
+    from django_fair_jobs.models import QueueLimit
+
+    rows = QueueLimit.objects.filter(
+        Q(max_jobs__isnull=False)
+        | Q(max_jobs_per_worker__isnull=False)
+        | Q(current_jobs__gt=0)
+        | Q(parked_jobs__gt=0)
+    )
+    return {
+        queue: (max_jobs, per_worker)
+        for queue, max_jobs, per_worker in rows.values_list(
+            "queue", "max_jobs", "max_jobs_per_worker"
+        )
+    }
+
+
+def seed(max_jobs: dict[str, int], per_worker: dict[str, int]) -> list[str]:
+    """Store the settings' limits of every queue that has no row yet; a stored row
+    (changed at runtime, or cleared) is kept as it is. Returns the queues seeded."""
+    from django_fair_jobs.models import QueueLimit
+
+    wanted = set(max_jobs) | set(per_worker)
+    stored = set(QueueLimit.objects.filter(queue__in=wanted).values_list("queue", flat=True))
+    missing = sorted(wanted - stored)
+    QueueLimit.objects.bulk_create(
+        [
+            QueueLimit(queue=q, max_jobs=max_jobs.get(q), max_jobs_per_worker=per_worker.get(q))
+            for q in missing
+        ],
+        ignore_conflicts=True,
+    )
+    return missing
+
+
+def set_limits(
+    queue: str, *, max_jobs: Any = UNCHANGED, max_jobs_per_worker: Any = UNCHANGED
+) -> QueueLimit:
+    """Store new limits for ``queue`` (None: no limit; 0: paused); a limit not given is
+    left as it is. Only the limit columns are written, never the counters."""
+    from django_fair_jobs.models import QueueLimit
+
+    fields: dict[str, Any] = {}
+    if max_jobs is not UNCHANGED:
+        fields["max_jobs"] = max_jobs
+    if max_jobs_per_worker is not UNCHANGED:
+        fields["max_jobs_per_worker"] = max_jobs_per_worker
+    with transaction.atomic(using=router.db_for_write(QueueLimit)):
+        row, _ = QueueLimit.objects.get_or_create(queue=queue)
+        if fields:
+            QueueLimit.objects.filter(pk=row.pk).update(**fields, updated_at=Now())
+            row.refresh_from_db()
+    return row
+
+
+def count_deferral(queue: str) -> None:
+    """Count a deferral that did not park (``fair_on_limit = "retry"``)."""
+    from django_fair_jobs.models import QueueLimit
+
+    QueueLimit.objects.filter(queue=queue).update(deferred_total=F("deferred_total") + 1)
+
+
+def try_acquire(
+    *,
+    queue: str,
+    tenant: str | None,
+    limit: int,
+    task_id: str,
+    process_id: uuid.UUID,
+    node_id: uuid.UUID,
+    woken: bool = False,
+) -> LimitedAcquisition:
+    """Take a place in ``queue`` (within its cluster and per-node limits, counted on
+    ``node_id``) and, with a ``tenant``, one of its slots (``limit`` when the slot row
+    has no override): both or neither. Creates the tenant's slot row on first use."""
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+
+    token = uuid.uuid4()
+    alias = router.db_for_write(QueueLimit)
+    for _ in range(2):
+        if db.is_postgres(alias):
+            params: dict[str, Any] = {
+                "queue": queue,
+                "tenant": tenant,
+                "limit": limit,
+                "task_id": task_id,
+                "token": token,
+                "process_id": process_id,
+                "node": str(node_id),
+                "woken": woken,
+            }
+            try:
+                with db.savepoint_if_needed(alias):
+                    ((status, queue_id, slot_id, in_line, on_slot),) = db.run(
+                        alias, "acquire_limited", params
+                    )
+            except IntegrityError:
+                return LimitedAcquisition("duplicate")
+        else:
+            status, queue_id, slot_id, in_line, on_slot = _acquire_portable(
+                queue, tenant, limit, task_id, token, process_id, node_id, woken
+            )
+        if status != "new_tenant":
+            break
+        TenantQueueSlot.objects.bulk_create(
+            [TenantQueueSlot(tenant=str(tenant), queue=queue, default_max_jobs=limit)],
+            ignore_conflicts=True,
+        )
+    if status != "held":
+        return LimitedAcquisition(status)
+    # A duplicate delivery started while its parked row was still waiting.
+    if in_line:
+        QueueLimit.objects.filter(pk=queue_id, parked_jobs__gt=0).update(
+            parked_jobs=F("parked_jobs") - 1
+        )
+    if on_slot:
+        TenantQueueSlot.objects.filter(pk=slot_id, parked_jobs__gt=0).update(
+            parked_jobs=F("parked_jobs") - 1
+        )
+    return LimitedAcquisition("held", Grant(slot_id, task_id, token, queue_id))
+
+
+def _acquire_portable(
+    queue: str,
+    tenant: str | None,
+    limit: int,
+    task_id: str,
+    token: uuid.UUID,
+    process_id: uuid.UUID,
+    node_id: uuid.UUID,
+    woken: bool,
+) -> tuple[LimitedStatus, int | None, int | None, int, int]:
+    from django_fair_jobs.models import ParkedJob, QueueLimit, SlotLease, TenantQueueSlot
+
+    node = str(node_id)
+    with transaction.atomic(using=router.db_for_write(QueueLimit)):
+        row = QueueLimit.objects.select_for_update().filter(queue=queue).first()
+        if row is None:
+            return "unlimited", None, None, 0, 0
+        slot = (
+            None
+            if tenant is None
+            else TenantQueueSlot.objects.select_for_update()
+            .filter(tenant=tenant, queue=queue)
+            .first()
+        )
+        mine = Q(queue_limit=row) | Q(slot=slot) if slot is not None else Q(queue_limit=row)
+        existing = list(SlotLease.objects.filter(mine, task_id=task_id))
+        if any(lease.process_id is None and lease.queue_limit_id is None for lease in existing):
+            return "reserved", None, None, 0, 0
+        if existing:
+            return "duplicate", None, None, 0, 0
+        if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
+            return "stale", None, None, 0, 0
+        if tenant is not None and slot is None:
+            return "new_tenant", None, None, 0, 0
+        if _queue_blocked(row, node):
+            return "queue_full", None, None, 0, 0
+        if slot is not None and slot.current_jobs >= _slot_limit(slot, limit):
+            return "full", None, None, 0, 0
+        running = {**row.running, node: int(row.running.get(node, 0)) + 1}
+        QueueLimit.objects.filter(pk=row.pk).update(
+            current_jobs=F("current_jobs") + 1, running=running, updated_at=Now()
+        )
+        if slot is not None:
+            TenantQueueSlot.objects.filter(pk=slot.pk).update(
+                current_jobs=F("current_jobs") + 1, default_max_jobs=limit, updated_at=Now()
+            )
+        SlotLease.objects.create(
+            slot=slot, queue_limit=row, node_id=node_id, task_id=task_id, token=token,
+            process_id=process_id,
+        )  # fmt: skip
+        parked = ParkedJob.objects.filter(task_id=task_id).first()
+        in_line = on_slot = 0
+        if parked is not None:
+            parked.delete()
+            if parked.woken_at is None:
+                in_line = int(parked.queue_limit_id is not None)
+                on_slot = int(parked.queue_limit_id is None)
+    return "held", row.pk, None if slot is None else slot.pk, in_line, on_slot
+
+
+def try_park(
+    *,
+    queue: str,
+    tenant: str | None,
+    limit: int,
+    task_id: str,
+    task_name: str,
+    signature: str,
+    node_id: uuid.UUID,
+    woken: bool = False,
+) -> ParkOutcome:
+    """Park a job of a limited queue in the queue's line if it is still blocked (by the
+    queue, the per-worker limit on ``node_id``, or its tenant); same outcomes as
+    :meth:`TenantQueueSlotManager.try_park`."""
+    from django_fair_jobs.models import QueueLimit
+
+    alias = router.db_for_write(QueueLimit)
+    if db.is_postgres(alias):
+        params: dict[str, Any] = {
+            "queue": queue,
+            "tenant": tenant,
+            "limit": limit,
+            "task_id": task_id,
+            "task_name": task_name,
+            "signature": signature,
+            "node": str(node_id),
+            "woken": woken,
+        }
+        ((outcome,),) = db.run(alias, "park_limited", params)
+        return outcome  # type: ignore[no-any-return]
+    return _park_portable(queue, tenant, limit, task_id, task_name, signature, str(node_id), woken)
+
+
+def _park_portable(
+    queue: str,
+    tenant: str | None,
+    limit: int,
+    task_id: str,
+    task_name: str,
+    signature: str,
+    node: str,
+    woken: bool,
+) -> ParkOutcome:
+    from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
+
+    with transaction.atomic(using=router.db_for_write(QueueLimit)):
+        refused = leases.park_refused(task_id, woken)
+        if refused is not None:
+            return refused
+        row = QueueLimit.objects.select_for_update().filter(queue=queue).first()
+        slot = (
+            None
+            if tenant is None
+            else TenantQueueSlot.objects.filter(tenant=tenant, queue=queue).first()
+        )
+        tenant_full = slot is not None and slot.current_jobs >= _slot_limit(slot, limit)
+        if row is None or not (_queue_blocked(row, node) or tenant_full):
+            return "room"
+        QueueLimit.objects.filter(pk=row.pk).update(
+            parked_jobs=F("parked_jobs") + 1,
+            deferred_total=F("deferred_total") + 1,
+            updated_at=Now(),
+        )
+        ParkedJob.objects.update_or_create(
+            task_id=task_id,
+            defaults={
+                "slot": slot,
+                "queue_limit": row,
+                "task_name": task_name,
+                "signature": signature,
+                "default_max_jobs": limit,
+                "woken_at": None,
+            },
+        )
+    return "parked"
+
+
+def release(grant: Grant) -> tuple[int, int | None] | None:
+    """Give back ``grant``'s place in its queue and its tenant slot, only if its lease
+    is still the holder's. Returns the ``parked_jobs`` of the queue row and of the
+    tenant slot (None without one) after the release, or None if the lease was gone."""
+    from django_fair_jobs.models import QueueLimit, SlotLease, TenantQueueSlot
+
+    alias = router.db_for_write(QueueLimit)
+    params: dict[str, Any] = {
+        "queue_limit_id": grant.queue_limit_id,
+        "task_id": grant.task_id,
+        "token": grant.token,
+    }
+    if db.is_postgres(alias):
+        rows = db.run(alias, "release_limited", params)
+        if not rows:
+            return None
+        in_line, on_slot = rows[0]
+        return int(in_line or 0), on_slot
+    with transaction.atomic(using=alias):
+        lease = SlotLease.objects.filter(
+            queue_limit_id=grant.queue_limit_id, task_id=grant.task_id, token=grant.token
+        ).first()
+        if lease is None:
+            return None
+        leases.give_back([lease])
+        in_line = QueueLimit.objects.filter(pk=grant.queue_limit_id or 0).values_list(
+            "parked_jobs", flat=True
+        )
+        on_slot = TenantQueueSlot.objects.filter(pk=grant.slot_id or 0).values_list(
+            "parked_jobs", flat=True
+        )
+        return (in_line.first() or 0), on_slot.first()
+
+
+def wake_one(queue_limit_id: int) -> Woken | None:
+    """Mark the oldest job of the queue's line that can start now as woken; the caller
+    re-publishes it. No place is reserved (see ``wake_queue``)."""
+    from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
+
+    alias = router.db_for_write(QueueLimit)
+    if db.is_postgres(alias):
+        rows = db.run(alias, "wake_queue", {"queue_limit_id": queue_limit_id})
+        return Woken(queue_limit_id, *rows[0]) if rows else None
+    with transaction.atomic(using=alias):
+        row = QueueLimit.objects.select_for_update().filter(pk=queue_limit_id).first()
+        if row is None or row.max_jobs_per_worker == 0:
+            return None
+        if row.max_jobs is not None and row.current_jobs >= row.max_jobs:
+            return None
+        slot_room = TenantQueueSlot.objects.filter(
+            pk=models.OuterRef("slot_id"),
+            current_jobs__lt=Coalesce(F("max_jobs"), models.OuterRef("default_max_jobs")),
+        )
+        job = (
+            ParkedJob.objects.filter(queue_limit_id=queue_limit_id, woken_at__isnull=True)
+            .filter(Q(slot__isnull=True) | models.Exists(slot_room))
+            .order_by("id")
+            .first()
+        )
+        if job is None:
+            return None
+        QueueLimit.objects.filter(pk=queue_limit_id).update(
+            parked_jobs=Greatest(F("parked_jobs") - 1, 0)
+        )
+        ParkedJob.objects.filter(pk=job.pk).update(woken_at=Now(), wake_count=F("wake_count") + 1)
+    return Woken(queue_limit_id, job.task_id, job.signature, job.wake_count + 1)
+
+
+def with_waiting_room(live_nodes: int) -> list[tuple[int, int]]:
+    """Queues with jobs waiting in line and room to start some (missed wake-ups, a
+    reap, a raised limit): ``[(queue row id, jobs to wake)]``. Without a cluster-wide
+    limit the room is the per-worker limit times ``live_nodes``."""
+    from django_fair_jobs.models import QueueLimit
+
+    wanted: list[tuple[int, int]] = []
+    for row in QueueLimit.objects.filter(parked_jobs__gt=0):
+        if row.max_jobs_per_worker == 0:
+            continue
+        caps = [] if row.max_jobs is None else [row.max_jobs]
+        if row.max_jobs_per_worker is not None:
+            caps.append(row.max_jobs_per_worker * max(live_nodes, 1))
+        # Without a cap (a limit just cleared) every waiting job may start at once.
+        room = min(caps) - row.current_jobs if caps else row.parked_jobs
+        if room > 0:
+            wanted.append((row.pk, min(room, row.parked_jobs)))
+    return wanted
+
+
+def reconcile_parked() -> int:
+    """Repair ``parked_jobs`` where it disagrees with the rows waiting in the queue's
+    line; returns how many rows were fixed (each under its row lock)."""
+    from django_fair_jobs.models import ParkedJob, QueueLimit
+
+    waiting = ParkedJob.objects.filter(woken_at__isnull=True)
+    return leases.reconcile_parked(QueueLimit.objects, waiting, "queue_limit_id")
+
+
+def reconcile_running() -> int:
+    """Repair ``current_jobs`` and ``running`` where they disagree with the queue's
+    leases (a place taken and never given back); returns how many rows were fixed.
+
+    Each row is recounted under its row lock, in a statement that starts after the
+    lock is held: every statement that adds or removes a queue's lease locks that
+    queue's row in the same transaction, so the count cannot miss one in flight."""
+    from django_fair_jobs.models import QueueLimit
+
+    expected = _queue_lease_counts(None)
+    rows = list(QueueLimit.objects.values_list("pk", "current_jobs", "running"))
+    suspects = [
+        pk
+        for pk, current, running in rows
+        if (current, dict(running or {})) != _totals(expected.get(pk, {}))
+    ]
+    for pk in suspects:
+        with transaction.atomic(using=router.db_for_write(QueueLimit)):
+            list(QueueLimit.objects.select_for_update().filter(pk=pk).values_list("pk"))
+            total, running = _totals(_queue_lease_counts(pk).get(pk, {}))
+            QueueLimit.objects.filter(pk=pk).update(
+                current_jobs=total, running=running, updated_at=Now()
+            )
+    return len(suspects)
+
+
+def _queue_lease_counts(queue_limit_id: int | None) -> dict[int, dict[str, int]]:
+    """``{queue row id: {node id: leases}}`` of the leases holding a queue's place (of one
+    queue row, or of every one with None)."""
+    from django_fair_jobs.models import SlotLease
+
+    leases = SlotLease.objects.filter(queue_limit__isnull=False)
+    if queue_limit_id is not None:
+        leases = leases.filter(queue_limit_id=queue_limit_id)
+    counts: dict[int, dict[str, int]] = {}
+    for row_id, node_id, n in (
+        leases.order_by().values_list("queue_limit_id", "node_id").annotate(n=models.Count("pk"))
+    ):
+        counts.setdefault(row_id, {})[str(node_id or "")] = n
+    return counts
+
+
+def _totals(nodes: dict[str, int]) -> tuple[int, dict[str, int]]:
+    """A queue row's ``current_jobs`` and ``running`` for its leases per node."""
+    return sum(nodes.values()), dict(nodes)
+
+
+def _queue_blocked(row: QueueLimit, node: str) -> bool:
+    """True if ``row``'s queue is at its cluster-wide limit, or at its per-worker limit on
+    ``node`` (the ORM path's copy of the SQL verdict)."""
+    if row.max_jobs is not None and row.current_jobs >= row.max_jobs:
+        return True
+    on_node = int(row.running.get(node, 0))
+    return row.max_jobs_per_worker is not None and on_node >= row.max_jobs_per_worker
+
+
+def _slot_limit(slot: TenantQueueSlot, limit: int) -> int:
+    return limit if slot.max_jobs is None else slot.max_jobs
