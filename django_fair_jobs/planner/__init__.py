@@ -35,12 +35,8 @@ never publish the same job twice, because each claims rows the other skips.
 
 from __future__ import annotations
 
-import heapq
 import logging
-import math
-import reprlib
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,8 +49,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import dumps, loads
 
 from django_fair_jobs import headers as fair_headers
-from django_fair_jobs import validation
-from django_fair_jobs.conf import MAX_LIMIT, fair_settings
+from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import (
     FairArgumentsError,
 )
@@ -65,6 +60,17 @@ from django_fair_jobs.errors import (
     PublishFailedError as PublishFailedError,
 )
 from django_fair_jobs.planner import store as planner_store
+from django_fair_jobs.planner.plans import KNOWN_KEYS as KNOWN_KEYS
+from django_fair_jobs.planner.plans import REQUIRED_KEYS as REQUIRED_KEYS
+from django_fair_jobs.planner.plans import Plan as Plan
+from django_fair_jobs.planner.plans import parse_plan as parse_plan
+from django_fair_jobs.planner.plans import plan_errors as plan_errors
+from django_fair_jobs.planner.stride import MAX_WEIGHT as MAX_WEIGHT
+from django_fair_jobs.planner.stride import MIN_WEIGHT as MIN_WEIGHT
+from django_fair_jobs.planner.stride import Allocation as Allocation
+from django_fair_jobs.planner.stride import allocate as allocate
+from django_fair_jobs.planner.stride import wait_bound as wait_bound
+from django_fair_jobs.planner.stride import weights as weights
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -76,12 +82,6 @@ logger = logging.getLogger("django_fair_jobs.planner")
 
 PLAN_HEADER = fair_headers.PLAN
 """The old name of :data:`django_fair_jobs.headers.PLAN`."""
-
-REQUIRED_KEYS = ("enqueue_interval", "enqueue_jobs")
-KNOWN_KEYS = frozenset(
-    {*REQUIRED_KEYS, "tenant_weights", "latency_threshold", "planner_queue", "planner_lock_ttl"}
-)
-
 
 PUBLISH_ATTEMPTS = 3
 """Publishes a planned job may fail for a reason of its own before it is failed for good
@@ -117,86 +117,6 @@ STALE_FACTOR = 10
 STALE_MIN_SECONDS = 3600.0
 """The least time a promoted job may wait in the broker before it is presumed lost: an
 hour, as long as Redis's default visibility timeout before it redelivers a message."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A validated ``fair_plan``, settings defaults filled in."""
-
-    enqueue_interval: float
-    enqueue_jobs: int
-    tenant_weights: Callable[[list[str]], Mapping[str, Any]] | None
-    latency_threshold: float
-    planner_queue: str
-    planner_lock_ttl: float
-
-
-def _seconds(value: Any) -> float | None:
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def plan_errors(raw: Any) -> list[str]:
-    """What is wrong with a ``fair_plan`` value (empty if nothing)."""
-    if raw is None:
-        return []
-    if not isinstance(raw, Mapping):
-        return [f"fair_plan must be a dict, got {type(raw).__name__}"]
-    problems = [f"unknown key {key!r}" for key in sorted(set(raw) - KNOWN_KEYS)]
-    for key in REQUIRED_KEYS:
-        if raw.get(key) is None:
-            problems.append(f"{key} is required (how many jobs to promote, and how often)")
-    interval = _seconds(raw.get("enqueue_interval"))
-    if raw.get("enqueue_interval") is not None and (
-        interval is None or not 0 < interval <= MAX_LIMIT
-    ):
-        problems.append(
-            f"enqueue_interval must be seconds > 0 (at most {MAX_LIMIT}) or a timedelta"
-        )
-    jobs = raw.get("enqueue_jobs")
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        problems.append("enqueue_jobs must be a whole number >= 1")
-    for key, strict in (("latency_threshold", False), ("planner_lock_ttl", True)):
-        value = raw.get(key)
-        seconds = None if value is None else _seconds(value)
-        if value is not None and (
-            seconds is None
-            or seconds < 0
-            or (strict and not 0 < seconds <= MAX_LIMIT)
-            or math.isnan(seconds)
-        ):
-            bound = f"> 0 (at most {MAX_LIMIT})" if strict else ">= 0"
-            problems.append(f"{key} must be seconds {bound} or a timedelta")
-    problem = validation.weights_problem(raw.get("tenant_weights"))
-    return [*problems, problem] if problem else problems
-
-
-def parse_plan(raw: Mapping[str, Any]) -> Plan:
-    """Validate ``raw`` and fill in the ``FAIR_JOBS_PLANNER_*`` defaults."""
-    problems = plan_errors(raw)
-    if problems:
-        raise PlanError("; ".join(problems))
-
-    def given(key: str, default: Any) -> Any:
-        # A key left out, or given as None, takes the FAIR_JOBS_PLANNER_* default.
-        value = raw.get(key)
-        return default if value is None else value
-
-    weights = given("tenant_weights", fair_settings.PLANNER_TENANT_WEIGHTS)
-    threshold = given("latency_threshold", fair_settings.PLANNER_LATENCY_THRESHOLD)
-    return Plan(
-        enqueue_interval=float(_seconds(raw["enqueue_interval"]) or 0),
-        enqueue_jobs=int(raw["enqueue_jobs"]),
-        tenant_weights=None if weights is None else validation.weights_callable(weights),
-        latency_threshold=float(_seconds(threshold) or 0),
-        planner_queue=str(given("planner_queue", fair_settings.PLANNER_QUEUE)),
-        planner_lock_ttl=float(
-            _seconds(given("planner_lock_ttl", fair_settings.PLANNER_LOCK_TTL)) or 0
-        ),
-    )
 
 
 # Publishing --------------------------------------------------------------------------
@@ -316,122 +236,6 @@ def retry_pending_starts() -> int:
 
 
 # Planning ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """What one run promotes per tenant, and the virtual times after it."""
-
-    counts: dict[str, int]
-    passes: dict[str, float]
-    virtual_time: float
-    order: tuple[str, ...] = ()
-    """Tenants in the order of their first promotion: the order their jobs are published
-    in, so that a tenant the draw served first is not queued behind a big batch."""
-
-
-def allocate(
-    pending: Mapping[str, int],
-    weights: Mapping[str, float],
-    passes: Mapping[str, float],
-    virtual_time: float,
-    budget: int,
-) -> Allocation:
-    """Stride scheduling: give ``budget`` promotions one at a time to the tenant with the
-    lowest pass among those with jobs left and weight > 0; each promotion adds ``1 /
-    weight`` to its pass. A tenant's pass never starts below ``virtual_time`` (no credit
-    for idle time); ``virtual_time`` advances to the pass of each tenant served."""
-    heap: list[tuple[float, str]] = []
-    new_passes = dict(passes)
-    left = {}
-    for tenant, n in pending.items():
-        weight = weights.get(tenant, 0)
-        if n > 0 and weight > 0:
-            new_passes[tenant] = max(passes.get(tenant, virtual_time), virtual_time)
-            left[tenant] = n
-            heapq.heappush(heap, (new_passes[tenant], tenant))
-    counts: dict[str, int] = {}
-    order: list[str] = []
-    while budget > 0 and heap:
-        current, tenant = heapq.heappop(heap)
-        virtual_time = max(virtual_time, current)
-        if tenant not in counts:
-            order.append(tenant)
-        counts[tenant] = counts.get(tenant, 0) + 1
-        left[tenant] -= 1
-        budget -= 1
-        new_passes[tenant] = current + 1.0 / weights[tenant]
-        if left[tenant] > 0:
-            heapq.heappush(heap, (new_passes[tenant], tenant))
-    return Allocation(counts, new_passes, virtual_time, tuple(order))
-
-
-def wait_bound(weight: float, weights: Sequence[float], budget: int) -> int:
-    """The most runs a newly due tenant of ``weight`` waits for its first promotion
-    among tenants of ``weights`` (its own included) with ``budget`` promotions a run."""
-    total = sum(weights)
-    return math.ceil(((total - weight) / weight + len(weights)) / budget) + 1
-
-
-MIN_WEIGHT = validation.MIN_WEIGHT
-MAX_WEIGHT = validation.MAX_WEIGHT
-
-
-def weights(plan: Plan, tenants: list[str], *, task_name: str = "") -> dict[str, float]:
-    """The weights ``plan``'s ``tenant_weights`` gives ``tenants`` (all 1 without one).
-
-    The planner keeps running whatever the callable does: if it raises or returns
-    something other than a mapping, every tenant weighs 1 in this run (logged); a value
-    that is not a finite number >= 0 (a string, None, NaN, an infinity, a negative
-    number) weighs 1 (logged); weights are kept within :data:`MIN_WEIGHT` and
-    :data:`MAX_WEIGHT` (0 stays 0: not promoted). A call that takes longer than the
-    plan's ``enqueue_interval`` is logged as a warning; the run still completes.
-    """
-    if plan.tenant_weights is None:
-        return {tenant: 1.0 for tenant in tenants}
-    name = task_name or "a planned task"
-    started = time.monotonic()
-    try:
-        raw = plan.tenant_weights(list(tenants))
-    except Exception:
-        logger.exception("tenant_weights of %s failed; every tenant weighs 1 in this run", name)
-        return {tenant: 1.0 for tenant in tenants}
-    finally:
-        elapsed = time.monotonic() - started
-        if elapsed > plan.enqueue_interval:
-            logger.warning(
-                "tenant_weights of %s took %.2f s, longer than the enqueue interval (%s s): "
-                "runs are late by as much, and past planner_lock_ttl (%s s) another planner "
-                "may start meanwhile. Cache the weights, or compute them elsewhere.",
-                name, elapsed, plan.enqueue_interval, plan.planner_lock_ttl,
-            )  # fmt: skip
-    if not isinstance(raw, Mapping):
-        logger.warning(
-            "tenant_weights of %s returned %s, not a dict of tenant to weight; every tenant "
-            "weighs 1 in this run",
-            name, reprlib.repr(raw),
-        )  # fmt: skip
-        return {tenant: 1.0 for tenant in tenants}
-    from django_fair_jobs.tenants import for_log
-
-    found: dict[str, float] = {}
-    for tenant, value in raw.items():
-        number = _seconds(value)  # a plain number check
-        if number is None or not math.isfinite(number) or number < 0:
-            logger.warning(
-                "Weight %s of tenant %s (%s) is not a finite number >= 0; it weighs 1",
-                reprlib.repr(value), for_log(tenant), name,
-            )  # fmt: skip
-            number = 1.0
-        elif number and not MIN_WEIGHT <= number <= MAX_WEIGHT:
-            bound = MIN_WEIGHT if number < MIN_WEIGHT else MAX_WEIGHT
-            logger.warning(
-                "Weight %r of tenant %s (%s) is outside [%g, %g]; it weighs %g",
-                number, for_log(tenant), name, MIN_WEIGHT, MAX_WEIGHT, bound,
-            )  # fmt: skip
-            number = bound
-        found[str(tenant)] = number
-    return found
 
 
 @dataclass(frozen=True)
