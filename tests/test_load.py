@@ -162,7 +162,7 @@ def test_planner_tenants_page__shows_each_tenants_pending_jobs(admin_client: Cli
 def test_paginator__exact_up_to_the_limit_then_an_estimate_on_postgresql(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(fair_admin, "EXACT_COUNT_LIMIT", 50)
+    monkeypatch.setattr(fair_admin.base, "EXACT_COUNT_LIMIT", 50)
     _fill(0, 40)
     assert fair_admin.EstimatedCountPaginator(ParkedJob.objects.order_by("id"), 10).count == 40
     _fill(40, 80)
@@ -178,7 +178,7 @@ def test_paginator__exact_up_to_the_limit_then_an_estimate_on_postgresql(
 def test_recent_values_filter__offers_the_newest_rows_values_and_the_selected_one(
     admin_client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fair_admin, "RECENT_ROWS", 5)
+    monkeypatch.setattr(fair_admin.base, "RECENT_ROWS", 5)
     for i in range(10):
         JobDecision.objects.create(
             task_id=f"j{i}", task_name=f"old{i}" if i < 5 else "new", queue="q",
