@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "tenants": 1,
     "models": 1,
     "dispatch.models": 1,
+    "planner.models": 1,
     "messages": 1,
     # L2: shared by several rooms.
     "decisions": 2,
