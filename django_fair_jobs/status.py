@@ -232,22 +232,7 @@ def as_text(snap: dict[str, Any]) -> str:
             f"parked {q['parked']}{'' if oldest is None else f', oldest {oldest:g} s'}; "
             f"deferred ever {q['deferred_total']}"
         )  # fmt: skip
-    for plan in snap["planners"]:
-        skipped = (
-            " (skipped: queue latency above threshold)"
-            if plan["last_skipped_for_backpressure"]
-            else ""
-        )
-        lines.append(
-            f"planner {plan['task']}: last run {plan['last_run_at'] or 'never'}, promoted "
-            f"{plan['last_promoted'] or 0}{skipped}"
-        )
-        for t in plan["tenants"]:
-            oldest = t["oldest_pending_seconds"]
-            wait = "" if oldest is None else f", oldest waiting {oldest:g} s"
-            paused = " PAUSED" if t["paused"] else ""
-            failed = f", {t['failed']} failed (see the admin)" if t.get("failed") else ""
-            lines.append(f"    {t['tenant']}{paused}: {t['pending']} pending{wait}{failed}")
+    lines.extend(_planner_lines(snap["planners"]))
     lines.append("nodes:" if snap["nodes"] else "nodes: no worker has registered")
     for n in snap["nodes"]:
         state = "alive" if n["alive"] else "PRESUMED DEAD"
@@ -270,6 +255,28 @@ def as_text(snap: dict[str, Any]) -> str:
         shadow = "" if d["enforced"] else " (shadow)"
         lines.append(f"  last hour: {d['mechanism']} {d['action']}{shadow}: {d['n']}")
     return "\n".join(lines)
+
+
+def _planner_lines(planners: list[dict[str, Any]]) -> list[str]:
+    """The planners' part of :func:`as_text`: each planner's last run, then its tenants."""
+    lines: list[str] = []
+    for plan in planners:
+        skipped = (
+            " (skipped: queue latency above threshold)"
+            if plan["last_skipped_for_backpressure"]
+            else ""
+        )
+        lines.append(
+            f"planner {plan['task']}: last run {plan['last_run_at'] or 'never'}, promoted "
+            f"{plan['last_promoted'] or 0}{skipped}"
+        )
+        for t in plan["tenants"]:
+            oldest = t["oldest_pending_seconds"]
+            wait = "" if oldest is None else f", oldest waiting {oldest:g} s"
+            paused = " PAUSED" if t["paused"] else ""
+            failed = f", {t['failed']} failed (see the admin)" if t.get("failed") else ""
+            lines.append(f"    {t['tenant']}{paused}: {t['pending']} pending{wait}{failed}")
+    return lines
 
 
 def _show(limit: int | None) -> str:
