@@ -579,6 +579,24 @@ class Cluster:
         node.signal_all(signal.SIGSTOP)
         self._frozen_at = self.now()
 
+    def freeze_running(self, node: Node, count: int = 2, tries: int = 20) -> None:
+        """Freeze ``node`` while at least one of its jobs is open: wait until ``count`` of
+        its jobs run, freeze it, and check that a run was still open at the freeze (a
+        frozen process writes nothing, so it is read after). A job can end between the
+        read and the SIGSTOP on a loaded machine; then thaw at once and try again."""
+        for _ in range(tries):
+            self.wait_running(node, count=count)
+            self.freeze(node)
+            (open_runs,) = self.sql(
+                "SELECT count(*) FROM testapp_jobrun WHERE finished_at IS NULL"
+                " AND pid = ANY(%s) AND started_at < %s",
+                (self._frozen_pids, self._frozen_at),
+            )[0]
+            if open_runs:
+                return
+            node.signal_all(signal.SIGCONT)
+        raise AssertionError(f"no job of {node} was running at any of {tries} freezes")
+
     def thaw(self, node: Node) -> None:
         """SIGCONT the node frozen by :meth:`freeze`: its jobs go on with stale leases."""
         self.frozen = (self._frozen_pids, self._frozen_at, self.now())

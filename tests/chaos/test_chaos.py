@@ -66,8 +66,7 @@ def test_sigstop_past_worker_timeout__late_release_frees_nothing(cluster: Cluste
     a = cluster.node("a")
     with cluster.sampling():
         cluster.publish(workload())
-        cluster.wait_running(a, count=2)
-        cluster.freeze(a)
+        cluster.freeze_running(a, count=2)
         frozen_processes = cluster.processes_of(cluster._frozen_pids)
         recovery = cluster.wait_reaped(frozen_processes, cluster._frozen_at, REAP_BOUND)
         time.sleep(1)  # the other node takes the reaped slots while a is still frozen
