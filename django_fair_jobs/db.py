@@ -34,7 +34,8 @@ def is_postgres(alias: str) -> bool:
 
 
 def run(alias: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    """Run the named statement of ``sql/postgresql.sql`` and return its rows."""
+    """Run the named statement ``name`` (see :func:`django_fair_jobs.sql.queries`) and return
+    its rows."""
     with connections[alias].cursor() as cursor:
         cursor.execute(queries()[name], params)
         return list(cursor.fetchall())

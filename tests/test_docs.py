@@ -14,9 +14,23 @@ from django_fair_jobs.conf import SETTING_NAMES
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_how_it_works__prints_the_shipped_sql() -> None:
-    sql = (ROOT / "django_fair_jobs/sql/postgresql.sql").read_text()
-    assert sql in (ROOT / "docs/how-it-works.md").read_text()
+def test_how_it_works__prints_every_shipped_sql_file_in_order() -> None:
+    from django_fair_jobs.sql import STATEMENT_FILES
+
+    page = (ROOT / "docs/how-it-works.md").read_text()
+    at = 0
+    for path in STATEMENT_FILES:
+        block = f"`{path}`\n\n```sql\n" + (ROOT / "django_fair_jobs" / path).read_text() + "```"
+        found = page.find(block, at)
+        assert found >= 0, f"docs/how-it-works.md must print {path} as shipped, after the last"
+        at = found + len(block)
+    shipped = {
+        str(p.relative_to(ROOT / "django_fair_jobs"))
+        for p in (ROOT / "django_fair_jobs").rglob("*.sql")
+    }
+    # Every statement file is loaded and printed; sql/dispatch.sql holds functions a
+    # migration installs, not statements.
+    assert shipped == {*STATEMENT_FILES, "sql/dispatch.sql"}
 
 
 def test_readme_and_reference__list_every_setting() -> None:

@@ -408,6 +408,15 @@ def test_static__named_statements_use_bind_parameters_only() -> None:
         assert not re.search(r"\{\w*\}", sql.replace("'{}'", "")), name
 
 
+def test_sql_blocks__a_name_defined_twice_is_refused() -> None:
+    from django_fair_jobs.sql import blocks
+
+    text = "-- name: a\nSELECT 1;\n-- name: b\nSELECT 2;\n"
+    assert blocks(text) == {"a": "SELECT 1", "b": "SELECT 2"}
+    with pytest.raises(ValueError, match="'a' is defined twice"):
+        blocks(text + "-- name: a\nSELECT 3;\n")
+
+
 # No pickle in our storage -------------------------------------------------------------
 
 _UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve",

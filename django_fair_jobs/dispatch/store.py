@@ -1,5 +1,5 @@
 """Fair dispatch's storage on PostgreSQL: each step of a job is one call of a function of
-``sql/dispatch.sql`` (one round trip), through a named statement of ``sql/postgresql.sql``,
+``sql/dispatch.sql`` (one round trip), through a named statement of ``dispatch/store.sql``,
 as every maintenance statement is."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Store:
         self.alias = alias
 
     def _rows(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        """Run the named statement ``name`` of ``sql/postgresql.sql``."""
+        """Run the named statement ``name`` (see :func:`django_fair_jobs.sql.queries`)."""
         with connections[self.alias].cursor() as cursor:
             cursor.execute(queries()[name], params)
             return list(cursor.fetchall())

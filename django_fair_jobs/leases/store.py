@@ -1,7 +1,7 @@
 """Leases and parked rows, shared by tenant slots and queue limits (layer 2): reap the leases
 of dead holders, drop those of revoked jobs and give their places back, put lost wake-ups
 back in line, and the checks both rooms' park paths share. Each step is one named statement
-of ``sql/postgresql.sql`` on PostgreSQL, and the ORM inside ``transaction.atomic()`` on
+of ``leases/store.sql`` on PostgreSQL, and the ORM inside ``transaction.atomic()`` on
 other databases."""
 
 from __future__ import annotations

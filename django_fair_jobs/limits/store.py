@@ -1,6 +1,6 @@
 """Queue limits' storage: the stored limits, and acquire, park, release and wake on a limited
 queue, each one statement on PostgreSQL (the ``*_limited`` and ``wake_queue`` blocks of
-``sql/postgresql.sql``) and the same steps through the ORM on other databases."""
+``store.sql`` beside this module) and the same steps through the ORM on other databases."""
 
 from __future__ import annotations
 

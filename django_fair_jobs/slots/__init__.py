@@ -1,6 +1,6 @@
 """Mechanism A, tenant concurrency slots: acquire, defer, release, wake.
 
-The protocol, each step one statement on PostgreSQL (see ``sql/postgresql.sql``):
+The protocol, each step one statement on PostgreSQL (see ``slots/store.sql``):
 
 1. **acquire**: a conditional increment of the (tenant, queue) row plus a lease row.
 2. If that fails, **defer**: ``park`` stores the job's signature in ``fair_jobs_parkedjob``

@@ -1,5 +1,5 @@
 """Tenant slots' storage: acquire, park, release and wake, each one named statement of
-``sql/postgresql.sql`` on PostgreSQL and the same steps through the ORM inside
+``store.sql`` (beside this module) on PostgreSQL and the same steps through the ORM inside
 ``transaction.atomic()`` on other databases (SQLite serializes writers, so the conditional
 UPDATEs stay atomic). Success is judged by the row count of a conditional UPDATE, never by a
 read followed by a write."""

@@ -1,7 +1,7 @@
 -- Fair dispatch on PostgreSQL: one function per step of a job, so that each step is one
 -- round trip (one statement in autocommit, one transaction). Installed by migration
 -- 0006 as one block; a change here ships as a new migration that replaces the functions.
--- The statements that call them are named blocks of postgresql.sql.
+-- The statements that call them are named blocks of dispatch/store.sql.
 --
 -- Locks are always taken tenant row first, queue row second; a tenant row is only ever
 -- taken queue-first with SKIP LOCKED (never waited for), so no two steps deadlock.

@@ -1,0 +1,177 @@
+-- Tenant slots (mechanism A): take a slot at a job's start, park a job whose tenant is
+-- at its limit, give the slot back, wake the oldest parked job.
+-- PostgreSQL only, one named block each, loaded by django_fair_jobs.sql.queries().
+
+-- name: acquire
+-- Take a slot for a starting job, in one round trip. Returns one row: the status
+-- ('held', 'full', 'duplicate' or 'stale'), the slot id when held, and the number of
+-- still-waiting parked rows of the job that were removed (the caller fixes parked_jobs).
+-- * woken_ok: a re-published parked job (woken) may take a new slot only while its parked
+--   row exists; the first copy to start deletes it (unparked), so later copies are
+--   'stale'.
+-- * own: the job already has a lease on this slot whose holder is gone (a reservation
+--   made for it when it was woken, or a process that stopped beating): it claims it with
+--   a new token, so the old holder's release is fenced off. Never a second slot. Any copy
+--   may claim it, woken or not: a dead holder's lease means the job did not finish. The
+--   token in the WHERE makes a second claimant, re-checking the row after the first
+--   committed, find it changed and claim nothing.
+-- * live: the lease is held by a live process, or was claimed under us: 'duplicate'.
+--   So is a lease that also holds a place in a limited queue (taken on the queue path):
+--   only the queue path may claim it, since only its release gives the place back.
+-- * taken: otherwise the slot row is created on first use (race free: ON CONFLICT) and
+--   its counter incremented only while below the limit, the lease written alongside.
+--   Two concurrent deliveries of one task id collide on the lease's unique key and the
+--   loser's whole statement rolls back.
+WITH existing AS (
+    SELECT l.id, l.slot_id, l.token, l.queue_limit_id,
+           (l.process_id IS NOT NULL AND EXISTS (
+                SELECT 1 FROM fair_jobs_workerprocess AS w
+                 WHERE w.id = l.process_id
+                   AND w.last_heartbeat_at >= now() - make_interval(secs => %(timeout)s)
+           )) AS live
+      FROM fair_jobs_slotlease AS l
+      JOIN fair_jobs_tenantqueueslot AS s ON s.id = l.slot_id
+     WHERE s.tenant = %(tenant)s AND s.queue = %(queue)s AND l.task_id = %(task_id)s
+), woken_ok AS (
+    SELECT (NOT %(woken)s
+            OR EXISTS (SELECT 1 FROM fair_jobs_parkedjob WHERE task_id = %(task_id)s)) AS ok
+), own AS (
+    UPDATE fair_jobs_slotlease AS l
+       SET process_id = %(process_id)s, token = %(token)s, acquired_at = now()
+      FROM existing AS e
+     WHERE l.id = e.id AND l.token = e.token AND NOT e.live AND e.queue_limit_id IS NULL
+    RETURNING l.slot_id
+), taken AS (
+    INSERT INTO fair_jobs_tenantqueueslot AS s
+           (tenant, queue, max_jobs, default_max_jobs, current_jobs, parked_jobs,
+            deferred_total, created_at, updated_at)
+    SELECT %(tenant)s, %(queue)s, NULL, %(limit)s, 1, 0, 0, now(), now()
+     WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT ok FROM woken_ok)
+    ON CONFLICT (tenant, queue) DO UPDATE
+       SET current_jobs = s.current_jobs + 1,
+           default_max_jobs = EXCLUDED.default_max_jobs,
+           updated_at = now()
+     WHERE s.current_jobs < COALESCE(s.max_jobs, EXCLUDED.default_max_jobs)
+    RETURNING s.id
+), lease AS (
+    INSERT INTO fair_jobs_slotlease (slot_id, task_id, token, process_id, acquired_at)
+    SELECT id, %(task_id)s, %(token)s, %(process_id)s, now() FROM taken
+    RETURNING slot_id
+), held AS (
+    SELECT slot_id FROM own UNION ALL SELECT slot_id FROM lease
+), unparked AS (
+    DELETE FROM fair_jobs_parkedjob AS p
+     USING held
+     WHERE p.task_id = %(task_id)s AND p.slot_id = held.slot_id
+    RETURNING p.woken_at
+)
+SELECT CASE WHEN EXISTS (SELECT 1 FROM held) THEN 'held'
+            WHEN EXISTS (SELECT 1 FROM existing) THEN 'duplicate'
+            WHEN NOT (SELECT ok FROM woken_ok) THEN 'stale'
+            ELSE 'full' END,
+       (SELECT slot_id FROM held),
+       (SELECT count(*) FROM unparked WHERE woken_at IS NULL);
+
+-- name: park
+-- Park a job whose acquire failed, but only if the slot is still full when the row lock
+-- is held: the decision is made on the latest row version, and parked_jobs is raised on
+-- that same row, so a release that commits after this sees parked_jobs > 0 and wakes
+-- someone, and a release that committed before leaves room and the answer is 'room'.
+-- A job already waiting (a duplicate delivery) is not parked twice: 'already_parked'.
+-- A re-parked woken job keeps its row, and so its place in line; a woken copy whose row
+-- is gone (another copy started the job) never creates a new one: 'stale'.
+WITH waiting AS (
+    SELECT 1 FROM fair_jobs_parkedjob
+     WHERE task_id = %(task_id)s AND woken_at IS NULL
+), woken_ok AS (
+    SELECT (NOT %(woken)s
+            OR EXISTS (SELECT 1 FROM fair_jobs_parkedjob WHERE task_id = %(task_id)s)) AS ok
+), slot AS (
+    UPDATE fair_jobs_tenantqueueslot AS s
+       SET parked_jobs = s.parked_jobs + 1,
+           deferred_total = s.deferred_total + 1,
+           updated_at = now()
+     WHERE s.tenant = %(tenant)s AND s.queue = %(queue)s
+       AND s.current_jobs >= COALESCE(s.max_jobs, %(limit)s)
+       AND NOT EXISTS (SELECT 1 FROM waiting)
+       AND (SELECT ok FROM woken_ok)
+    RETURNING s.id
+), parked AS (
+    INSERT INTO fair_jobs_parkedjob AS p
+           (slot_id, task_id, task_name, signature, default_max_jobs, parked_at, woken_at,
+            wake_count)
+    SELECT id, %(task_id)s, %(task_name)s, %(signature)s, %(limit)s, now(), NULL, 0 FROM slot
+    ON CONFLICT (task_id) DO UPDATE
+       SET woken_at = NULL, slot_id = EXCLUDED.slot_id, queue_limit_id = NULL,
+           signature = EXCLUDED.signature, task_name = EXCLUDED.task_name,
+           default_max_jobs = EXCLUDED.default_max_jobs
+    RETURNING p.id
+)
+SELECT CASE WHEN EXISTS (SELECT 1 FROM parked) THEN 'parked'
+            WHEN EXISTS (SELECT 1 FROM waiting) THEN 'already_parked'
+            WHEN NOT (SELECT ok FROM woken_ok) THEN 'stale'
+            ELSE 'room' END;
+
+-- name: release
+-- Give a slot back, fenced by the holder: the lease is deleted only with the holder's
+-- token, and the counter is decremented only if that delete found the lease. RETURNING
+-- shows the latest row version (after any wait for the row lock), so a park that
+-- committed first is seen in parked_jobs.
+WITH gone AS (
+    DELETE FROM fair_jobs_slotlease
+     WHERE slot_id = %(slot_id)s AND task_id = %(task_id)s AND token = %(token)s
+    RETURNING slot_id
+)
+UPDATE fair_jobs_tenantqueueslot AS s
+   SET current_jobs = s.current_jobs - 1, updated_at = now()
+  FROM gone
+ WHERE s.id = gone.slot_id AND s.current_jobs > 0
+RETURNING s.parked_jobs;
+
+-- name: wake
+-- Hand a free slot to the oldest waiting parked job of the slot that can use it: the slot
+-- is acquired on the job's behalf (same conditional increment as acquire), a lease with no
+-- process is reserved for its task id, and the row is marked woken with a new wake number
+-- that the re-published message carries.
+-- * The slot row is locked first (an InitPlan, before any parked row), the same order as
+--   acquire and park, so wakers of one slot queue on it and never skip a job that another
+--   waker held without waking.
+-- * A job is picked only if there is room under its own limit (tasks sharing a queue may
+--   have different limits) and its task holds no lease on the slot (a duplicate copy is
+--   running), so neither can block the jobs behind it.
+WITH locked AS (
+    SELECT id, current_jobs, max_jobs
+      FROM fair_jobs_tenantqueueslot
+     WHERE id = %(slot_id)s
+       FOR UPDATE
+), pick AS (
+    SELECT p.id, p.default_max_jobs
+      FROM fair_jobs_parkedjob AS p
+     WHERE p.slot_id = (SELECT id FROM locked)
+       AND p.woken_at IS NULL
+       AND p.queue_limit_id IS NULL
+       AND (SELECT current_jobs < COALESCE(max_jobs, p.default_max_jobs) FROM locked)
+       AND NOT EXISTS (SELECT 1 FROM fair_jobs_slotlease AS l
+                        WHERE l.slot_id = p.slot_id AND l.task_id = p.task_id)
+     ORDER BY p.id
+     LIMIT 1
+       FOR UPDATE
+), slot AS (
+    UPDATE fair_jobs_tenantqueueslot AS s
+       SET current_jobs = s.current_jobs + 1,
+           parked_jobs = GREATEST(s.parked_jobs - 1, 0),
+           updated_at = now()
+      FROM pick
+     WHERE s.id = %(slot_id)s AND s.current_jobs < COALESCE(s.max_jobs, pick.default_max_jobs)
+    RETURNING s.id
+), woken AS (
+    UPDATE fair_jobs_parkedjob AS p
+       SET woken_at = now(), wake_count = p.wake_count + 1
+      FROM pick, slot
+     WHERE p.id = pick.id
+    RETURNING p.task_id, p.signature, p.wake_count
+), lease AS (
+    INSERT INTO fair_jobs_slotlease (slot_id, task_id, token, process_id, acquired_at)
+    SELECT %(slot_id)s, task_id, %(token)s, NULL, now() FROM woken
+)
+SELECT task_id, signature, wake_count FROM woken;
