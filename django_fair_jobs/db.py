@@ -33,6 +33,14 @@ def is_postgres(alias: str) -> bool:
     return connections[alias].vendor == "postgresql"
 
 
+def uses_sql(alias: str) -> bool:
+    """Whether the stores run their named statements on ``alias`` (PostgreSQL) rather than
+    the ORM path every other database takes. Kept apart from :func:`is_postgres` (which
+    picks the SQL dialect, such as the clock's) so that the stores' contract tests run both
+    paths against PostgreSQL."""
+    return is_postgres(alias)
+
+
 def run(alias: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     """Run the named statement ``name`` (see :func:`django_fair_jobs.sql.queries`) and return
     its rows."""

@@ -379,7 +379,7 @@ def claim_maintenance(name: str, *, interval: float) -> bool:
     from django_fair_jobs.models import Maintenance
 
     alias = router.db_for_write(Maintenance)
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         return bool(db.run(alias, "claim_maintenance", {"name": name, "interval": interval}))
     with transaction.atomic(using=alias):
         if Maintenance.objects.filter(name=name, last_run_at__lt=db.ago(interval)).update(

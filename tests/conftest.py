@@ -17,7 +17,7 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from django_fair_jobs import identity
+from django_fair_jobs import db, identity
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,6 +25,36 @@ ROOT = Path(__file__).resolve().parent.parent
 def is_postgres() -> bool:
     """True when the suite runs against PostgreSQL."""
     return connection.vendor == "postgresql"
+
+
+def runs_sql() -> bool:
+    """True when the stores run their named statements (PostgreSQL, the ``sql`` engine);
+    False on the ORM path (SQLite, or the ``orm`` engine on PostgreSQL)."""
+    return db.uses_sql("default")
+
+
+ENGINES = ("sql", "orm")
+"""The stores' two paths: PostgreSQL's named statements, and the ORM path every other
+database takes."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run a test that uses ``engine`` once per path the test database can take: both on
+    PostgreSQL (the ORM path runs there too), the ORM path alone elsewhere."""
+    if "engine" in metafunc.fixturenames:
+        postgres = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
+        metafunc.parametrize("engine", ENGINES if postgres else ("orm",), indirect=True)
+
+
+@pytest.fixture
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The stores' contract: the same test against each path (see :data:`ENGINES`), so
+    PostgreSQL's statements and the ORM path answer alike. A module opts in with
+    ``pytest.mark.usefixtures("engine")``."""
+    name: str = request.param
+    if name == "orm":
+        monkeypatch.setattr(db, "uses_sql", lambda alias: False)
+    return name
 
 
 def database_url() -> str:

@@ -34,7 +34,7 @@ def reap(*, timeout: float) -> Reaped:
     from django_fair_jobs.models import SlotLease
 
     alias = router.db_for_write(SlotLease)
-    if not db.is_postgres(alias):
+    if not db.uses_sql(alias):
         return _reap_portable(alias, timeout)
     leases, slots, queues = 0, [], []
     for kind, row_id, n in db.run(alias, "reap", {"timeout": timeout}):
@@ -148,7 +148,7 @@ def rewake_lost(*, timeout: float) -> int:
     from django_fair_jobs.models import ParkedJob, QueueLimit, SlotLease, TenantQueueSlot
 
     alias = router.db_for_write(ParkedJob)
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         return len(db.run(alias, "rewake_lost", {"timeout": timeout}))
     with transaction.atomic(using=alias):
         leased = SlotLease.objects.filter(

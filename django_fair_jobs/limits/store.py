@@ -117,7 +117,7 @@ def try_acquire(
     token = uuid.uuid4()
     alias = router.db_for_write(QueueLimit)
     for _ in range(2):
-        if db.is_postgres(alias):
+        if db.uses_sql(alias):
             params: dict[str, Any] = {
                 "queue": queue,
                 "tenant": tenant,
@@ -236,7 +236,7 @@ def try_park(
     from django_fair_jobs.models import QueueLimit
 
     alias = router.db_for_write(QueueLimit)
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         params: dict[str, Any] = {
             "queue": queue,
             "tenant": tenant,
@@ -308,7 +308,7 @@ def release(grant: Grant) -> tuple[int, int | None] | None:
         "task_id": grant.task_id,
         "token": grant.token,
     }
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         rows = db.run(alias, "release_limited", params)
         if not rows:
             return None
@@ -336,7 +336,7 @@ def wake_one(queue_limit_id: int) -> Woken | None:
     from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
 
     alias = router.db_for_write(QueueLimit)
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         rows = db.run(alias, "wake_queue", {"queue_limit_id": queue_limit_id})
         return Woken(queue_limit_id, *rows[0]) if rows else None
     with transaction.atomic(using=alias):

@@ -162,7 +162,7 @@ def claim_run(task_name: str, *, interval: float, lock_ttl: float) -> uuid.UUID 
 
     token = uuid.uuid4()
     alias = router.db_for_write(PlannedJob)
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         params = {"task_name": task_name, "interval": interval, "ttl": lock_ttl,
                   "token": token}  # fmt: skip
         return token if db.run(alias, "claim_planner", params) else None

@@ -49,7 +49,7 @@ def try_acquire(
 
     token = uuid.uuid4()
     alias = router.db_for_write(TenantQueueSlot)
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         params: dict[str, Any] = {
             "tenant": tenant,
             "queue": queue,
@@ -160,7 +160,7 @@ def try_park(
     from django_fair_jobs.models import TenantQueueSlot
 
     alias = router.db_for_write(TenantQueueSlot)
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         params: dict[str, Any] = {
             "tenant": tenant,
             "queue": queue,
@@ -241,7 +241,7 @@ def release(grant: Grant) -> int | None:
         "task_id": grant.task_id,
         "token": grant.token,
     }
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         rows = db.run(alias, "release", params)
         return int(rows[0][0]) if rows else None
     with transaction.atomic(using=alias):
@@ -269,7 +269,7 @@ def wake_one(slot_id: int) -> Woken | None:
 
     alias = router.db_for_write(TenantQueueSlot)
     token = uuid.uuid4()
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         try:
             with db.savepoint_if_needed(alias):
                 rows = db.run(alias, "wake", {"slot_id": slot_id, "token": token})

@@ -105,7 +105,7 @@ def record(
     from django_fair_jobs.models import TenantWindow
 
     alias = router.db_for_write(TenantWindow)
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         params = {
             "key": key,
             "tenant": tenant,
@@ -211,7 +211,7 @@ def prune(*, max_window: int) -> int:
     from django_fair_jobs.models import RerouteCount, TenantWindow, WindowBucket
 
     alias = router.db_for_write(TenantWindow)
-    if db.is_postgres(alias):
+    if db.uses_sql(alias):
         return int(db.run(alias, "prune_windows", {"max_window": max_window})[0][0])
     with transaction.atomic(using=alias):
         cutoff = database_second() - max_window

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -17,11 +17,9 @@ from django.test.utils import CaptureQueriesContext
 from django_fair_jobs import planner
 from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
 from django_fair_jobs.planner import store as planner_store
-from tests.conftest import Worker, wait_for
-from tests.test_workers import wait_finished
 from tests.testapp import tasks
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("engine")]
 
 PLAN: dict[str, Any] = dict(tasks.planned.fair_plan or {})
 
@@ -282,15 +280,6 @@ def test_command_and_status(capsys: pytest.CaptureFixture[str]) -> None:
     call_command("fair_jobs_plan", tasks.planned.name)
     assert "promoted 2 job(s)" in capsys.readouterr().out
     assert PlannerRun.objects.get().last_promoted == 2
-
-
-@pytest.mark.workers
-def test_planned_jobs__promoted_by_the_workers_and_run(start_worker: Callable[..., Worker]) -> None:
-    start_worker("p", concurrency=2, queues="fair")
-    ids = [r.id for r in tasks.planned.bulk_enqueue([((f"t{i % 3}",), {}) for i in range(12)])]
-    wait_finished(ids, timeout=60)
-    wait_for(lambda: not PlannedJob.objects.exists(), 20, "planned rows to be gone at start")
-    assert tasks.planned.AsyncResult(ids[0]).get(timeout=10).endswith(":done")
 
 
 def test_allocate__publishes_in_the_order_the_draw_served() -> None:

@@ -22,7 +22,7 @@ from django_fair_jobs.models import (
 )
 from django_fair_jobs.slots import store as slot_store
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("engine")]
 
 NODE_A, NODE_B = uuid.uuid4(), uuid.uuid4()
 

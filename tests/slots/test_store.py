@@ -12,7 +12,7 @@ from django_fair_jobs.leases.types import Grant
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
 from django_fair_jobs.slots import store as slot_store
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("engine")]
 
 
 @pytest.fixture
