@@ -65,9 +65,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, PREFIX, SETTING_NAMES, fair_settings
 from django_fair_jobs.dispatch import option_errors as dispatch_option_errors
 from django_fair_jobs.planner import plan_errors
+from django_fair_jobs.reroute import rule_errors, scope_error
 from django_fair_jobs.routing import queue_name
 from django_fair_jobs.task import TASK_OPTIONS, FairTask
-from django_fair_jobs.windows import rule_errors, scope_error
 
 logger = logging.getLogger("django_fair_jobs.checks")
 

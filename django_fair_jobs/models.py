@@ -16,7 +16,7 @@
 * :class:`Dashboard`: the admin's dashboard page (a proxy, for its permission).
 
 This module is the schema only. The statements that change these rows live in each
-mechanism's store (``slots/store.py``, ``limits/store.py``, ``windows/store.py``,
+mechanism's store (``slots/store.py``, ``queue_limits/store.py``, ``reroute/store.py``,
 ``planner/store.py``, ``dispatch/store.py``), in :mod:`django_fair_jobs.leases.store` for
 what tenant slots and queue limits share, and in :mod:`django_fair_jobs.identity` for
 worker processes.
@@ -183,7 +183,7 @@ class QueueLimit(models.Model):
     node; empty means no cap, 0 pauses the queue. Both are edited at runtime (admin,
     ``manage.py fair_jobs_limit``) and seeded from ``FAIR_JOBS_QUEUE_LIMITS`` and
     ``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` only for queues that have no row. The counters are
-    changed only by the statements of :mod:`django_fair_jobs.limits.store`:
+    changed only by the statements of :mod:`django_fair_jobs.queue_limits.store`:
     ``current_jobs`` and ``running`` (jobs per node id) always match the leases that name
     this row.
     """

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import current_app
 
-from django_fair_jobs import admission, limits, messages, routing
+from django_fair_jobs import admission, messages, queue_limits, routing
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import fair_settings
 
@@ -54,7 +54,7 @@ def _limited_run(task: Task[Any, Any], run: Any) -> Any:
         queue = routing.request_queue(task)
         # A woken copy goes through enter() even if the limit is gone, to consume its
         # parked row (or be dropped as a stale copy).
-        if not limits.is_limited(queue) and not fair_headers.is_woken(task.request):
+        if not queue_limits.is_limited(queue) and not fair_headers.is_woken(task.request):
             return run(*args, **kwargs)
         grant = admission.enter(
             task, tenant=None, queue=queue, limit=fair_settings.DEFAULT_MAX_JOBS,

@@ -24,7 +24,7 @@ from celery.utils import uuid
 from django.db import close_old_connections
 from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, dispatch, planner, validation, windows
+from django_fair_jobs import decisions, dispatch, planner, reroute, validation
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.db import after_commit
 from django_fair_jobs.errors import FairArgumentsError, TaskIdError
@@ -274,7 +274,7 @@ def _reroute(
     rules = task.fair_rules()
     if not rules:
         return task_id
-    queue = windows.should_count(task, headers, options.get("queue"), args, kwargs)
+    queue = reroute.should_count(task, headers, options.get("queue"), args, kwargs)
     if queue is None:
         return task_id
     tenant = headers[fair_headers.TENANT]
@@ -282,8 +282,8 @@ def _reroute(
         warn_missing_tenant(task.name, published=True)
         return task_id
     task_id = task_id or uuid()
-    decision = windows.count(task, tenant, queue, rules)
-    windows.apply(
+    decision = reroute.count(task, tenant, queue, rules)
+    reroute.apply(
         decision, options, headers, task_id=task_id, task_name=task.name, tenant=tenant,
         queue=queue,
     )  # fmt: skip

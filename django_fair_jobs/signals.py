@@ -27,7 +27,7 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
     # limits for queues that have none stored, and the plain-task hook if asked for.
     from django.db import connections
 
-    from django_fair_jobs import limits, plain_tasks
+    from django_fair_jobs import plain_tasks, queue_limits
     from django_fair_jobs.checks import fail_fast_on_bad_settings
     from django_fair_jobs.conf import fair_settings
     from django_fair_jobs.identity import start_node
@@ -35,7 +35,7 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
     fail_fast_on_bad_settings()
     start_node(getattr(sender, "hostname", None))
     try:
-        limits.seed()
+        queue_limits.seed()
     except Exception:
         logger.exception("Could not seed the queue limits from settings; will retry at first use")
     finally:

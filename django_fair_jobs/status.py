@@ -185,8 +185,8 @@ def fairness(tenant_rows: list[dict[str, Any]]) -> dict[str, Any]:
 def snapshot() -> dict[str, Any]:
     """Everything the dashboard shows, as JSON-ready data (see the module docstring)."""
     from django_fair_jobs.db import database_now
-    from django_fair_jobs.limits import queue_status
     from django_fair_jobs.planner import status as planner_status
+    from django_fair_jobs.queue_limits import queue_status
 
     now = database_now()
     tenant_rows = tenants(now)

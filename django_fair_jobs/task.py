@@ -1,9 +1,9 @@
 """``FairTask``: the Celery task base class that makes a task fair between tenants.
 
 Thin glue: at publish it resolves the tenant (into the ``fair_tenant`` header) and lets
-:mod:`django_fair_jobs.windows` count the enqueue and pick the queue; in the worker it
+:mod:`django_fair_jobs.reroute` count the enqueue and pick the queue; in the worker it
 wraps ``run()`` with a slot acquire and release from :mod:`django_fair_jobs.slots`, which
-takes the tenant slot and, on a limited queue (:mod:`django_fair_jobs.limits`), the
+takes the tenant slot and, on a limited queue (:mod:`django_fair_jobs.queue_limits`), the
 queue's place together.
 """
 
@@ -22,7 +22,7 @@ from django_fair_jobs import (
     dispatch,
     planner,
     publishing,
-    windows,
+    reroute,
 )
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, fair_settings
@@ -35,8 +35,8 @@ from django_fair_jobs.errors import (
 from django_fair_jobs.errors import (
     TaskIdError as TaskIdError,
 )
+from django_fair_jobs.reroute import Rule, RuleError
 from django_fair_jobs.tenants import normalize_tenant
-from django_fair_jobs.windows import Rule, RuleError
 
 SHADOW_PLANNED = publishing.SHADOW_PLANNED
 """The old name of :data:`django_fair_jobs.publishing.SHADOW_PLANNED` (one release)."""
@@ -118,7 +118,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     """Rerouting rules, ``[{"queue": ..., "threshold": N, "per": seconds}, ...]``: a tenant
     with more than ``threshold`` enqueues of this task within ``per`` seconds has its next
     jobs published to ``queue`` (the last matching rule wins). See
-    :mod:`django_fair_jobs.windows`."""
+    :mod:`django_fair_jobs.reroute`."""
 
     fair_plan: Mapping[str, Any] | None = None
     """The fair planner: ``{"enqueue_interval": seconds, "enqueue_jobs": N, "tenant_weights":
@@ -168,7 +168,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             rules: tuple[Rule, ...] = cached[2]
             return rules
         try:
-            rules = windows.parse_rules(raw, max_window)
+            rules = reroute.parse_rules(raw, max_window)
         except RuleError as exc:
             raise RuleError(f"{self.name}: {exc}") from None
         self.__dict__["_fair_rules"] = (raw, max_window, rules)

@@ -33,7 +33,7 @@ from django.db.models.functions import Now
 from django_fair_jobs import db, identity
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.leases import store as lease_store
-from django_fair_jobs.limits import store as queue_store
+from django_fair_jobs.queue_limits import store as queue_store
 from django_fair_jobs.slots import store as slot_store
 
 logger = logging.getLogger("django_fair_jobs.workers")
@@ -255,9 +255,9 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
     processes at once.
     """
     from django_fair_jobs import decisions
-    from django_fair_jobs.limits import wake_waiting
+    from django_fair_jobs.queue_limits import wake_waiting
+    from django_fair_jobs.reroute import prune as prune_windows
     from django_fair_jobs.slots import end_boosts, wake
-    from django_fair_jobs.windows import prune as prune_windows
 
     if timeout is None:
         timeout = fair_settings.WORKER_TIMEOUT

@@ -11,10 +11,10 @@ from django.core.management import call_command
 from django.test import Client
 
 from django_fair_jobs import identity
-from django_fair_jobs.limits import store as queue_store
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+from django_fair_jobs.queue_limits import store as queue_store
+from django_fair_jobs.reroute import store as reroute_store
 from django_fair_jobs.slots import store as slot_store
-from django_fair_jobs.windows import store as window_store
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -199,7 +199,7 @@ def test_window_pages__show_current_counts_and_reroutes_read_only(staff: Client)
     from tests.testapp import tasks
 
     for _ in range(4):
-        window_store.record(
+        reroute_store.record(
             key=f"task:{tasks.rerouted.name}",
             tenant="acme",
             task_name=tasks.rerouted.name,
@@ -220,11 +220,11 @@ def test_window_pages__show_current_counts_and_reroutes_read_only(staff: Client)
 def test_queue_limits__listed_with_running_by_node_and_edited_without_touching_counters(
     staff: Client, process: uuid.UUID
 ) -> None:
-    from django_fair_jobs import limits
+    from django_fair_jobs import queue_limits
     from django_fair_jobs.identity import current_node_id
     from django_fair_jobs.models import QueueLimit
 
-    limits.set_limits("hooks", max_jobs=1)
+    queue_limits.set_limits("hooks", max_jobs=1)
     WorkerProcess.objects.filter(pk=process).update(node_id=current_node_id())
     got = queue_store.try_acquire(
         queue="hooks", tenant=None, limit=1, task_id="j1", process_id=process,

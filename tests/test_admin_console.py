@@ -12,9 +12,8 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client, override_settings
 from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, identity, limits, slots
+from django_fair_jobs import decisions, identity, queue_limits, slots
 from django_fair_jobs.db import database_now
-from django_fair_jobs.limits import store as queue_store
 from django_fair_jobs.models import (
     JobDecision,
     LimitChange,
@@ -27,8 +26,9 @@ from django_fair_jobs.models import (
     TenantWindow,
     WorkerProcess,
 )
+from django_fair_jobs.queue_limits import store as queue_store
+from django_fair_jobs.reroute import store as reroute_store
 from django_fair_jobs.slots import store as slot_store
-from django_fair_jobs.windows import store as window_store
 from tests.testapp import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -115,7 +115,7 @@ def texts(response: Any) -> list[str]:
 
 
 def record_window(tenant: str) -> None:
-    window_store.record(
+    reroute_store.record(
         key=f"task:{tasks.rerouted.name}", tenant=tenant, task_name=tasks.rerouted.name,
         rules=[(60, 2, "fair_slow")],
     )  # fmt: skip
@@ -126,7 +126,7 @@ def record_window(tenant: str) -> None:
 
 def test_dashboard__tenants_queues_nodes_and_refresh(ops: Client, process: uuid.UUID) -> None:
     acquire(process, "j1", limit=2)
-    limits.set_limits("hooks", max_jobs=3, max_jobs_per_worker=1)
+    queue_limits.set_limits("hooks", max_jobs=3, max_jobs_per_worker=1)
     page = ops.get(DASHBOARD)
     assert page.status_code == 200
     html = page.content.decode()
@@ -151,7 +151,7 @@ def test_dashboard__shadow_banner(ops: Client) -> None:
 
 def test_dashboard__paused_tenant_and_queue_are_marked(ops: Client) -> None:
     slots.set_tenant_limit("acme", "q", 0)
-    limits.set_limits("hooks", max_jobs=0)
+    queue_limits.set_limits("hooks", max_jobs=0)
     html = ops.get(DASHBOARD).content.decode()
     assert "q: 0 / 0 (paused)" in html
     assert "hooks <strong>(paused)</strong>" in html
@@ -174,7 +174,7 @@ def test_staff_without_permissions__403_on_pages_and_actions__nothing_changes(
 ) -> None:
     acquire(process, "j1")
     slots.set_tenant_limit("paused", "q", 0)
-    limits.set_limits("hooks", max_jobs=3)
+    queue_limits.set_limits("hooks", max_jobs=3)
     record_window("acme")
     PlannerTenant.objects.create(task_name=tasks.planned.name, tenant="acme")
     dead = uuid.uuid4()
@@ -274,7 +274,7 @@ def test_action_clear_overrides__wakes_parked_jobs(ops: Client) -> None:
 
 def test_action_reap_dead_workers__from_slots_and_queues(ops: Client, process: uuid.UUID) -> None:
     acquire(process, "live")
-    limits.set_limits("hooks", max_jobs=2)
+    queue_limits.set_limits("hooks", max_jobs=2)
     dead = uuid.uuid4()
     identity.register_process(process_id=dead, node="d@h", hostname="h", pid=2, node_id=NODE)
     acquire(dead, "d1", tenant="other")
@@ -303,8 +303,8 @@ def test_action_reap_dead_workers__from_slots_and_queues(ops: Client, process: u
 
 
 def test_action_pause_queues__limit_zero_with_history(ops: Client) -> None:
-    limits.set_limits("hooks", max_jobs=3, max_jobs_per_worker=2)
-    limits.set_limits("email", max_jobs=1)
+    queue_limits.set_limits("hooks", max_jobs=3, max_jobs_per_worker=2)
+    queue_limits.set_limits("email", max_jobs=1)
     hooks = QueueLimit.objects.get(queue="hooks")
     response = act(ops, QUEUES, "pause_queues", hooks.pk, follow=True)
     assert any("Paused 1 queue(s)" in m for m in texts(response))
@@ -452,7 +452,7 @@ def test_add_slot__creates_the_row_through_the_slot_api(ops: Client) -> None:
 
 def test_limit_history__read_only_and_searchable(ops: Client) -> None:
     slots.set_tenant_limit("acme", "q", 2, user="alice")
-    limits.set_limits("hooks", max_jobs=1)
+    queue_limits.set_limits("hooks", max_jobs=1)
     page = ops.get("/admin/fair_jobs/limitchange/", {"q": "acme"})
     assert page.status_code == 200
     assert [c.tenant for c in page.context["cl"].result_list] == ["acme"]

@@ -43,10 +43,10 @@ from django_fair_jobs.models import (
     TenantQueueSlot,
     TenantWindow,
 )
+from django_fair_jobs.reroute import RuleError, parse_rules, rule_errors
 from django_fair_jobs.slots import store as slot_store
 from django_fair_jobs.task import FairArgumentsError
 from django_fair_jobs.tenants import TenantError, normalize_tenant
-from django_fair_jobs.windows import RuleError, parse_rules, rule_errors
 from tests.conftest import run_as_worker
 from tests.testapp import tasks
 from tests.testapp.models import JobRun
@@ -555,9 +555,9 @@ def test_admin_boost__bad_value__form_error__nothing_changed(ops: Client, value:
 def test_admin_queue_limits__bad_value__form_error__nothing_changed(
     ops: Client, value: str, field: str
 ) -> None:
-    from django_fair_jobs import limits
+    from django_fair_jobs import queue_limits
 
-    row = limits.set_limits("hooks", max_jobs=3, max_jobs_per_worker=1)
+    row = queue_limits.set_limits("hooks", max_jobs=3, max_jobs_per_worker=1)
     changes = LimitChange.objects.count()
     good = {"max_jobs": "3", "max_jobs_per_worker": "1"}
     page = ops.post(f"{QUEUES}{row.pk}/change/", {**good, field: value})

@@ -35,8 +35,8 @@ from django_fair_jobs.models import (
     WindowBucket,
     WorkerProcess,
 )
-from django_fair_jobs.windows import prune
-from django_fair_jobs.windows import store as window_store
+from django_fair_jobs.reroute import prune
+from django_fair_jobs.reroute import store as reroute_store
 from tests.test_example_project import run_manage
 
 LIST_PAGES = [
@@ -64,7 +64,7 @@ def _fill(first: int, n: int) -> None:
         [ParkedJob(slot=s, task_id=f"park-{s.tenant}", task_name=f"load.task{i % 3}",
                    signature="{}", default_max_jobs=1) for i, s in enumerate(slots)]
     )  # fmt: skip
-    second = window_store.database_second()
+    second = reroute_store.database_second()
     windows = TenantWindow.objects.bulk_create(
         [TenantWindow(key="task:load", tenant=t, total=3, last_second=second) for t in tenants]
     )
@@ -199,7 +199,7 @@ def test_recent_values_filter__offers_the_newest_rows_values_and_the_selected_on
 def _windows(active: int, idle: int, buckets: int) -> None:
     """``active`` windows with ``buckets`` buckets spread over twice the maximum window,
     and ``idle`` windows whose last enqueue is older than the maximum window."""
-    now = window_store.database_second()
+    now = reroute_store.database_second()
     span = 2 * fair_settings.MAX_THROTTLING_WINDOW
     rows = [TenantWindow(key="task:load", tenant=f"a{i}", total=buckets, last_second=now - 1)
             for i in range(active)]  # fmt: skip

@@ -23,8 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from django_fair_jobs import identity, metrics
 from django_fair_jobs.db import database_now
-from django_fair_jobs.limits import set_limits
-from django_fair_jobs.limits import store as queue_store
 from django_fair_jobs.metrics import METRICS, FairJobsCollector, metrics_view, tenant_label
 from django_fair_jobs.models import (
     JobDecision,
@@ -38,6 +36,8 @@ from django_fair_jobs.models import (
     TenantQueueSlot,
     WorkerProcess,
 )
+from django_fair_jobs.queue_limits import set_limits
+from django_fair_jobs.queue_limits import store as queue_store
 from django_fair_jobs.slots import store as slot_store
 
 pytestmark = pytest.mark.django_db(transaction=True)

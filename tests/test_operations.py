@@ -27,8 +27,8 @@ from django_fair_jobs import (
     decisions,
     explain,
     identity,
-    limits,
     planner,
+    queue_limits,
     slots,
     status,
     workers,
@@ -38,7 +38,6 @@ from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.db import database_now
 from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.leases.types import Grant
-from django_fair_jobs.limits import store as queue_store
 from django_fair_jobs.models import (
     JobDecision,
     LimitChange,
@@ -51,6 +50,7 @@ from django_fair_jobs.models import (
     TenantQueueSlot,
     WorkerProcess,
 )
+from django_fair_jobs.queue_limits import store as queue_store
 from django_fair_jobs.slots import store as slot_store
 from tests.conftest import ROOT, Worker, wait_for
 from tests.test_workers import max_overlap, wait_finished
@@ -137,7 +137,7 @@ def test_explain__running__node_and_the_slot_it_holds(process: uuid.UUID) -> Non
 def test_explain__running_on_a_limited_queue__holds_its_place_and_its_tenant_slot(
     process: uuid.UUID,
 ) -> None:
-    limits.set_limits("hooks", max_jobs=2)
+    queue_limits.set_limits("hooks", max_jobs=2)
     got = queue_store.try_acquire(
         queue="hooks", tenant="acme", limit=3, task_id="h1", process_id=process, node_id=NODE
     )
@@ -213,7 +213,7 @@ def test_explain__parked_job__limit_shown_is_the_one_that_holds_it_back(
 
 
 def test_explain__parked_behind_a_queue_limit(process: uuid.UUID) -> None:
-    limits.set_limits("hooks", max_jobs=1)
+    queue_limits.set_limits("hooks", max_jobs=1)
     held = queue_store.try_acquire(
         queue="hooks", tenant=None, limit=5, task_id="h1", process_id=process, node_id=NODE
     )
@@ -238,9 +238,9 @@ def test_explain__parked_behind_a_queue_limit(process: uuid.UUID) -> None:
     assert explain("h1").details["holding"] == [
         {"queue": "hooks", "running": 1, "max_jobs": 1, "max_jobs_per_worker": None}
     ]
-    limits.set_limits("hooks", max_jobs=0)
+    queue_limits.set_limits("hooks", max_jobs=0)
     assert explain("h2").details["queue_limit"]["reason"] == "queue hooks is paused (limit 0)"
-    limits.set_limits("hooks", max_jobs=2)  # room: h2 is woken (no place is reserved)
+    queue_limits.set_limits("hooks", max_jobs=2)  # room: h2 is woken (no place is reserved)
     woken = explain("h2")
     assert woken.state == "woken" and woken.details["woken_at"] is not None
 
@@ -248,13 +248,13 @@ def test_explain__parked_behind_a_queue_limit(process: uuid.UUID) -> None:
 def test_explain__woken_without_a_reservation__does_not_claim_one(process: uuid.UUID) -> None:
     """A job woken from a queue's line has no place reserved (the queue's wake reserves
     none, and a reaped reservation is gone): explain must not say it has one."""
-    limits.set_limits("hooks", max_jobs=0)
+    queue_limits.set_limits("hooks", max_jobs=0)
     outcome = queue_store.try_park(
         queue="hooks", tenant=None, limit=5, task_id="h1", task_name="t",
         signature=signature("h1"), node_id=NODE,
     )  # fmt: skip
     assert outcome == "parked"
-    limits.set_limits("hooks", max_jobs=1)
+    queue_limits.set_limits("hooks", max_jobs=1)
     found = explain("h1")
     assert found.state == "woken"
     assert not SlotLease.objects.filter(task_id="h1").exists()
@@ -266,7 +266,7 @@ def test_explain__queue_line_job_whose_tenant_has_room__blames_only_the_queue(
 ) -> None:
     """A job parked in a full queue's line while its tenant has room (0 of 5 running) is
     held back by the queue alone: its tenant slot is no reason it waits."""
-    limits.set_limits("hooks", max_jobs=1)
+    queue_limits.set_limits("hooks", max_jobs=1)
     # acme ran a job on the queue before: its slot row exists, with nothing running.
     earlier = queue_store.try_acquire(
         queue="hooks", tenant="acme", limit=5, task_id="a1", process_id=process, node_id=NODE
@@ -425,7 +425,7 @@ def test_enforce__read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 def test_shadow__real_worker__nothing_deferred_parked_rerouted_or_held__all_recorded(
     start_worker: Callable[..., Worker],
 ) -> None:
-    limits.set_limits("limited", max_jobs=1)
+    queue_limits.set_limits("limited", max_jobs=1)
     worker = start_worker(
         "shadow", concurrency=3, queues="fair,fair_slow,limited",
         extra_env={"FAIR_JOBS_ENFORCE": "false"},
@@ -655,7 +655,7 @@ def test_status_command__json_tenants_queues_nodes_fairness_totals(process: uuid
     acquire(process, "s1", tenant="slow")
     park("s2", tenant="slow")
     ParkedJob.objects.filter(task_id="s2").update(parked_at=database_now() - timedelta(seconds=100))
-    limits.set_limits("hooks", max_jobs=2, max_jobs_per_worker=1)
+    queue_limits.set_limits("hooks", max_jobs=2, max_jobs_per_worker=1)
     decisions.record(task_id="r1", task_name="t", tenant="acme", queue="q",
                      mechanism="reroute", action="rerouted")  # fmt: skip
     data = json.loads(command("fair_jobs_status", "--json"))

@@ -29,7 +29,16 @@ from django.test import Client, RequestFactory
 from django.urls import reverse
 from kombu.utils.json import dumps
 
-from django_fair_jobs import admission, decisions, explain, identity, limits, planner, slots, status
+from django_fair_jobs import (
+    admission,
+    decisions,
+    explain,
+    identity,
+    planner,
+    queue_limits,
+    slots,
+    status,
+)
 from django_fair_jobs.models import (
     JobDecision,
     LimitChange,
@@ -41,9 +50,9 @@ from django_fair_jobs.models import (
     TenantQueueSlot,
     TenantWindow,
 )
+from django_fair_jobs.reroute import store as reroute_store
 from django_fair_jobs.slots import store as slot_store
 from django_fair_jobs.tenants import LOG_MAX_LENGTH, for_log
-from django_fair_jobs.windows import store as window_store
 from tests.testapp import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -127,7 +136,7 @@ def snapshot() -> dict[str, list[dict[str, Any]]]:
 def fill_every_table(process: uuid.UUID) -> None:
     """At least one row in every table the admin shows."""
     slots.set_tenant_limit("paused", "fair", 0)  # a slot and a limit change
-    limits.set_limits("hooks", max_jobs=3)
+    queue_limits.set_limits("hooks", max_jobs=3)
     grant = slot_store.try_acquire(
         tenant="acme", queue="fair", task_id="running", limit=1, process_id=process, timeout=60
     ).grant
@@ -137,7 +146,7 @@ def fill_every_table(process: uuid.UUID) -> None:
             tasks.limited1, ("acme", 0), task_id="parked", headers={"fair_tenant": "acme"}
         )
     for _ in range(2):  # the second is above threshold 1: a reroute count too
-        window_store.record(
+        reroute_store.record(
             key=f"task:{tasks.rerouted.name}", tenant="acme", task_name=tasks.rerouted.name,
             rules=[(60, 1, "fair_slow")],
         )  # fmt: skip
@@ -290,13 +299,13 @@ def test_hostile_tenant__slot_protocol__round_trips_exactly(
 def test_hostile_tenant__queue_limit_path__round_trips_exactly(
     tenant: str, process: uuid.UUID
 ) -> None:
-    limits.set_limits("hostile", max_jobs=1)
+    queue_limits.set_limits("hostile", max_jobs=1)
     first = admission.acquire(tenant=tenant, queue="hostile", task_id="a", limit=5, node="n@h",
                           woken=False)  # fmt: skip
     assert first.grant is not None, first.status
     assert admission.acquire(tenant=tenant, queue="hostile", task_id="b", limit=5, node="n@h",
                          woken=False).status == "queue_full"  # fmt: skip
-    assert limits.park(queue="hostile", tenant=tenant, limit=5, task_id="b", task_name="t",
+    assert queue_limits.park(queue="hostile", tenant=tenant, limit=5, task_id="b", task_name="t",
                        signature="{}", woken=False) == "parked"  # fmt: skip
     assert TenantQueueSlot.objects.get().tenant == tenant
     assert ParkedJob.objects.get().slot.tenant == tenant  # type: ignore[union-attr]

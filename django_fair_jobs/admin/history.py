@@ -33,7 +33,7 @@ from django_fair_jobs.models import (
     TenantWindow,
 )
 from django_fair_jobs.planner import store as planner_store
-from django_fair_jobs.windows import store as window_store
+from django_fair_jobs.reroute import store as reroute_store
 
 
 @admin.register(TenantWindow)
@@ -59,17 +59,17 @@ class TenantWindowAdmin(_ReadOnly, _WindowAdmin):
         permissions=["reset"],
     )
     def reset_windows(self, request: HttpRequest, queryset: QuerySet[TenantWindow]) -> None:
-        count = window_store.reset(list(queryset.values_list("pk", flat=True)))
+        count = reroute_store.reset(list(queryset.values_list("pk", flat=True)))
         self.message_user(
             request, f"Reset {count} window(s); those tenants' next jobs use their normal queue."
         )
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
-        from django_fair_jobs.windows import windows_by_key
+        from django_fair_jobs.reroute import windows_by_key
 
         # Computed once per page: which windows each key's rules count over, and when.
         self._windows = windows_by_key()
-        self._now = window_store.database_second()
+        self._now = reroute_store.database_second()
         return super().changelist_view(request, extra_context)
 
     @admin.display(description="enqueues in window (now)")
@@ -77,7 +77,7 @@ class TenantWindowAdmin(_ReadOnly, _WindowAdmin):
         pers = getattr(self, "_windows", {}).get(obj.key) or []
         if not pers:
             return "no task counts under this key now"
-        counts = window_store.current_counts(obj, pers, getattr(self, "_now", None))
+        counts = reroute_store.current_counts(obj, pers, getattr(self, "_now", None))
         return ", ".join(f"{n} in {per} s" for per, n in zip(pers, counts, strict=True))
 
     @admin.display(description="last enqueue (UTC)", ordering="last_second")

@@ -235,7 +235,7 @@ class QueueLimitAdmin(_BoundedLimits, _QueueAdmin):
     actions = ("pause_queues", "reap_dead_workers")
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
-        from django_fair_jobs.limits import queue_status
+        from django_fair_jobs.queue_limits import queue_status
 
         # One pass for the page: node names and oldest waits, by queue.
         self._status = {q["queue"]: q for q in queue_status()}
@@ -267,7 +267,7 @@ class QueueLimitAdmin(_BoundedLimits, _QueueAdmin):
     def save_model(self, request: HttpRequest, obj: QueueLimit, form: Any, change: bool) -> None:
         # Only the limits are written (the counters belong to the workers), then the jobs
         # the new limits let start are woken.
-        from django_fair_jobs.limits import set_limits
+        from django_fair_jobs.queue_limits import set_limits
 
         row = set_limits(
             obj.queue, max_jobs=obj.max_jobs, max_jobs_per_worker=obj.max_jobs_per_worker,
@@ -277,7 +277,7 @@ class QueueLimitAdmin(_BoundedLimits, _QueueAdmin):
 
     @admin.action(description="Pause selected queues (limit 0)", permissions=["change"])
     def pause_queues(self, request: HttpRequest, queryset: QuerySet[QueueLimit]) -> None:
-        from django_fair_jobs.limits import set_limits
+        from django_fair_jobs.queue_limits import set_limits
 
         names = list(queryset.values_list("queue", flat=True))
         for name in names:

@@ -4,7 +4,7 @@ The only module besides ``publishing`` that combines the mechanism rooms. A job'
 
 1. :func:`enter` takes what the job needs (:func:`acquire`): on a limited queue its place
    in the queue and, with a tenant, its tenant slot, in one statement, both or neither
-   (:mod:`django_fair_jobs.limits`); elsewhere its tenant slot alone
+   (:mod:`django_fair_jobs.queue_limits`); elsewhere its tenant slot alone
    (:mod:`django_fair_jobs.slots`).
 2. If the tenant or the queue is full, :func:`defer` parks the job in the slot's or the
    queue's line (or re-publishes it with a jittered countdown, ``fair_on_limit="retry"``);
@@ -40,14 +40,14 @@ from django_fair_jobs import (
     decisions,
     dispatch,
     identity,
-    limits,
     messages,
     planner,
+    queue_limits,
+    reroute,
     routing,
     slots,
     tenants,
     validation,
-    windows,
 )
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.admission import ends
@@ -60,7 +60,7 @@ from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import TaskIdError
 from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.leases.types import Acquisition, Grant, LimitedAcquisition
-from django_fair_jobs.limits import store as queue_store
+from django_fair_jobs.queue_limits import store as queue_store
 from django_fair_jobs.slots import store as slot_store
 from django_fair_jobs.tenants import for_log, warn_missing_tenant
 
@@ -125,7 +125,7 @@ def holding(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterato
     if (
         tenant is not None
         and task.fair_rules()
-        and windows.count_delivered(task, tenant, args, kwargs)
+        and reroute.count_delivered(task, tenant, args, kwargs)
     ):
         raise Ignore()  # rerouted: its copy on the rule's queue runs instead
     if tenant is None:
@@ -133,7 +133,7 @@ def holding(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterato
     elif not task.fair_slots and fair_headers.MAX_JOBS not in (request.headers or {}):
         tenant = None  # rerouting only: no tenant slot
     queue = routing.request_queue(task)
-    if tenant is None and not limits.is_limited(queue) and not fair_headers.is_woken(request):
+    if tenant is None and not queue_limits.is_limited(queue) and not fair_headers.is_woken(request):
         yield
         return
     grant = enter(
@@ -212,7 +212,7 @@ def enter(
 ) -> Grant | None:
     """Take a slot for the current job of ``task``, or deal with the delivery.
 
-    On a limited queue (:mod:`django_fair_jobs.limits`) the job takes its place in the
+    On a limited queue (:mod:`django_fair_jobs.queue_limits`) the job takes its place in the
     queue and, with a ``tenant``, its tenant slot, both or neither; elsewhere its tenant
     slot alone (a job without a tenant on an unlimited queue gets an empty grant).
 
@@ -290,7 +290,7 @@ def acquire(
     limited, and ``tenant``'s slot (``woken``: the message is a re-published parked job)."""
     from django_fair_jobs.models import ParkedJob
 
-    if limits.is_limited(queue):
+    if queue_limits.is_limited(queue):
         acquired = _acquire_limited(
             queue=queue, tenant=tenant, limit=limit, task_id=task_id, node=node, woken=woken
         )
@@ -387,7 +387,7 @@ def defer(
     """
 
     request = task.request
-    limited = limits.is_limited(queue)
+    limited = queue_limits.is_limited(queue)
     deferrals = int((request.headers or {}).get(fair_headers.DEFERRALS) or 0) + 1
     headers = {**(request.headers or {}), fair_headers.DEFERRALS: deferrals}
     headers.pop(fair_headers.WAKE, None)
@@ -399,7 +399,7 @@ def defer(
         return None
     for _ in range(_PARK_ATTEMPTS):
         if limited or tenant is None:
-            outcome = limits.park(
+            outcome = queue_limits.park(
                 queue=queue, tenant=tenant, limit=limit, task_id=str(request.id),
                 task_name=task.name, signature=signature, woken=woken,
             )  # fmt: skip

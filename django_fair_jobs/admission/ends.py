@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError
 
-from django_fair_jobs import dispatch, limits, slots
+from django_fair_jobs import dispatch, queue_limits, slots
 from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.leases.types import Grant
-from django_fair_jobs.limits import store as queue_store
+from django_fair_jobs.queue_limits import store as queue_store
 from django_fair_jobs.slots import store as slot_store
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def release(grant: Grant, app: Celery | None = None) -> None:
         return
     try:
         if in_line and grant.queue_limit_id is not None:
-            limits.wake_line(grant.queue_limit_id, limit=1, app=app)
+            queue_limits.wake_line(grant.queue_limit_id, limit=1, app=app)
         if parked and grant.slot_id is not None:
             slots.wake(grant.slot_id, limit=1, app=app)
     except Exception:
@@ -128,7 +128,7 @@ def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
             len(slot_ids) + len(queue_ids),
         )
     for queue_limit_id in queue_ids:
-        limits.wake_line(queue_limit_id, limit=1)
+        queue_limits.wake_line(queue_limit_id, limit=1)
     for slot_id in slot_ids:
         slots.wake(slot_id, limit=1)
 
@@ -144,7 +144,7 @@ def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) ->
     lease_store.forget_parked(task_id)
     slot_ids, queue_ids = lease_store.drop_for_task(task_id, running=terminated)
     for queue_limit_id in queue_ids:
-        limits.wake_line(queue_limit_id, limit=1, app=app)
+        queue_limits.wake_line(queue_limit_id, limit=1, app=app)
     for slot_id in slot_ids:
         slots.wake(slot_id, limit=1, app=app)
 

@@ -51,7 +51,7 @@ LimitedStatus = Literal[
 @dataclass(frozen=True)
 class LimitedAcquisition:
     """The answer of an acquire on a limited queue: see ``acquire_limited`` in
-    ``limits/store.sql`` for the statuses. ``grant`` is set when ``"held"``."""
+    ``queue_limits/store.sql`` for the statuses. ``grant`` is set when ``"held"``."""
 
     status: LimitedStatus
     grant: Grant | None = None

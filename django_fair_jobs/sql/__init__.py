@@ -2,7 +2,7 @@
 
 Raw SQL is used only where the ORM cannot say it in one round trip (data-modifying CTEs,
 ``ON CONFLICT``, ``SKIP LOCKED``). Each mechanism keeps its statements beside its store
-(``slots/store.sql``, ``limits/store.sql``, ...); this loader reads them by path under the
+(``slots/store.sql``, ``queue_limits/store.sql``, ...); this loader reads them by path under the
 package, never by importing the rooms, so that it stays at the bottom layer. The docs print
 the files as they are, in the order of :data:`STATEMENT_FILES`.
 
@@ -23,8 +23,8 @@ STATEMENT_FILES = (
     "slots/store.sql",
     "leases/store.sql",
     "sql/maintenance.sql",
-    "windows/store.sql",
-    "limits/store.sql",
+    "reroute/store.sql",
+    "queue_limits/store.sql",
     "planner/store.sql",
     "dispatch/store.sql",
 )

@@ -34,7 +34,6 @@ from bench.models import JobRecord, StatementCount
 from bench.modes import Mode, slow_queue_limit
 from bench.scenario import Job, Scenario
 from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue, DispatchTenant
-from django_fair_jobs.limits import set_limits
 from django_fair_jobs.models import (
     JobDecision,
     LimitChange,
@@ -51,6 +50,7 @@ from django_fair_jobs.models import (
     WindowBucket,
     WorkerProcess,
 )
+from django_fair_jobs.queue_limits import set_limits
 from example.celery import app
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent

@@ -57,11 +57,11 @@ def test_acquire_committed_but_its_reply_lost__slot_not_leaked__the_job_runs(
     # limit 1 stayed blocked.
     from django.db import OperationalError
 
-    from django_fair_jobs import admission, limits
+    from django_fair_jobs import admission, queue_limits
 
     if queue_limited:  # the queue path: a place in the queue and the tenant slot
-        limits.set_limits("fair", max_jobs=2)
-        monkeypatch.setattr(limits, "is_limited", lambda queue: queue == "fair")
+        queue_limits.set_limits("fair", max_jobs=2)
+        monkeypatch.setattr(queue_limits, "is_limited", lambda queue: queue == "fair")
     real_acquire = admission.acquire
 
     def commit_then_lose_the_reply(**kwargs: Any) -> Any:
@@ -180,18 +180,18 @@ def test_queue_limit_raised_inside_atomic__wake_up_published_after_the_commit(
 ) -> None:
     from django.db import transaction
 
-    from django_fair_jobs import limits
+    from django_fair_jobs import queue_limits
     from django_fair_jobs.models import ParkedJob
 
-    limits.set_limits("fair", max_jobs=0)
-    monkeypatch.setattr(limits, "is_limited", lambda queue: queue == "fair")
+    queue_limits.set_limits("fair", max_jobs=0)
+    monkeypatch.setattr(queue_limits, "is_limited", lambda queue: queue == "fair")
     with pytest.raises(Ignore):
         run_as_worker(tasks.limited1, ("acme", 0), task_id="parked", headers={})
     seen = committed_at_publish(
         lambda: ParkedJob.objects.filter(task_id="parked", woken_at__isnull=False).exists()
     )
     with transaction.atomic():
-        limits.set_limits("fair", max_jobs=1)
+        queue_limits.set_limits("fair", max_jobs=1)
         assert seen == []
     assert seen == [True]
 
@@ -261,12 +261,12 @@ def test_side_connection_cut_between_two_enqueues__the_next_enqueue_still_works(
     from django.db import connection, transaction
 
     from django_fair_jobs.models import TenantWindow
-    from django_fair_jobs.windows import store as window_store
+    from django_fair_jobs.reroute import store as reroute_store
     from tests.conftest import is_postgres
 
     with transaction.atomic():
         tasks.rerouted.delay("acme")
-    side = getattr(window_store._side_connections, "default", None)
+    side = getattr(reroute_store._side_connections, "default", None)
     if is_postgres():
         assert side is not None and side.connection is not None
         with connection.cursor() as cursor:  # what a restart does to it
@@ -277,7 +277,7 @@ def test_side_connection_cut_between_two_enqueues__the_next_enqueue_still_works(
         with transaction.atomic():
             tasks.rerouted.delay("acme")
     finally:
-        window_store._forget_side_connection("default")  # the test database can be dropped
+        reroute_store._forget_side_connection("default")  # the test database can be dropped
     assert TenantWindow.objects.get(tenant="acme").total == 2
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_fair_jobs.limits import LimitError
+from django_fair_jobs.queue_limits import LimitError
 
 
 def _limit(text: str, of: str = "queue") -> int:
@@ -67,7 +67,7 @@ class Command(BaseCommand):
         parser.add_argument("--until", dest="boost_until", metavar="ISO-TIME")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from django_fair_jobs import limits
+        from django_fair_jobs import queue_limits
         from django_fair_jobs.models import QueueLimit
 
         queue = options["queue"]
@@ -88,14 +88,14 @@ class Command(BaseCommand):
         if options["reset"]:
             if changes:
                 raise CommandError("--reset cannot be combined with other changes.")
-            rows = limits.reset([queue] if queue else None, user=_who(), source="command")
+            rows = queue_limits.reset([queue] if queue else None, user=_who(), source="command")
         elif changes:
             if not queue:
                 raise CommandError(
                     "Name the QUEUE to change, e.g. fair_jobs_limit webhooks --global 2."
                 )
             try:
-                rows = [limits.set_limits(queue, **changes, user=_who(), source="command")]
+                rows = [queue_limits.set_limits(queue, **changes, user=_who(), source="command")]
             except LimitError as exc:
                 raise CommandError(str(exc)) from None
         else:

@@ -31,8 +31,8 @@ from django.db import connection
 from bench.models import JobRecord
 from bench.runner import BenchError, WorkerNode, check_services, delete_queue
 from django_fair_jobs.db import database_now
-from django_fair_jobs.limits import set_limits
 from django_fair_jobs.models import ParkedJob, QueueLimit, SlotLease, WorkerProcess
+from django_fair_jobs.queue_limits import set_limits
 from example.celery import app
 
 TASK = "bench.plain_job"

@@ -65,9 +65,9 @@ from django_fair_jobs.models import (
     TenantWindow,
     WindowBucket,
 )
+from django_fair_jobs.reroute import prune
+from django_fair_jobs.reroute import store as reroute_store
 from django_fair_jobs.slots import store as slot_store
-from django_fair_jobs.windows import prune
-from django_fair_jobs.windows import store as window_store
 from django_fair_jobs.workers import run_maintenance
 
 QUEUE = "bench.load"
@@ -352,7 +352,7 @@ class Command(BaseCommand):
         active = tenants[IDLE_EVERY - 1 :: IDLE_EVERY] or tenants[:1]
         ops["enqueue with 2 rerouting rules (window count)"] = self._per_call(
             cycle(active),
-            lambda t: window_store.record(
+            lambda t: reroute_store.record(
                 key=WINDOW_KEY, tenant=t, task_name=REROUTE_TASK, rules=RULES
             ),
         )

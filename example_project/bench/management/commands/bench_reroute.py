@@ -24,7 +24,7 @@ from django.db import connection
 
 from bench.runner import BenchError, check_services, delete_queue
 from django_fair_jobs.models import RerouteCount, TenantWindow, WindowBucket
-from django_fair_jobs.windows import store as window_store
+from django_fair_jobs.reroute import store as reroute_store
 from example.celery import app
 
 TASK = "bench.reroute_job"
@@ -153,14 +153,14 @@ class Command(BaseCommand):
                 FILL, {"key": KEY, "tenant": tenant, "n": events, "now": now, "span": 86_000}
             )
         # The count must see every one of them, or the comparison means nothing.
-        seen = window_store.record(
+        seen = reroute_store.record(
             key=KEY, tenant=tenant, task_name=TASK, rules=[(86_400, 10**9, "x")]
         ).counts[0]
         if seen != events + 1:
             raise CommandError(f"filled {events} enqueues for {tenant} but counted {seen - 1}")
 
     def _record(self, tenant: str, windows: list[tuple[int, int, str]], n: int) -> float:
-        record = window_store.record
+        record = reroute_store.record
         started = time.perf_counter()
         for _ in range(n):
             record(key=KEY, tenant=tenant, task_name=TASK, rules=windows)

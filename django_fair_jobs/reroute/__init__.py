@@ -40,14 +40,14 @@ from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 from django_fair_jobs.errors import (
     RuleError as RuleError,
 )
+from django_fair_jobs.reroute import store as reroute_store
 from django_fair_jobs.routing import declared_queue, queue_name
 from django_fair_jobs.tenants import for_log
-from django_fair_jobs.windows import store as window_store
 
 if TYPE_CHECKING:
     from celery import Task
 
-logger = logging.getLogger("django_fair_jobs.windows")
+logger = logging.getLogger("django_fair_jobs.reroute")
 
 HEADER = fair_headers.WINDOW
 """The old name of :data:`django_fair_jobs.headers.WINDOW`."""
@@ -200,7 +200,7 @@ def count(task: Task[Any, Any], tenant: str, queue: str, rules: Sequence[Rule]) 
     """Record one enqueue of ``tenant`` for ``task`` (declared on ``queue``) and pick the
     rule that reroutes it, in one statement. Logs each reroute at debug level."""
 
-    recorded = window_store.record(
+    recorded = reroute_store.record(
         key=counting_key(task, queue),
         tenant=tenant,
         task_name=task.name,
@@ -276,7 +276,7 @@ def prune() -> int:
     """Delete the window rows of tenants idle for longer than the maximum window; run by
     the workers' maintenance pass, so no scheduled job is needed."""
 
-    return window_store.prune(max_window=fair_settings.MAX_THROTTLING_WINDOW)
+    return reroute_store.prune(max_window=fair_settings.MAX_THROTTLING_WINDOW)
 
 
 def windows_by_key(app: Any = None) -> dict[str, list[int]]:

@@ -10,10 +10,10 @@ import pytest
 from celery import chain
 
 from tests.conftest import Worker, wait_for
+from tests.reroute.test_store import window_total
 from tests.test_workers import max_overlap, wait_finished
 from tests.testapp import tasks
 from tests.testapp.models import JobRun
-from tests.windows.test_windows import window_total
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
-from django_fair_jobs import limits
+from django_fair_jobs import queue_limits
 from django_fair_jobs.db import database_now
 from django_fair_jobs.models import ParkedJob, QueueLimit, SlotLease, TenantQueueSlot, WorkerProcess
 from tests.conftest import Worker, wait_for
@@ -50,7 +50,7 @@ def assert_queue_idle(queue: str = "limited") -> None:
 
 def test_global_limit__shared_by_two_nodes(start_worker: Callable[..., Worker]) -> None:
     # LF-11: limit 3 across two nodes of 2 processes each: 3 run, the 4th process waits.
-    limits.set_limits("limited", max_jobs=3)
+    queue_limits.set_limits("limited", max_jobs=3)
     a = start_worker("a", concurrency=2, queues="limited", extra_env=PLAIN)
     b = start_worker("b", concurrency=2, queues="limited", extra_env=PLAIN)
     ids = [tasks.plain_job.delay("t", 0.4).id for _ in range(12)]
@@ -62,7 +62,7 @@ def test_global_limit__shared_by_two_nodes(start_worker: Callable[..., Worker]) 
 
 
 def test_per_worker_limit__counts_by_node(start_worker: Callable[..., Worker]) -> None:
-    limits.set_limits("limited", max_jobs_per_worker=1)
+    queue_limits.set_limits("limited", max_jobs_per_worker=1)
     a = start_worker("a", concurrency=3, queues="limited", extra_env=PLAIN)
     b = start_worker("b", pool="threads", concurrency=3, queues="limited", extra_env=PLAIN)
     ids = [tasks.plain_job.delay("t", 0.3).id for _ in range(10)]
@@ -74,7 +74,7 @@ def test_per_worker_limit__counts_by_node(start_worker: Callable[..., Worker]) -
 
 
 def test_both_limits__each_holds(start_worker: Callable[..., Worker]) -> None:
-    limits.set_limits("limited", max_jobs=3, max_jobs_per_worker=2)
+    queue_limits.set_limits("limited", max_jobs=3, max_jobs_per_worker=2)
     a = start_worker("a", concurrency=3, queues="limited", extra_env=PLAIN)
     b = start_worker("b", concurrency=3, queues="limited", extra_env=PLAIN)
     ids = [tasks.plain_job.delay("t", 0.3).id for _ in range(14)]
@@ -85,7 +85,7 @@ def test_both_limits__each_holds(start_worker: Callable[..., Worker]) -> None:
 
 
 def test_limit_one__serialises(start_worker: Callable[..., Worker]) -> None:
-    limits.set_limits("limited", max_jobs=1)
+    queue_limits.set_limits("limited", max_jobs=1)
     start_worker("a", concurrency=4, queues="limited", extra_env=PLAIN)
     ids = [tasks.plain_job.delay("t", 0.1).id for _ in range(6)]
     wait_finished(ids)
@@ -96,7 +96,7 @@ def test_limit_one__serialises(start_worker: Callable[..., Worker]) -> None:
 def test_limit_zero__pauses__other_queues_carry_on__raising_it_resumes(
     start_worker: Callable[..., Worker],
 ) -> None:
-    limits.set_limits("limited", max_jobs=0)
+    queue_limits.set_limits("limited", max_jobs=0)
     # Beats (and so maintenance sweeps) 20 s apart: what starts within 10 s of the change
     # was woken by the change itself.
     slow_sweep = {**PLAIN, "FAIR_JOBS_HEARTBEAT_INTERVAL": "20", "FAIR_JOBS_WORKER_TIMEOUT": "60"}
@@ -113,11 +113,11 @@ def test_limit_zero__pauses__other_queues_carry_on__raising_it_resumes(
 
 
 def test_limit_zero__running_jobs_finish(start_worker: Callable[..., Worker]) -> None:
-    limits.set_limits("limited", max_jobs=2)
+    queue_limits.set_limits("limited", max_jobs=2)
     start_worker("a", concurrency=2, queues="limited", extra_env=PLAIN)
     running = [tasks.plain_job.delay("r", 1.5).id for _ in range(2)]
     wait_for(lambda: JobRun.objects.filter(task_id__in=running).count() == 2, 20, "2 running")
-    limits.set_limits("limited", max_jobs=0)
+    queue_limits.set_limits("limited", max_jobs=0)
     later = tasks.plain_job.delay("r", 0.01).id
     wait_finished(running)
     wait_for(lambda: ParkedJob.objects.filter(task_id=later).exists(), 20, "later parked")
@@ -127,7 +127,7 @@ def test_limit_zero__running_jobs_finish(start_worker: Callable[..., Worker]) ->
 def test_limits__independent_per_queue__unlimited_queue_untouched(
     start_worker: Callable[..., Worker],
 ) -> None:
-    limits.set_limits("limited", max_jobs=1)
+    queue_limits.set_limits("limited", max_jobs=1)
     start_worker("a", concurrency=4, queues="limited,fair", extra_env=PLAIN)
     limited = [tasks.plain_job.delay("l", 0.3).id for _ in range(4)]
     free = [tasks.limited3.delay(f"f{i}", 0.3).id for i in range(4)]
@@ -139,7 +139,7 @@ def test_limits__independent_per_queue__unlimited_queue_untouched(
 
 
 def test_plain_tasks__not_limited_without_the_opt_in(start_worker: Callable[..., Worker]) -> None:
-    limits.set_limits("limited", max_jobs=1)
+    queue_limits.set_limits("limited", max_jobs=1)
     start_worker("a", concurrency=3, queues="limited")
     ids = [tasks.plain_job.delay("x", 0.4).id for _ in range(3)]
     wait_finished(ids)
@@ -149,7 +149,7 @@ def test_plain_tasks__not_limited_without_the_opt_in(start_worker: Callable[...,
 
 def test_tenant_slot_and_queue_limit__both_or_neither(start_worker: Callable[..., Worker]) -> None:
     # fair_limited: 2 per tenant; the queue: 3 in all. Each job takes both or waits.
-    limits.set_limits("limited", max_jobs=3)
+    queue_limits.set_limits("limited", max_jobs=3)
     start_worker("a", concurrency=3, queues="limited")
     start_worker("b", pool="threads", concurrency=3, queues="limited")
     ids = [tasks.fair_limited.delay(tenant, 0.2).id for tenant in ["g"] * 8 + ["s1", "s2"] * 3]
@@ -174,7 +174,7 @@ def test_tenant_slot_and_queue_limit__both_or_neither(start_worker: Callable[...
 def test_sigkill__node_reaped_within_timeout__then_parked_jobs_run(
     start_worker: Callable[..., Worker], settings: Any
 ) -> None:
-    limits.set_limits("limited", max_jobs=2)
+    queue_limits.set_limits("limited", max_jobs=2)
     victim = start_worker("victim", concurrency=2, queues="limited", extra_env=PLAIN)
     for _ in range(2):
         tasks.plain_job.delay("k", 60)
@@ -219,7 +219,7 @@ def test_busy_worker__cpu_bound_job__heartbeat_not_starved_never_over_admitted(
     start_worker: Callable[..., Worker], settings: Any, pool: str
 ) -> None:
     # limit_fetch #157: a starved heartbeat got a live worker reaped and over-admitted.
-    limits.set_limits("limited", max_jobs=1)
+    queue_limits.set_limits("limited", max_jobs=1)
     start_worker("busy", pool=pool, concurrency=2, queues="limited", extra_env=PLAIN)
     if pool == "solo":
         # A solo worker cannot start the follower while it spins: a second node consumes
@@ -264,7 +264,7 @@ def test_busy_worker__cpu_bound_job__heartbeat_not_starved_never_over_admitted(
 def test_limit_cleared_while_jobs_wait__each_runs_once(
     start_worker: Callable[..., Worker], settings: Any
 ) -> None:
-    limits.set_limits("limited", max_jobs=0)
+    queue_limits.set_limits("limited", max_jobs=0)
     start_worker("a", concurrency=2, queues="limited", extra_env=PLAIN)
     ids = [tasks.plain_job.delay("c", 0.01).id for _ in range(2)]
     wait_for(lambda: QueueLimit.objects.get(queue="limited").parked_jobs == 2, 20, "2 parked")

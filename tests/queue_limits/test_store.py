@@ -9,10 +9,9 @@ import pytest
 from django.core.management import call_command
 from django.test import override_settings
 
-from django_fair_jobs import identity, limits
+from django_fair_jobs import identity, queue_limits
 from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.leases.types import Grant
-from django_fair_jobs.limits import store as queue_store
 from django_fair_jobs.models import (
     ParkedJob,
     QueueLimit,
@@ -20,6 +19,7 @@ from django_fair_jobs.models import (
     TenantQueueSlot,
     WorkerProcess,
 )
+from django_fair_jobs.queue_limits import store as queue_store
 from django_fair_jobs.slots import store as slot_store
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("engine")]
@@ -74,7 +74,7 @@ def park(
 
 
 def test_global_limit__nth_plus_one_refused_until_a_release(take: Take) -> None:
-    limits.set_limits("hooks", max_jobs=3)
+    queue_limits.set_limits("hooks", max_jobs=3)
     grants = [take(f"j{i}") for i in range(3)]
     assert [status for status, _ in grants] == ["held"] * 3
     assert take("j3")[0] == "queue_full"
@@ -89,7 +89,7 @@ def test_global_limit__nth_plus_one_refused_until_a_release(take: Take) -> None:
 
 def test_global_limit__shared_by_two_nodes(take: Take) -> None:
     # LF-11: limit 3, node A takes 2, node B 1, then both are refused.
-    limits.set_limits("hooks", max_jobs=3)
+    queue_limits.set_limits("hooks", max_jobs=3)
     a1, a2 = take("a1"), take("a2")
     b1 = take("b1", node=NODE_B)
     assert [a1[0], a2[0], b1[0]] == ["held"] * 3
@@ -100,14 +100,14 @@ def test_global_limit__shared_by_two_nodes(take: Take) -> None:
 
 
 def test_per_worker_limit__counts_by_node(take: Take) -> None:
-    limits.set_limits("hooks", max_jobs_per_worker=2)
+    queue_limits.set_limits("hooks", max_jobs_per_worker=2)
     assert [take(f"a{i}")[0] for i in range(3)] == ["held", "held", "queue_full"]
     assert [take(f"b{i}", node=NODE_B)[0] for i in range(3)] == ["held", "held", "queue_full"]
 
 
 def test_both_limits__the_stricter_applies(take: Take) -> None:
     # LF-07: global 5, per worker 2: the same node's third is refused; global caps the rest.
-    limits.set_limits("hooks", max_jobs=5, max_jobs_per_worker=2)
+    queue_limits.set_limits("hooks", max_jobs=5, max_jobs_per_worker=2)
     assert [take(f"a{i}")[0] for i in range(3)] == ["held", "held", "queue_full"]
     nodes = [uuid.uuid4() for _ in range(3)]
     held = [take(f"n{i}-{j}", node=node)[0] for i, node in enumerate(nodes) for j in range(2)]
@@ -118,7 +118,7 @@ def test_both_limits__the_stricter_applies(take: Take) -> None:
 def test_limit_zero__pauses_and_raising_it_wakes_the_line(
     take: Take, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    limits.set_limits("hooks", max_jobs=0)
+    queue_limits.set_limits("hooks", max_jobs=0)
     assert take("j1")[0] == "queue_full"
     assert park("j1") == "parked"
     assert row().parked_jobs == 1
@@ -126,7 +126,7 @@ def test_limit_zero__pauses_and_raising_it_wakes_the_line(
     monkeypatch.setattr(
         "django_fair_jobs.messages.publish_woken", lambda job, app=None: woken.append(job.task_id)
     )
-    limits.set_limits("hooks", max_jobs=1)
+    queue_limits.set_limits("hooks", max_jobs=1)
     assert woken == ["j1"]
     assert row().parked_jobs == 0
     assert take("j1", woken=True)[0] == "held"
@@ -134,7 +134,7 @@ def test_limit_zero__pauses_and_raising_it_wakes_the_line(
 
 
 def test_per_worker_zero__pauses_too(take: Take) -> None:
-    limits.set_limits("hooks", max_jobs_per_worker=0)
+    queue_limits.set_limits("hooks", max_jobs_per_worker=0)
     assert take("j1")[0] == "queue_full"
     assert park("j1") == "parked"
     assert queue_store.wake_one(row().pk) is None
@@ -142,8 +142,8 @@ def test_per_worker_zero__pauses_too(take: Take) -> None:
 
 def test_limits__independent_per_queue__unlimited_queue_has_no_row(take: Take) -> None:
     # LF-08, LF-09.
-    limits.set_limits("email", max_jobs=1)
-    limits.set_limits("hooks", max_jobs=2)
+    queue_limits.set_limits("email", max_jobs=1)
+    queue_limits.set_limits("hooks", max_jobs=2)
     assert take("e1", queue="email")[0] == "held"
     assert take("e2", queue="email")[0] == "queue_full"
     assert [take(f"h{i}")[0] for i in range(3)] == ["held", "held", "queue_full"]
@@ -152,7 +152,7 @@ def test_limits__independent_per_queue__unlimited_queue_has_no_row(take: Take) -
 
 
 def test_tenant_and_queue__both_or_neither(take: Take) -> None:
-    limits.set_limits("hooks", max_jobs=2)
+    queue_limits.set_limits("hooks", max_jobs=2)
     # The tenant's slot row is created on first use, together with the queue place.
     status, grant = take("t1", tenant="acme", limit=1)
     assert status == "held" and grant is not None and grant.slot_id is not None
@@ -173,7 +173,7 @@ def test_tenant_and_queue__both_or_neither(take: Take) -> None:
 
 
 def test_park__only_while_blocked__and_wake_skips_jobs_whose_tenant_is_full(take: Take) -> None:
-    limits.set_limits("hooks", max_jobs=2)
+    queue_limits.set_limits("hooks", max_jobs=2)
     assert park("early") == "room"  # nothing blocks it
     _, greedy = take("g1", tenant="greedy", limit=1)
     _, small = take("s1", tenant="small", limit=1)
@@ -190,8 +190,8 @@ def test_park__only_while_blocked__and_wake_skips_jobs_whose_tenant_is_full(take
 
 
 def test_reap__gives_back_global_and_node_counts_on_every_queue(take: Take) -> None:
-    limits.set_limits("hooks", max_jobs=3)
-    limits.set_limits("email", max_jobs=3)
+    queue_limits.set_limits("hooks", max_jobs=3)
+    queue_limits.set_limits("email", max_jobs=3)
     dead = uuid.uuid4()
     identity.register_process(process_id=dead, node="b@h", hostname="h", pid=2, node_id=NODE_B)
     for queue in ("hooks", "email"):
@@ -211,22 +211,22 @@ def test_reap__gives_back_global_and_node_counts_on_every_queue(take: Take) -> N
 
 
 def test_duplicate_delivery__refused(take: Take) -> None:
-    limits.set_limits("hooks", max_jobs=3)
+    queue_limits.set_limits("hooks", max_jobs=3)
     assert take("j1")[0] == "held"
     assert take("j1")[0] == "duplicate"
     assert row().current_jobs == 1
 
 
 def test_seed__fills_missing_queues_only(take: Take) -> None:
-    limits.set_limits("hooks", max_jobs=7)
+    queue_limits.set_limits("hooks", max_jobs=7)
     with override_settings(
         FAIR_JOBS_QUEUE_LIMITS={"hooks": 2, "email": 1},
         FAIR_JOBS_QUEUE_PROCESS_LIMITS={"email": 1},
     ):
-        assert limits.seed() == ["email"]
+        assert queue_limits.seed() == ["email"]
         assert (row("hooks").max_jobs, row("email").max_jobs) == (7, 1)
         assert row("email").max_jobs_per_worker == 1
-        limits.reset()
+        queue_limits.reset()
         assert row("hooks").max_jobs == 2
 
 
@@ -237,7 +237,7 @@ def test_limit_command__sets_clears_and_resets(capsys: pytest.CaptureFixture[str
     assert (row().max_jobs, row().max_jobs_per_worker) == (4, 2)
     call_command("fair_jobs_limit", "hooks", "--clear")
     assert (row().max_jobs, row().max_jobs_per_worker) == (None, None)
-    assert "hooks" not in limits.limited_queues(refresh=True)
+    assert "hooks" not in queue_limits.limited_queues(refresh=True)
     with override_settings(FAIR_JOBS_QUEUE_LIMITS={"hooks": 3}):
         call_command("fair_jobs_limit", "--reset")
     assert row().max_jobs == 3
@@ -260,7 +260,7 @@ def test_status_command__lists_limits_running_by_node_and_parked(
 ) -> None:
     import json
 
-    limits.set_limits("hooks", max_jobs=1, max_jobs_per_worker=1)
+    queue_limits.set_limits("hooks", max_jobs=1, max_jobs_per_worker=1)
     take("j1")
     assert park("j2") == "parked"
     call_command("fair_jobs_status")
@@ -308,23 +308,23 @@ def test_woken_copy__dropped_when_stale__started_afresh_when_redelivered(
 def test_limit_cleared_while_jobs_run__waiting_jobs_woken_at_once__queue_drains_on_its_row(
     take: Take, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    limits.set_limits("hooks", max_jobs=1)
+    queue_limits.set_limits("hooks", max_jobs=1)
     _, running = take("j1")
     assert park("j2") == "parked"
     woken: list[str] = []
     monkeypatch.setattr(
         "django_fair_jobs.messages.publish_woken", lambda job, app=None: woken.append(job.task_id)
     )
-    limits.set_limits("hooks", max_jobs=None)
+    queue_limits.set_limits("hooks", max_jobs=None)
     assert woken == ["j2"]  # not left waiting for j1 to finish
     # j1 still holds a place: the queue stays on the limited path until it is given back.
-    assert "hooks" in limits.limited_queues(refresh=True)
+    assert "hooks" in queue_limits.limited_queues(refresh=True)
     assert queue_store.release(running) is not None  # type: ignore[arg-type]
-    assert "hooks" not in limits.limited_queues(refresh=True)
+    assert "hooks" not in queue_limits.limited_queues(refresh=True)
 
 
 def test_tenant_wake__never_takes_a_job_waiting_in_a_queue_line(take: Take) -> None:
-    limits.set_limits("hooks", max_jobs=1)
+    queue_limits.set_limits("hooks", max_jobs=1)
     take("j1", tenant="acme", limit=1)
     assert park("j2", tenant="acme", limit=1) == "parked"
     slot = TenantQueueSlot.objects.get(tenant="acme", queue="hooks")
@@ -341,9 +341,9 @@ def test_is_limited__database_down_before_any_read__takes_the_slot_path(
     def down(**kwargs: object) -> frozenset[str]:
         raise OperationalError("down")
 
-    monkeypatch.setattr(limits, "limited_queues", down)
-    monkeypatch.setattr(limits._cache, "pid", -1)
-    assert limits.is_limited("anything") is True
+    monkeypatch.setattr(queue_limits, "limited_queues", down)
+    monkeypatch.setattr(queue_limits._cache, "pid", -1)
+    assert queue_limits.is_limited("anything") is True
 
 
 @pytest.mark.parametrize("redelivered", [False, True])
@@ -398,7 +398,7 @@ def test_tenant_path__never_claims_a_queue_lease__the_queue_place_is_not_leaked(
     # A redelivered copy reaching a process whose limited-queue cache predates the limit
     # takes the tenant path. Claiming the dead holder's queue lease there would make its
     # release lower only the tenant slot: the queue's place would be lost for good.
-    limits.set_limits("hooks", max_jobs=3)
+    queue_limits.set_limits("hooks", max_jobs=3)
     _dead_queue_lease("x")
     got = slot_store.try_acquire(
         tenant="acme", queue="hooks", task_id="x", limit=5, process_id=process, timeout=60
@@ -415,7 +415,7 @@ def test_maintenance__recounts_queue_places_from_leases_under_the_row_lock(
 ) -> None:
     # Whatever leaked a queue's counters (a place taken and never given back), maintenance
     # puts them back to what the leases say.
-    limits.set_limits("hooks", max_jobs=3)
+    queue_limits.set_limits("hooks", max_jobs=3)
     take("live")
     QueueLimit.objects.filter(queue="hooks").update(
         current_jobs=3, running={str(NODE_A): 2, str(NODE_B): 1}

@@ -27,15 +27,15 @@ from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import (
     LimitError as LimitError,
 )
-from django_fair_jobs.limits import store as queue_store
-from django_fair_jobs.limits.store import UNCHANGED
+from django_fair_jobs.queue_limits import store as queue_store
+from django_fair_jobs.queue_limits.store import UNCHANGED
 
 if TYPE_CHECKING:
     from celery import Celery
 
     from django_fair_jobs.models import QueueLimit
 
-logger = logging.getLogger("django_fair_jobs.limits")
+logger = logging.getLogger("django_fair_jobs.queue_limits")
 
 REFRESH_SECONDS = 1.0
 """How often a process re-reads which queues are limited. A limit set on a queue that had

@@ -18,9 +18,9 @@ from django.test.utils import CaptureQueriesContext
 from django_fair_jobs import FairTask
 from django_fair_jobs.checks import check_task_rules
 from django_fair_jobs.models import RerouteCount, TenantWindow, WindowBucket
-from django_fair_jobs.windows import HEADER, RuleError, parse_rules, prune
-from django_fair_jobs.windows import store as window_store
-from django_fair_jobs.windows.store import Recorded
+from django_fair_jobs.reroute import HEADER, RuleError, parse_rules, prune
+from django_fair_jobs.reroute import store as reroute_store
+from django_fair_jobs.reroute.store import Recorded
 from tests.conftest import runs_sql
 from tests.testapp import tasks
 
@@ -36,7 +36,7 @@ def record(
     rules: list[tuple[int, int, str]],
     key: str = "task:t",
 ) -> Recorded:
-    return window_store.record(key=key, tenant=tenant, task_name="t", rules=rules, at=at)
+    return reroute_store.record(key=key, tenant=tenant, task_name="t", rules=rules, at=at)
 
 
 def picked(recorded: Recorded, rules: list[tuple[int, int, str]]) -> str:
@@ -111,7 +111,7 @@ def test_prune__old_buckets_go__one_anchor_kept__counts_unchanged() -> None:
     # The anchor (the newest bucket before the cutoff), then the ones after it.
     assert kept == [first + offset for offset in range(200, 300, 10)]
     # A window of the maximum length still counts exactly: offsets 210..290 and now.
-    assert window_store.record(key="task:t", tenant="acme", task_name="t", rules=rules).counts == (
+    assert reroute_store.record(key="task:t", tenant="acme", task_name="t", rules=rules).counts == (
         10,
     )
 
