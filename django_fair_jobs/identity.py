@@ -167,7 +167,7 @@ def when_gone(pids: list[int], action: Callable[[], object], within: float | Non
                     return
                 time.sleep(0.05)
         except Exception:
-            logger.exception("Could not give back what processes %s held", pids)
+            logger.exception("Could not release what processes %s held", pids)
         finally:
             connections.close_all()
 

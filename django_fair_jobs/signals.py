@@ -119,11 +119,11 @@ def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: An
 
         started(str(task_id))  # a revoked planned job's row goes: it no longer counts
         pids = _pool_pids_running(str(task_id)) if terminated else []
-        _forget(str(task_id), terminated=bool(terminated) and not pids)
+        _drop(str(task_id), terminated=bool(terminated) and not pids)
         if pids:
             from django_fair_jobs.identity import when_gone
 
-            when_gone(pids, lambda: _forget(str(task_id), terminated=True))
+            when_gone(pids, lambda: _drop(str(task_id), terminated=True))
     except Exception:
         logger.exception("Could not drop the slots of revoked job %s", task_id)
     finally:
@@ -134,16 +134,16 @@ def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: An
         connections.close_all()
 
 
-def _forget(task_id: str, *, terminated: bool) -> None:
+def _drop(task_id: str, *, terminated: bool) -> None:
     """Drop a revoked job's parked row, reservations and dispatched row, and its running
     lease and row too if it was ``terminated`` (its process is gone)."""
     from celery import current_app
 
     from django_fair_jobs import dispatch
-    from django_fair_jobs.admission import forget_task
+    from django_fair_jobs.admission import drop_task
 
-    forget_task(task_id, terminated=terminated)
-    dispatch.forget(current_app, task_id, terminated=terminated)
+    drop_task(task_id, terminated=terminated)
+    dispatch.drop(current_app, task_id, terminated=terminated)
 
 
 def _pool_pids_running(task_id: str) -> list[int]:

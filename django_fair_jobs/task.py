@@ -275,7 +275,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             return super().__call__(*args, **kwargs)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's ``retry``, with the job's slot (and queue place) given back before the
+        """Celery's ``retry``, with the job's slot (and queue place) released before the
         retry is published: a retry that starts at once on another process finds the slot
         free instead of held by this run."""
         admission.release_held(self)

@@ -189,7 +189,7 @@ def dispatch_due() -> int:
 
 def shutdown() -> None:
     """Stop this process's heartbeat and retire its row, so that any slot it still holds
-    is given back by the next reap instead of after the timeout."""
+    is released by the next reap instead of after the timeout."""
 
     ident = identity.current()
     if ident is None:
@@ -265,7 +265,7 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
     if reaped.leases:
         count_reaped(reaped.leases)
     boosts_ended = end_boosts()
-    lost = lease_store.rewake_lost(timeout=timeout)
+    lost = lease_store.requeue_lost_wakes(timeout=timeout)
     fixed = (
         slot_store.reconcile_parked()
         + queue_store.reconcile_parked()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -432,3 +433,36 @@ def test_registration__starts_the_heartbeat__though_the_rooms_never_import_worke
         env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"},
     ).stdout  # fmt: skip
     assert "django_fair_jobs.workers._start_threads" in out, out
+
+
+RETIRED_VERBS = re.compile(
+    r"give_back|gives? back|given back|take_back|takes? back|rewake|re-wake|forget_task"
+    r"|forget_parked|dispatch\.forget",
+    re.IGNORECASE,
+)
+"""Synonyms of a job's steps that one verb each replaced (docs/concepts.md, "One verb per
+step"): release, requeue and drop."""
+
+
+def test_one_verb_per_step__retired_synonyms_appear_nowhere() -> None:
+    root = PACKAGE.parent
+    texts = [
+        path
+        for pattern in (
+            "django_fair_jobs/**/*.py",
+            "django_fair_jobs/**/*.sql",
+            "django_fair_jobs/**/*.html",
+            "docs/*.md",
+            "README.md",
+        )
+        for path in root.glob(pattern)
+        if path.name != "changelog.md" and "migrations" not in path.parts
+    ]
+    assert len(texts) > 50
+    found = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in texts
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if RETIRED_VERBS.search(line)
+    ]
+    assert not found, "use the step's verb (docs/concepts.md):\n" + "\n".join(found)

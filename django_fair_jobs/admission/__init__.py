@@ -10,7 +10,7 @@ The only module besides ``publishing`` that combines the mechanism rooms. A job'
    queue's line (or re-publishes it with a jittered countdown, ``fair_on_limit="retry"``);
    a duplicate or stale copy is dealt with by :func:`refuse`; with the database down the
    delivery is postponed through the broker (:func:`postpone`). No path loses the job.
-3. The job runs; :func:`release` gives back its slot and place, and wakes the parked jobs
+3. The job runs; :func:`release` frees its slot and place, and wakes the parked jobs
    that can run now.
 
 A dispatched job (``fair_dispatch``) marks its row running (one round trip; a second copy
@@ -51,8 +51,8 @@ from django_fair_jobs import (
 )
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.admission import ends
+from django_fair_jobs.admission.ends import drop_task as drop_task
 from django_fair_jobs.admission.ends import end as end
-from django_fair_jobs.admission.ends import forget_task as forget_task
 from django_fair_jobs.admission.ends import release as release
 from django_fair_jobs.admission.ends import retry_pending_ends as retry_pending_ends
 from django_fair_jobs.admission.ends import retry_pending_releases as retry_pending_releases
@@ -81,7 +81,7 @@ def keep_grant(task: Task[Any, Any], grant: Grant) -> None:
 
 
 def release_held(task: Task[Any, Any]) -> None:
-    """Give back the running job's grant now, once: at its end, or before its retry is
+    """Release the running job's grant now, once: at its end, or before its retry is
     published (a retry that starts at once elsewhere must find the slot free, not held
     by this run, which would make it a duplicate and delay it by the worker timeout)."""
     grant = getattr(task.request, "fair_grant", None)
@@ -274,7 +274,7 @@ def shadow_grant(
 ) -> Grant:
     """Shadow mode: record that the current job would have been deferred (its tenant or
     its queue is at its limit) and let it run without a slot: an empty grant, so that its
-    release gives back nothing and the counters keep counting only jobs within limits."""
+    release frees nothing and the counters keep counting only jobs within limits."""
     mechanism = "queue_limit" if status == "queue_full" else "slots"
     decisions.record(
         task_id=str(task.request.id), task_name=task.name, tenant=tenant, queue=queue,

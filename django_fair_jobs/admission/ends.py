@@ -1,4 +1,4 @@
-"""What happens when a job ends: give back its tenant slot and queue place and wake the
+"""What happens when a job ends: release its tenant slot and queue place and wake the
 parked jobs that can run now (:func:`release`), end a dispatched job's row in the round
 trip that dispatches the next one (:func:`end`), and keep what failed to retry it at the
 next heartbeat, so that nothing is lost while the process lives."""
@@ -39,7 +39,7 @@ _holds_lock = threading.Lock()
 _uncertain: set[tuple[str, uuid.UUID]] = set()
 """(task id, process id) of acquires that failed with a database error in this process:
 one may have committed with its reply lost (a failover, a pooler restart), leaving a lease
-held by this live process under a token nobody has. It is given back at the next
+held by this live process under a token nobody has. It is released at the next
 heartbeat, or before the job's next copy starts here. Guarded by ``_holds_lock``."""
 
 
@@ -49,7 +49,7 @@ leases are never mistaken for those of a lost reply. Guarded by ``_holds_lock``.
 
 
 def release(grant: Grant, app: Celery | None = None) -> None:
-    """Give back ``grant``'s slots and wake the parked jobs that can now run.
+    """Release ``grant``'s slots and wake the parked jobs that can now run.
 
     Never raises: a job that succeeded stays a success. A failed release is kept and
     retried by this process's heartbeat (no slot is lost); a failed wake-up is left to the
@@ -88,7 +88,7 @@ def release(grant: Grant, app: Celery | None = None) -> None:
 
 
 def retry_pending_releases() -> int:
-    """Retry releases that failed earlier in this process, and give back the leases of
+    """Retry releases that failed earlier in this process, and release the leases of
     acquires whose reply may have been lost; returns how many releases succeeded."""
     with _holds_lock:
         pending = list(_pending_releases)
@@ -111,7 +111,7 @@ def retry_pending_releases() -> int:
 
 
 def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
-    """Give back the leases ``process_id`` may hold for ``task_ids`` from acquires whose
+    """Release the leases ``process_id`` may hold for ``task_ids`` from acquires whose
     reply was lost (none where the acquire did not commit), except those of jobs running
     here now; then wake jobs on the slots freed. One transaction for all of them. Raises
     DatabaseError (the entries stay for the next try)."""
@@ -133,7 +133,7 @@ def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
         slots.wake(slot_id, limit=1)
 
 
-def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) -> None:
+def drop_task(task_id: str, *, terminated: bool, app: Celery | None = None) -> None:
     """Drop a revoked job's parked row and reservations, and its running leases too if it
     was ``terminated``; wake jobs on the slots freed.
 
@@ -141,7 +141,7 @@ def forget_task(task_id: str, *, terminated: bool, app: Celery | None = None) ->
     lease alone: that copy still runs and releases it.
     """
 
-    lease_store.forget_parked(task_id)
+    lease_store.drop_parked(task_id)
     slot_ids, queue_ids = lease_store.drop_for_task(task_id, running=terminated)
     for queue_limit_id in queue_ids:
         queue_limits.wake_line(queue_limit_id, limit=1, app=app)

@@ -293,7 +293,7 @@ def publish(app: Celery, ready: list[Ready]) -> int:
                 "Could not publish dispatched job %s; it goes back in line", item.job_id
             )
             try:
-                pending.extend(_store().take_back(item.job_id))
+                pending.extend(_store().requeue(item.job_id))
             except Exception:
                 logger.exception("Could not put job %s back in line; maintenance will", item.job_id)
     return published
@@ -316,10 +316,10 @@ def _outside_any_task() -> Iterator[None]:
         stack[:] = saved
 
 
-def forget(app: Celery, task_id: str, *, terminated: bool) -> None:
+def drop(app: Celery, task_id: str, *, terminated: bool) -> None:
     """A revoked job's message was dropped by the worker: its dispatched row goes (and a
     terminated running one), and the room it leaves is dispatched."""
-    publish(app, _store().forget(task_id, terminated=terminated))
+    publish(app, _store().drop(task_id, terminated=terminated))
 
 
 @dataclass(frozen=True)

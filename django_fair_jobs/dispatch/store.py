@@ -99,7 +99,7 @@ class Store:
             )
         )
 
-    def take_back(self, job_id: int) -> list[Ready]:
+    def requeue(self, job_id: int) -> list[Ready]:
         """A dispatched job whose publish failed goes back to its line after a delay that
         doubles with each failure (at most :data:`MAX_BACKOFF`)."""
         rows = self._rows("dispatch_failures", {"job": job_id})
@@ -116,8 +116,8 @@ class Store:
         """See :func:`django_fair_jobs.dispatch.dispatch`."""
         return self._ready(self._rows("dispatch_next", {"queue": queue, "max": limit}))
 
-    def forget(self, task_id: str, *, terminated: bool) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.forget`."""
+    def drop(self, task_id: str, *, terminated: bool) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.drop`."""
         states = [DISPATCHED, RUNNING] if terminated else [DISPATCHED]
         rows = self._rows("dispatch_task_rows", {"task_id": task_id, "states": states})
         ready: list[Ready] = []

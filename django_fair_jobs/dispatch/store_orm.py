@@ -265,14 +265,14 @@ class Store(pg_store.Store):
         """See :func:`django_fair_jobs.dispatch.end`."""
         return self._out_of_flight(job_id, process_id, ended=delay is None, delay=delay or 0.0)
 
-    def take_back(self, job_id: int) -> list[Ready]:
-        """See :meth:`django_fair_jobs.dispatch.store.Store.take_back`."""
+    def requeue(self, job_id: int) -> list[Ready]:
+        """See :meth:`django_fair_jobs.dispatch.store.Store.requeue`."""
         failures = self._jobs().filter(pk=job_id).values_list("publish_failures", flat=True).first()
         delay = min(2.0 ** (failures or 0), pg_store.MAX_BACKOFF)
         return self._out_of_flight(job_id, None, ended=False, delay=delay)
 
-    def forget(self, task_id: str, *, terminated: bool) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.forget`."""
+    def drop(self, task_id: str, *, terminated: bool) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.drop`."""
         states = [DISPATCHED, RUNNING] if terminated else [DISPATCHED]
         rows = self._jobs().filter(task_id=task_id, state__in=states)
         ready: list[Ready] = []

@@ -61,7 +61,7 @@ def _reap_portable(alias: str, timeout: float) -> Reaped:
                 )
             )
         )
-        slots, queues = give_back(stale)
+        slots, queues = release_leases(stale)
         WorkerProcess.objects.filter(last_heartbeat_at__lt=db.ago(timeout)).delete()
     return Reaped(len(stale), tuple(sorted(slots.items())), tuple(sorted(queues.items())))
 
@@ -80,7 +80,7 @@ def drop_for_task(task_id: str, *, running: bool) -> tuple[list[int], list[int]]
         leases = SlotLease.objects.select_for_update().filter(task_id=task_id)
         if not running:
             leases = leases.filter(process__isnull=True)
-        slots, queues = give_back(list(leases))
+        slots, queues = release_leases(list(leases))
     return sorted(slots), sorted(queues)
 
 
@@ -97,11 +97,11 @@ def drop_held_by(task_ids: Sequence[str], process_id: uuid.UUID) -> tuple[list[i
             .filter(task_id__in=list(task_ids), process_id=process_id)
             .order_by("pk")
         )
-        slots, queues = give_back(list(leases))
+        slots, queues = release_leases(list(leases))
     return sorted(slots), sorted(queues)
 
 
-def give_back(leases: Sequence[SlotLease]) -> tuple[dict[int, int], dict[int, int]]:
+def release_leases(leases: Sequence[SlotLease]) -> tuple[dict[int, int], dict[int, int]]:
     """Delete ``leases`` and take them off their tenant slots' and queue rows' counters,
     inside the caller's transaction (the ORM path of reap and revoke). Queue rows are
     locked before tenant rows, the order of every statement. Returns ``{row id: leases}``
@@ -140,7 +140,7 @@ def give_back(leases: Sequence[SlotLease]) -> tuple[dict[int, int], dict[int, in
     return slots, {queue_id: sum(nodes.values()) for queue_id, nodes in queues.items()}
 
 
-def rewake_lost(*, timeout: float) -> int:
+def requeue_lost_wakes(*, timeout: float) -> int:
     """Return woken jobs that never started (and lost their reservation) to waiting.
 
     Returns the number of slots touched.
@@ -149,7 +149,7 @@ def rewake_lost(*, timeout: float) -> int:
 
     alias = router.db_for_write(ParkedJob)
     if db.uses_sql(alias):
-        return len(db.run(alias, "rewake_lost", {"timeout": timeout}))
+        return len(db.run(alias, "requeue_lost_wakes", {"timeout": timeout}))
     with transaction.atomic(using=alias):
         leased = SlotLease.objects.filter(
             slot_id=models.OuterRef("slot_id"), task_id=models.OuterRef("task_id")
@@ -172,7 +172,7 @@ def rewake_lost(*, timeout: float) -> int:
     return len(slots) + len(queues)
 
 
-def forget_parked(task_id: str) -> None:
+def drop_parked(task_id: str) -> None:
     """Delete the parked row of ``task_id`` (a revoked job), fixing the counter."""
     from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
 

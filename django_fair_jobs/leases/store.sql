@@ -3,12 +3,12 @@
 -- PostgreSQL only, one named block each, loaded by django_fair_jobs.sql.queries().
 
 -- name: reap
--- Give back the slots of leases whose holder is gone: the process has not beaten within
+-- Release the slots of leases whose holder is gone: the process has not beaten within
 -- the timeout (or its row is missing), or a reservation for a woken job was never
 -- claimed. Every queue and every tenant slot is covered, whoever runs it. Dead process
 -- rows are deleted in the same statement. Two reapers at once are safe: the second one's
 -- DELETE finds the rows gone and decrements nothing. Returns ('leases', NULL, n), then
--- ('queue', id, n) and ('slot', id, n) per row given back.
+-- ('queue', id, n) and ('slot', id, n) per row released.
 -- * queues: each queue row loses the reaped leases in its total and in each node's count
 --   of running. Queue rows are locked before tenant rows, as in every statement.
 WITH dead AS (
@@ -59,7 +59,7 @@ UNION ALL SELECT 'queue', id, n FROM queues
 UNION ALL SELECT 'slot', id, n FROM slots
 UNION ALL SELECT 'processes', NULL::bigint, (SELECT count(*) FROM dead)::int;
 
--- name: rewake_lost
+-- name: requeue_lost_wakes
 -- A woken job that never started goes back to waiting, keeping its place: on a tenant
 -- slot once its reservation was reaped (its message was lost between the wake and the
 -- publish), in a queue's line (woken without a reservation) once the timeout passed.

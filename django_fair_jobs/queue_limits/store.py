@@ -37,7 +37,7 @@ UNCHANGED: Any = object()
 def limits() -> dict[str, tuple[int | None, int | None]]:
     """``{queue: (max_jobs, max_jobs_per_worker)}`` of every queue with a limit set, or
     still draining (jobs holding a place or waiting in line after its limit was
-    cleared: they must be given back and woken through the queue's row)."""
+    cleared: they must be released and woken through the queue's row)."""
     from django_fair_jobs.models import QueueLimit
 
     rows = QueueLimit.objects.filter(
@@ -297,7 +297,7 @@ def _park_portable(
 
 
 def release(grant: Grant) -> tuple[int, int | None] | None:
-    """Give back ``grant``'s place in its queue and its tenant slot, only if its lease
+    """Release ``grant``'s place in its queue and its tenant slot, only if its lease
     is still the holder's. Returns the ``parked_jobs`` of the queue row and of the
     tenant slot (None without one) after the release, or None if the lease was gone."""
     from django_fair_jobs.models import QueueLimit, SlotLease, TenantQueueSlot
@@ -320,7 +320,7 @@ def release(grant: Grant) -> tuple[int, int | None] | None:
         ).first()
         if lease is None:
             return None
-        leases.give_back([lease])
+        leases.release_leases([lease])
         in_line = QueueLimit.objects.filter(pk=grant.queue_limit_id or 0).values_list(
             "parked_jobs", flat=True
         )
@@ -395,7 +395,7 @@ def reconcile_parked() -> int:
 
 def reconcile_running() -> int:
     """Repair ``current_jobs`` and ``running`` where they disagree with the queue's
-    leases (a place taken and never given back); returns how many rows were fixed.
+    leases (a place taken and never released); returns how many rows were fixed.
 
     Each row is recounted under its row lock, in a statement that starts after the
     lock is held: every statement that adds or removes a queue's lease locks that

@@ -139,7 +139,7 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM parked) THEN 'parked'
             ELSE 'room' END;
 
 -- name: release_limited
--- Give back a job's place in a limited queue and its tenant slot together, fenced by the
+-- Release a job's place in a limited queue and its tenant slot together, fenced by the
 -- holder's token. Returns no row if the lease was gone (reaped, or taken over), else the
 -- parked_jobs of the queue row and of the tenant row after the release: the caller wakes
 -- the queue's line (and a tenant slot's own waiters, left from before the queue was

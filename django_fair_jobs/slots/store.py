@@ -224,7 +224,7 @@ def count_deferral(*, tenant: str, queue: str) -> None:
 
 
 def release(grant: Grant) -> int | None:
-    """Give back the slot of ``grant``, only if its lease is still the holder's.
+    """Release the slot of ``grant``, only if its lease is still the holder's.
 
     Returns the slot's ``parked_jobs`` after the release (the caller wakes that many
     at most), or None when the lease was already gone (reaped, or taken over by a

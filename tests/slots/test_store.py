@@ -228,7 +228,7 @@ def test_reap__unclaimed_reservation__frees_slot_and_rewake_requeues(process: uu
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
     ParkedJob.objects.update(woken_at="2000-01-01T00:00:00Z")
     assert lease_store.reap(timeout=60).slots == ((holder.slot_id, 1),)
-    assert lease_store.rewake_lost(timeout=60) == 1
+    assert lease_store.requeue_lost_wakes(timeout=60) == 1
     row = slot()
     assert (row.current_jobs, row.parked_jobs) == (0, 1)
     assert slot_store.with_waiting_room() == [row.pk]
@@ -261,7 +261,7 @@ def test_woken_copies__first_to_start_runs_later_ones_are_stale(process: uuid.UU
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
     ParkedJob.objects.update(woken_at="2000-01-01T00:00:00Z")
     lease_store.reap(timeout=60)
-    lease_store.rewake_lost(timeout=60)
+    lease_store.requeue_lost_wakes(timeout=60)
     second = slot_store.wake_one(_slot(holder))
     assert second is not None and second.wake == 2
     # The old copy arrives first: it may still run (its row exists) and claims the slot.

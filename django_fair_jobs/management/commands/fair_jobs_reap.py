@@ -13,7 +13,7 @@ class Command(BaseCommand):
     """Reap the leases of dead workers and wake parked jobs that can run."""
 
     help = (
-        "Give back the slots held by worker processes silent for FAIR_JOBS_WORKER_TIMEOUT "
+        "Release the slots held by worker processes silent for FAIR_JOBS_WORKER_TIMEOUT "
         "seconds, put lost wake-ups back in line, and wake parked jobs that have room. "
         "Workers do this on their own every FAIR_JOBS_HEARTBEAT_INTERVAL; this is for "
         "operators and for deployments with no worker running."
