@@ -466,3 +466,37 @@ def test_one_verb_per_step__retired_synonyms_appear_nowhere() -> None:
         if RETIRED_VERBS.search(line)
     ]
     assert not found, "use the step's verb (docs/concepts.md):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("room", ["slots", "queue_limits", "reroute", "planner", "leases"])
+def test_store_contract__the_orm_store_has_the_postgresql_stores_functions(room: str) -> None:
+    import importlib
+    import inspect
+
+    sql = importlib.import_module(f"{NAME}.{room}.store")
+    orm = importlib.import_module(f"{NAME}.{room}.store_orm")
+    steps = {
+        name: value
+        for name, value in vars(orm).items()
+        if inspect.isfunction(value) and value.__module__ == orm.__name__ and name[0] != "_"
+    }
+    assert steps, f"{orm.__name__} implements no step"
+    handed_over = 0
+    for name, step in steps.items():
+        mine = getattr(sql, name)
+        if mine is step:
+            continue  # a step both engines share (an ORM read), given by the store as it is
+        assert inspect.signature(step) == inspect.signature(mine), name
+        # The PostgreSQL store hands its ORM path to the function of the same name.
+        assert f"store_orm.{name}(" in inspect.getsource(mine), name
+        handed_over += 1
+    assert handed_over, f"{sql.__name__} hands no step to {orm.__name__}"
+    # Nothing but the stores picks a path: a step called on the ORM store directly would
+    # skip PostgreSQL's statement.
+    callers = [
+        path
+        for path in PACKAGE.rglob("*.py")
+        if path.name not in {"store.py", "store_orm.py"}
+        and f"{room} import store_orm" in path.read_text()
+    ]
+    assert not callers, callers

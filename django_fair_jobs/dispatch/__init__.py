@@ -44,12 +44,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db import connections, router
+from django.db import router
 from django.utils import timezone
 from kombu.utils.json import dumps, loads
 
+from django_fair_jobs import db, validation
 from django_fair_jobs import headers as fair_headers
-from django_fair_jobs import validation
 from django_fair_jobs.dispatch.types import BATCH as BATCH
 from django_fair_jobs.dispatch.types import Job as Job
 from django_fair_jobs.dispatch.types import Ready as Ready
@@ -223,8 +223,10 @@ def alias() -> str:
 
 
 def _store() -> Any:
+    """The store of the lines' database: PostgreSQL's functions, or the ORM elsewhere
+    (``db.uses_sql`` decides, as for every room, so one test suite runs over both)."""
     alias_ = alias()
-    if connections[alias_].vendor == "postgresql":
+    if db.uses_sql(alias_):
         from django_fair_jobs.dispatch import store
 
         return store.Store(alias_)

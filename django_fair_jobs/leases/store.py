@@ -1,8 +1,8 @@
 """Leases and parked rows, shared by tenant slots and queue limits (layer 2): reap the leases
-of dead holders, drop those of revoked jobs and give their places back, put lost wake-ups
-back in line, and the checks both rooms' park paths share. Each step is one named statement
-of ``leases/store.sql`` on PostgreSQL, and the ORM inside ``transaction.atomic()`` on
-other databases."""
+of dead holders, drop those of revoked jobs and release their places, requeue lost wake-ups,
+and the checks both rooms' park paths share. Each step is one named statement of
+``leases/store.sql`` on PostgreSQL; on other databases it is the function of the same name
+and signature in :mod:`django_fair_jobs.leases.store_orm`."""
 
 from __future__ import annotations
 
@@ -15,16 +15,17 @@ from django.db import (
     router,
     transaction,
 )
-from django.db.models import F, Q
-from django.db.models.functions import Coalesce, Greatest, Now
+from django.db.models import F
+from django.db.models.functions import Coalesce
 
 from django_fair_jobs import db
+from django_fair_jobs.leases import store_orm
+from django_fair_jobs.leases.store_orm import release_leases as release_leases
 from django_fair_jobs.leases.types import ParkOutcome, Reaped
 
 if TYPE_CHECKING:
     from django_fair_jobs.models import (
         ParkedJob,
-        SlotLease,
     )
 
 
@@ -35,7 +36,7 @@ def reap(*, timeout: float) -> Reaped:
 
     alias = router.db_for_write(SlotLease)
     if not db.uses_sql(alias):
-        return _reap_portable(alias, timeout)
+        return store_orm.reap(timeout=timeout)
     leases, slots, queues = 0, [], []
     for kind, row_id, n in db.run(alias, "reap", {"timeout": timeout}):
         if kind == "leases":
@@ -45,25 +46,6 @@ def reap(*, timeout: float) -> Reaped:
         elif kind == "queue":
             queues.append((row_id, n))
     return Reaped(leases, tuple(sorted(slots)), tuple(sorted(queues)))
-
-
-def _reap_portable(alias: str, timeout: float) -> Reaped:
-    from django_fair_jobs.models import SlotLease, WorkerProcess
-
-    with transaction.atomic(using=alias):
-        live = WorkerProcess.objects.filter(last_heartbeat_at__gte=db.ago(timeout)).values("pk")
-        stale = list(
-            SlotLease.objects.filter(
-                Q(process__isnull=True, acquired_at__lt=db.ago(timeout))
-                | (
-                    Q(process__isnull=False, acquired_at__lt=db.ago(timeout))
-                    & ~Q(process_id__in=live)
-                )
-            )
-        )
-        slots, queues = release_leases(stale)
-        WorkerProcess.objects.filter(last_heartbeat_at__lt=db.ago(timeout)).delete()
-    return Reaped(len(stale), tuple(sorted(slots.items())), tuple(sorted(queues.items())))
 
 
 def drop_for_task(task_id: str, *, running: bool) -> tuple[list[int], list[int]]:
@@ -101,75 +83,17 @@ def drop_held_by(task_ids: Sequence[str], process_id: uuid.UUID) -> tuple[list[i
     return sorted(slots), sorted(queues)
 
 
-def release_leases(leases: Sequence[SlotLease]) -> tuple[dict[int, int], dict[int, int]]:
-    """Delete ``leases`` and take them off their tenant slots' and queue rows' counters,
-    inside the caller's transaction (the ORM path of reap and revoke). Queue rows are
-    locked before tenant rows, the order of every statement. Returns ``{row id: leases}``
-    for the tenant slots and the queue rows."""
-    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
-
-    slots: dict[int, int] = {}
-    queues: dict[int, dict[str, int]] = {}
-    for lease in leases:
-        if lease.queue_limit_id is not None:
-            nodes = queues.setdefault(lease.queue_limit_id, {})
-            node = str(lease.node_id or "")
-            nodes[node] = nodes.get(node, 0) + 1
-        if lease.slot_id is not None:
-            slots[lease.slot_id] = slots.get(lease.slot_id, 0) + 1
-    if not leases:
-        return {}, {}
-    leases[0].__class__.objects.filter(pk__in=[lease.pk for lease in leases]).delete()
-    for row in QueueLimit.objects.select_for_update().filter(pk__in=sorted(queues)).order_by("pk"):
-        running = dict(row.running)
-        for node, n in queues[row.pk].items():
-            left = int(running.get(node, 0)) - n
-            if left > 0:
-                running[node] = left
-            else:
-                running.pop(node, None)
-        QueueLimit.objects.filter(pk=row.pk).update(
-            current_jobs=Greatest(F("current_jobs") - sum(queues[row.pk].values()), 0),
-            running=running,
-            updated_at=Now(),
-        )
-    for slot_id, n in slots.items():
-        TenantQueueSlot.objects.filter(pk=slot_id).update(
-            current_jobs=Greatest(F("current_jobs") - n, 0), updated_at=Now()
-        )
-    return slots, {queue_id: sum(nodes.values()) for queue_id, nodes in queues.items()}
-
-
 def requeue_lost_wakes(*, timeout: float) -> int:
     """Return woken jobs that never started (and lost their reservation) to waiting.
 
     Returns the number of slots touched.
     """
-    from django_fair_jobs.models import ParkedJob, QueueLimit, SlotLease, TenantQueueSlot
+    from django_fair_jobs.models import ParkedJob
 
     alias = router.db_for_write(ParkedJob)
-    if db.uses_sql(alias):
-        return len(db.run(alias, "requeue_lost_wakes", {"timeout": timeout}))
-    with transaction.atomic(using=alias):
-        leased = SlotLease.objects.filter(
-            slot_id=models.OuterRef("slot_id"), task_id=models.OuterRef("task_id")
-        )
-        lost = ParkedJob.objects.filter(woken_at__lt=db.ago(timeout)).filter(
-            Q(queue_limit__isnull=False) | ~models.Exists(leased)
-        )
-        slots: dict[int, int] = {}
-        queues: dict[int, int] = {}
-        for slot_id, queue_id in lost.values_list("slot_id", "queue_limit_id"):
-            if queue_id is not None:
-                queues[queue_id] = queues.get(queue_id, 0) + 1
-            else:
-                slots[slot_id] = slots.get(slot_id, 0) + 1
-        lost.update(woken_at=None)
-        for queue_id, n in sorted(queues.items()):
-            QueueLimit.objects.filter(pk=queue_id).update(parked_jobs=F("parked_jobs") + n)
-        for slot_id, n in slots.items():
-            TenantQueueSlot.objects.filter(pk=slot_id).update(parked_jobs=F("parked_jobs") + n)
-    return len(slots) + len(queues)
+    if not db.uses_sql(alias):
+        return store_orm.requeue_lost_wakes(timeout=timeout)
+    return len(db.run(alias, "requeue_lost_wakes", {"timeout": timeout}))
 
 
 def drop_parked(task_id: str) -> None:

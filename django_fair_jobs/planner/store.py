@@ -17,6 +17,7 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 
 from django_fair_jobs import db
+from django_fair_jobs.planner import store_orm
 
 if TYPE_CHECKING:
     from django_fair_jobs.models import PlannedJob
@@ -158,26 +159,14 @@ def claim_run(task_name: str, *, interval: float, lock_ttl: float) -> uuid.UUID 
     """Take ``task_name``'s planner lock for ``lock_ttl`` seconds if its next run is due
     and nobody holds the lock; schedule the next run ``interval`` seconds on. Returns the
     lock token, or None. One conditional UPDATE: two callers cannot both win."""
-    from django_fair_jobs.models import PlannedJob, PlannerRun
+    from django_fair_jobs.models import PlannedJob
 
-    token = uuid.uuid4()
     alias = router.db_for_write(PlannedJob)
-    if db.uses_sql(alias):
-        params = {"task_name": task_name, "interval": interval, "ttl": lock_ttl,
-                  "token": token}  # fmt: skip
-        return token if db.run(alias, "claim_planner", params) else None
-    PlannerRun.objects.get_or_create(task_name=task_name)
-    claimed = (
-        PlannerRun.objects.filter(task_name=task_name, next_run_at__lte=Now())
-        .filter(Q(locked_until__isnull=True) | Q(locked_until__lt=Now()))
-        .update(
-            locked_until=Now() + models.Value(timedelta(seconds=lock_ttl)),
-            lock_token=token,
-            next_run_at=Now() + models.Value(timedelta(seconds=interval)),
-            last_run_at=Now(),
-        )
-    )
-    return token if claimed else None
+    if not db.uses_sql(alias):
+        return store_orm.claim_run(task_name, interval=interval, lock_ttl=lock_ttl)
+    token = uuid.uuid4()
+    params = {"task_name": task_name, "interval": interval, "ttl": lock_ttl, "token": token}
+    return token if db.run(alias, "claim_planner", params) else None
 
 
 def finish_run(task_name: str, token: uuid.UUID, **outcome: Any) -> None:

@@ -1,6 +1,8 @@
 """Queue limits' storage: the stored limits, and acquire, park, release and wake on a limited
 queue, each one statement on PostgreSQL (the ``*_limited`` and ``wake_queue`` blocks of
-``store.sql`` beside this module) and the same steps through the ORM on other databases."""
+``store.sql`` beside this module). On other databases each of these steps is the function of
+the same name and signature in :mod:`django_fair_jobs.queue_limits.store_orm`; the steps
+that are ORM statements on every database are here."""
 
 from __future__ import annotations
 
@@ -14,20 +16,20 @@ from django.db import (
     transaction,
 )
 from django.db.models import F, Q
-from django.db.models.functions import Coalesce, Greatest, Now
+from django.db.models.functions import Now
 
 from django_fair_jobs import db
 from django_fair_jobs.leases import store as leases
 from django_fair_jobs.leases.types import (
     Grant,
     LimitedAcquisition,
-    LimitedStatus,
     ParkOutcome,
     Woken,
 )
+from django_fair_jobs.queue_limits import store_orm
 
 if TYPE_CHECKING:
-    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+    from django_fair_jobs.models import QueueLimit
 
 
 UNCHANGED: Any = object()
@@ -114,31 +116,36 @@ def try_acquire(
     has no override): both or neither. Creates the tenant's slot row on first use."""
     from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
-    token = uuid.uuid4()
     alias = router.db_for_write(QueueLimit)
+    if not db.uses_sql(alias):
+        return store_orm.try_acquire(
+            queue=queue,
+            tenant=tenant,
+            limit=limit,
+            task_id=task_id,
+            process_id=process_id,
+            node_id=node_id,
+            woken=woken,
+        )
+    token = uuid.uuid4()
+    params: dict[str, Any] = {
+        "queue": queue,
+        "tenant": tenant,
+        "limit": limit,
+        "task_id": task_id,
+        "token": token,
+        "process_id": process_id,
+        "node": str(node_id),
+        "woken": woken,
+    }
     for _ in range(2):
-        if db.uses_sql(alias):
-            params: dict[str, Any] = {
-                "queue": queue,
-                "tenant": tenant,
-                "limit": limit,
-                "task_id": task_id,
-                "token": token,
-                "process_id": process_id,
-                "node": str(node_id),
-                "woken": woken,
-            }
-            try:
-                with db.savepoint_if_needed(alias):
-                    ((status, queue_id, slot_id, in_line, on_slot),) = db.run(
-                        alias, "acquire_limited", params
-                    )
-            except IntegrityError:
-                return LimitedAcquisition("duplicate")
-        else:
-            status, queue_id, slot_id, in_line, on_slot = _acquire_portable(
-                queue, tenant, limit, task_id, token, process_id, node_id, woken
-            )
+        try:
+            with db.savepoint_if_needed(alias):
+                ((status, queue_id, slot_id, in_line, on_slot),) = db.run(
+                    alias, "acquire_limited", params
+                )
+        except IntegrityError:
+            return LimitedAcquisition("duplicate")
         if status != "new_tenant":
             break
         TenantQueueSlot.objects.bulk_create(
@@ -159,66 +166,6 @@ def try_acquire(
     return LimitedAcquisition("held", Grant(slot_id, task_id, token, queue_id))
 
 
-def _acquire_portable(
-    queue: str,
-    tenant: str | None,
-    limit: int,
-    task_id: str,
-    token: uuid.UUID,
-    process_id: uuid.UUID,
-    node_id: uuid.UUID,
-    woken: bool,
-) -> tuple[LimitedStatus, int | None, int | None, int, int]:
-    from django_fair_jobs.models import ParkedJob, QueueLimit, SlotLease, TenantQueueSlot
-
-    node = str(node_id)
-    with transaction.atomic(using=router.db_for_write(QueueLimit)):
-        row = QueueLimit.objects.select_for_update().filter(queue=queue).first()
-        if row is None:
-            return "unlimited", None, None, 0, 0
-        slot = (
-            None
-            if tenant is None
-            else TenantQueueSlot.objects.select_for_update()
-            .filter(tenant=tenant, queue=queue)
-            .first()
-        )
-        mine = Q(queue_limit=row) | Q(slot=slot) if slot is not None else Q(queue_limit=row)
-        existing = list(SlotLease.objects.filter(mine, task_id=task_id))
-        if any(lease.process_id is None and lease.queue_limit_id is None for lease in existing):
-            return "reserved", None, None, 0, 0
-        if existing:
-            return "duplicate", None, None, 0, 0
-        if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
-            return "stale", None, None, 0, 0
-        if tenant is not None and slot is None:
-            return "new_tenant", None, None, 0, 0
-        if _queue_blocked(row, node):
-            return "queue_full", None, None, 0, 0
-        if slot is not None and slot.current_jobs >= _slot_limit(slot, limit):
-            return "full", None, None, 0, 0
-        running = {**row.running, node: int(row.running.get(node, 0)) + 1}
-        QueueLimit.objects.filter(pk=row.pk).update(
-            current_jobs=F("current_jobs") + 1, running=running, updated_at=Now()
-        )
-        if slot is not None:
-            TenantQueueSlot.objects.filter(pk=slot.pk).update(
-                current_jobs=F("current_jobs") + 1, default_max_jobs=limit, updated_at=Now()
-            )
-        SlotLease.objects.create(
-            slot=slot, queue_limit=row, node_id=node_id, task_id=task_id, token=token,
-            process_id=process_id,
-        )  # fmt: skip
-        parked = ParkedJob.objects.filter(task_id=task_id).first()
-        in_line = on_slot = 0
-        if parked is not None:
-            parked.delete()
-            if parked.woken_at is None:
-                in_line = int(parked.queue_limit_id is not None)
-                on_slot = int(parked.queue_limit_id is None)
-    return "held", row.pk, None if slot is None else slot.pk, in_line, on_slot
-
-
 def try_park(
     *,
     queue: str,
@@ -236,71 +183,36 @@ def try_park(
     from django_fair_jobs.models import QueueLimit
 
     alias = router.db_for_write(QueueLimit)
-    if db.uses_sql(alias):
-        params: dict[str, Any] = {
-            "queue": queue,
-            "tenant": tenant,
-            "limit": limit,
-            "task_id": task_id,
-            "task_name": task_name,
-            "signature": signature,
-            "node": str(node_id),
-            "woken": woken,
-        }
-        ((outcome,),) = db.run(alias, "park_limited", params)
-        return outcome  # type: ignore[no-any-return]
-    return _park_portable(queue, tenant, limit, task_id, task_name, signature, str(node_id), woken)
-
-
-def _park_portable(
-    queue: str,
-    tenant: str | None,
-    limit: int,
-    task_id: str,
-    task_name: str,
-    signature: str,
-    node: str,
-    woken: bool,
-) -> ParkOutcome:
-    from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
-
-    with transaction.atomic(using=router.db_for_write(QueueLimit)):
-        refused = leases.park_refused(task_id, woken)
-        if refused is not None:
-            return refused
-        row = QueueLimit.objects.select_for_update().filter(queue=queue).first()
-        slot = (
-            None
-            if tenant is None
-            else TenantQueueSlot.objects.filter(tenant=tenant, queue=queue).first()
-        )
-        tenant_full = slot is not None and slot.current_jobs >= _slot_limit(slot, limit)
-        if row is None or not (_queue_blocked(row, node) or tenant_full):
-            return "room"
-        QueueLimit.objects.filter(pk=row.pk).update(
-            parked_jobs=F("parked_jobs") + 1,
-            deferred_total=F("deferred_total") + 1,
-            updated_at=Now(),
-        )
-        ParkedJob.objects.update_or_create(
+    if not db.uses_sql(alias):
+        return store_orm.try_park(
+            queue=queue,
+            tenant=tenant,
+            limit=limit,
             task_id=task_id,
-            defaults={
-                "slot": slot,
-                "queue_limit": row,
-                "task_name": task_name,
-                "signature": signature,
-                "default_max_jobs": limit,
-                "woken_at": None,
-            },
+            task_name=task_name,
+            signature=signature,
+            node_id=node_id,
+            woken=woken,
         )
-    return "parked"
+    params: dict[str, Any] = {
+        "queue": queue,
+        "tenant": tenant,
+        "limit": limit,
+        "task_id": task_id,
+        "task_name": task_name,
+        "signature": signature,
+        "node": str(node_id),
+        "woken": woken,
+    }
+    ((outcome,),) = db.run(alias, "park_limited", params)
+    return outcome  # type: ignore[no-any-return]
 
 
 def release(grant: Grant) -> tuple[int, int | None] | None:
     """Release ``grant``'s place in its queue and its tenant slot, only if its lease
     is still the holder's. Returns the ``parked_jobs`` of the queue row and of the
     tenant slot (None without one) after the release, or None if the lease was gone."""
-    from django_fair_jobs.models import QueueLimit, SlotLease, TenantQueueSlot
+    from django_fair_jobs.models import QueueLimit
 
     alias = router.db_for_write(QueueLimit)
     params: dict[str, Any] = {
@@ -308,60 +220,25 @@ def release(grant: Grant) -> tuple[int, int | None] | None:
         "task_id": grant.task_id,
         "token": grant.token,
     }
-    if db.uses_sql(alias):
-        rows = db.run(alias, "release_limited", params)
-        if not rows:
-            return None
-        in_line, on_slot = rows[0]
-        return int(in_line or 0), on_slot
-    with transaction.atomic(using=alias):
-        lease = SlotLease.objects.filter(
-            queue_limit_id=grant.queue_limit_id, task_id=grant.task_id, token=grant.token
-        ).first()
-        if lease is None:
-            return None
-        leases.release_leases([lease])
-        in_line = QueueLimit.objects.filter(pk=grant.queue_limit_id or 0).values_list(
-            "parked_jobs", flat=True
-        )
-        on_slot = TenantQueueSlot.objects.filter(pk=grant.slot_id or 0).values_list(
-            "parked_jobs", flat=True
-        )
-        return (in_line.first() or 0), on_slot.first()
+    if not db.uses_sql(alias):
+        return store_orm.release(grant)
+    rows = db.run(alias, "release_limited", params)
+    if not rows:
+        return None
+    in_line, on_slot = rows[0]
+    return int(in_line or 0), on_slot
 
 
 def wake_one(queue_limit_id: int) -> Woken | None:
     """Mark the oldest job of the queue's line that can start now as woken; the caller
     re-publishes it. No place is reserved (see ``wake_queue``)."""
-    from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
+    from django_fair_jobs.models import QueueLimit
 
     alias = router.db_for_write(QueueLimit)
-    if db.uses_sql(alias):
-        rows = db.run(alias, "wake_queue", {"queue_limit_id": queue_limit_id})
-        return Woken(queue_limit_id, *rows[0]) if rows else None
-    with transaction.atomic(using=alias):
-        row = QueueLimit.objects.select_for_update().filter(pk=queue_limit_id).first()
-        if row is None or row.max_jobs_per_worker == 0:
-            return None
-        if row.max_jobs is not None and row.current_jobs >= row.max_jobs:
-            return None
-        slot_room = TenantQueueSlot.objects.filter(
-            pk=models.OuterRef("slot_id"),
-            current_jobs__lt=Coalesce(F("max_jobs"), models.OuterRef("default_max_jobs")),
-        )
-        job = (
-            ParkedJob.objects.filter(queue_limit_id=queue_limit_id, woken_at__isnull=True)
-            .filter(Q(slot__isnull=True) | models.Exists(slot_room))
-            .order_by("id")
-            .first()
-        )
-        if job is None:
-            return None
-        QueueLimit.objects.filter(pk=queue_limit_id).update(
-            parked_jobs=Greatest(F("parked_jobs") - 1, 0)
-        )
-        ParkedJob.objects.filter(pk=job.pk).update(woken_at=Now(), wake_count=F("wake_count") + 1)
-    return Woken(queue_limit_id, job.task_id, job.signature, job.wake_count + 1)
+    if not db.uses_sql(alias):
+        return store_orm.wake_one(queue_limit_id)
+    rows = db.run(alias, "wake_queue", {"queue_limit_id": queue_limit_id})
+    return Woken(queue_limit_id, *rows[0]) if rows else None
 
 
 def with_waiting_room(live_nodes: int) -> list[tuple[int, int]]:
@@ -438,16 +315,3 @@ def _queue_lease_counts(queue_limit_id: int | None) -> dict[int, dict[str, int]]
 def _totals(nodes: dict[str, int]) -> tuple[int, dict[str, int]]:
     """A queue row's ``current_jobs`` and ``running`` for its leases per node."""
     return sum(nodes.values()), dict(nodes)
-
-
-def _queue_blocked(row: QueueLimit, node: str) -> bool:
-    """True if ``row``'s queue is at its cluster-wide limit, or at its per-worker limit on
-    ``node`` (the ORM path's copy of the SQL verdict)."""
-    if row.max_jobs is not None and row.current_jobs >= row.max_jobs:
-        return True
-    on_node = int(row.running.get(node, 0))
-    return row.max_jobs_per_worker is not None and on_node >= row.max_jobs_per_worker
-
-
-def _slot_limit(slot: TenantQueueSlot, limit: int) -> int:
-    return limit if slot.max_jobs is None else slot.max_jobs

@@ -1,13 +1,14 @@
 """Rerouting's storage: enqueue counts per (counting key, tenant) in per-second buckets, and
 reroute counts. On PostgreSQL one statement counts an enqueue, committed at once even
-inside the caller's transaction (on a side connection); other databases use the ORM."""
+inside the caller's transaction (on a side connection). On other databases each step is the
+function of the same name and signature in :mod:`django_fair_jobs.reroute.store_orm`, which
+also holds the reads both share (``database_second``, ``current_counts``, given here too)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -17,27 +18,18 @@ from django.db import (
     OperationalError,
     connections,
     router,
-    transaction,
 )
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import F
-from django.db.models.functions import Greatest, Now
 
 from django_fair_jobs import db
+from django_fair_jobs.reroute import store_orm
+from django_fair_jobs.reroute.store_orm import current_counts as current_counts
+from django_fair_jobs.reroute.store_orm import database_second as database_second
+from django_fair_jobs.reroute.types import Recorded as Recorded
 from django_fair_jobs.sql import queries
 
 if TYPE_CHECKING:
-    from django_fair_jobs.models import TenantWindow
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """The answer of recording an enqueue: the count within each rule's window (in rule
-    order, the enqueue itself included) and the 0-based index of the rule that picks the
-    queue (the last one whose count is above its threshold), or None."""
-
-    counts: tuple[int, ...]
-    rule: int | None
+    pass
 
 
 _side_connections = threading.local()
@@ -105,129 +97,42 @@ def record(
     from django_fair_jobs.models import TenantWindow
 
     alias = router.db_for_write(TenantWindow)
-    if db.uses_sql(alias):
-        params = {
-            "key": key,
-            "tenant": tenant,
-            "task_name": task_name,
-            "at": at,
-            "pers": [per for per, _, _ in rules],
-            "thresholds": [threshold for _, threshold, _ in rules],
-            "queues": [queue for _, _, queue in rules],
-        }
-        connection = _autocommit_connection(alias)
-        try:
-            counts, picked = _count_enqueue(connection, params)
-        except DatabaseError as exc:
-            if connection is connections[alias]:
-                raise
-            _forget_side_connection(alias)
-            # The side connection lives outside Django's request cycle, so nothing
-            # checks it between uses: after a database or pooler restart, or an idle
-            # timeout, it is dead at its next use. One more try on a new one (if the
-            # count committed before its reply was lost, the enqueue counts twice: a
-            # window one higher, no job lost); any other error is raised as it is.
-            if not isinstance(exc, OperationalError | InterfaceError):
-                raise
-            counts, picked = _count_enqueue(_autocommit_connection(alias), params)
-        return Recorded(tuple(counts), None if picked is None else picked - 1)
-    with transaction.atomic(using=alias):
-        return _record_portable(key, tenant, task_name, rules, at)
-
-
-def _record_portable(
-    key: str,
-    tenant: str,
-    task_name: str,
-    rules: Sequence[tuple[int, int, str]],
-    at: datetime | None,
-) -> Recorded:
-    from django_fair_jobs.models import RerouteCount, TenantWindow, WindowBucket
-
-    second = int(at.timestamp()) if at is not None else database_second()
-    window, _ = TenantWindow.objects.get_or_create(
-        key=key, tenant=tenant, defaults={"last_second": second}
-    )
-    TenantWindow.objects.filter(pk=window.pk).update(
-        total=F("total") + 1, last_second=Greatest(F("last_second"), second)
-    )
-    window.refresh_from_db(fields=["total", "last_second"])
-    second, total = window.last_second, window.total
-    if not WindowBucket.objects.filter(window=window, second=second).update(
-        cum=Greatest(F("cum"), total)
-    ):
-        WindowBucket.objects.create(window=window, second=second, cum=total)
-    counts = tuple(total - _cum_before(window.pk, second - per) for per, _, _ in rules)
-    matches = [
-        i
-        for i, (n, (_, threshold, _)) in enumerate(zip(counts, rules, strict=True))
-        if n > threshold
-    ]
-    picked = matches[-1] if matches else None
-    if picked is not None:
-        reroutes, _ = RerouteCount.objects.get_or_create(
-            tenant=tenant, task_name=task_name, queue=rules[picked][2]
-        )
-        RerouteCount.objects.filter(pk=reroutes.pk).update(total=F("total") + 1, last_at=Now())
-    return Recorded(counts, picked)
-
-
-def _cum_before(window_id: int, second: int) -> int:
-    from django_fair_jobs.models import WindowBucket
-
-    cum = (
-        WindowBucket.objects.filter(window_id=window_id, second__lt=second)
-        .order_by("-second")
-        .values_list("cum", flat=True)
-        .first()
-    )
-    return cum or 0
-
-
-def database_second() -> int:
-    """The database clock as a Unix second (SQLite: the host's clock, the same one)."""
-    from django_fair_jobs.models import TenantWindow
-
-    alias = router.db_for_write(TenantWindow)
-    with connections[alias].cursor() as cursor:
-        if db.is_postgres(alias):
-            cursor.execute("SELECT floor(extract(epoch FROM now()))::bigint")
-        else:
-            cursor.execute("SELECT CAST(strftime('%s', 'now') AS INTEGER)")
-        return int(cursor.fetchone()[0])
-
-
-def current_counts(window: TenantWindow, pers: Sequence[int], now: int | None = None) -> list[int]:
-    """How many enqueues each window of ``pers`` seconds holds at Unix second ``now``
-    (default: the database clock's), for the admin."""
-    now = database_second() if now is None else now
-    return [window.total - _cum_before(window.pk, now - per) for per in pers]
+    if not db.uses_sql(alias):
+        return store_orm.record(key=key, tenant=tenant, task_name=task_name, rules=rules, at=at)
+    params = {
+        "key": key,
+        "tenant": tenant,
+        "task_name": task_name,
+        "at": at,
+        "pers": [per for per, _, _ in rules],
+        "thresholds": [threshold for _, threshold, _ in rules],
+        "queues": [queue for _, _, queue in rules],
+    }
+    connection = _autocommit_connection(alias)
+    try:
+        counts, picked = _count_enqueue(connection, params)
+    except DatabaseError as exc:
+        if connection is connections[alias]:
+            raise
+        _forget_side_connection(alias)
+        # The side connection lives outside Django's request cycle, so nothing
+        # checks it between uses: after a database or pooler restart, or an idle
+        # timeout, it is dead at its next use. One more try on a new one (if the
+        # count committed before its reply was lost, the enqueue counts twice: a
+        # window one higher, no job lost); any other error is raised as it is.
+        if not isinstance(exc, OperationalError | InterfaceError):
+            raise
+        counts, picked = _count_enqueue(_autocommit_connection(alias), params)
+    return Recorded(tuple(counts), None if picked is None else picked - 1)
 
 
 def prune(*, max_window: int) -> int:
     """Delete the windows (with their buckets) and reroute counts of tenants idle for
     longer than ``max_window`` seconds, and the other windows' buckets that no window
     reads any more; returns how many windows went."""
-    from django_fair_jobs.models import RerouteCount, TenantWindow, WindowBucket
+    from django_fair_jobs.models import TenantWindow
 
     alias = router.db_for_write(TenantWindow)
-    if db.uses_sql(alias):
-        return int(db.run(alias, "prune_windows", {"max_window": max_window})[0][0])
-    with transaction.atomic(using=alias):
-        cutoff = database_second() - max_window
-        idle = list(
-            TenantWindow.objects.filter(last_second__lt=cutoff).values_list("pk", flat=True)
-        )
-        WindowBucket.objects.filter(window_id__in=idle).delete()
-        TenantWindow.objects.filter(pk__in=idle).delete()
-        RerouteCount.objects.filter(last_at__lt=db.ago(max_window)).delete()
-        for window_id in TenantWindow.objects.values_list("pk", flat=True):
-            anchor = (
-                WindowBucket.objects.filter(window_id=window_id, second__lt=cutoff)
-                .order_by("-second")
-                .values_list("second", flat=True)
-                .first()
-            )
-            if anchor is not None:
-                WindowBucket.objects.filter(window_id=window_id, second__lt=anchor).delete()
-    return len(idle)
+    if not db.uses_sql(alias):
+        return store_orm.prune(max_window=max_window)
+    return int(db.run(alias, "prune_windows", {"max_window": max_window})[0][0])

@@ -1,29 +1,23 @@
 """Tenant slots' storage: acquire, park, release and wake, each one named statement of
-``store.sql`` (beside this module) on PostgreSQL and the same steps through the ORM inside
-``transaction.atomic()`` on other databases (SQLite serializes writers, so the conditional
-UPDATEs stay atomic). Success is judged by the row count of a conditional UPDATE, never by a
-read followed by a write."""
+``store.sql`` (beside this module) on PostgreSQL. On other databases each of these steps is
+the function of the same name and signature in :mod:`django_fair_jobs.slots.store_orm`
+(the contract the room's store tests hold both to); the steps that are ORM statements on
+every database are here. Success is judged by the row count of a conditional UPDATE, never
+by a read followed by a write."""
 
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from django.db import (
-    IntegrityError,
-    models,
-    router,
-    transaction,
-)
+from django.db import IntegrityError, router
 from django.db.models import F
-from django.db.models.functions import Coalesce, Greatest, Now
+from django.db.models.functions import Coalesce
 
 from django_fair_jobs import db
 from django_fair_jobs.leases import store as leases
-from django_fair_jobs.leases.types import AcquireStatus, Acquisition, Grant, ParkOutcome, Woken
-
-if TYPE_CHECKING:
-    pass
+from django_fair_jobs.leases.types import Acquisition, Grant, ParkOutcome, Woken
+from django_fair_jobs.slots import store_orm
 
 
 def try_acquire(
@@ -47,29 +41,34 @@ def try_acquire(
     """
     from django_fair_jobs.models import TenantQueueSlot
 
-    token = uuid.uuid4()
     alias = router.db_for_write(TenantQueueSlot)
-    if db.uses_sql(alias):
-        params: dict[str, Any] = {
-            "tenant": tenant,
-            "queue": queue,
-            "task_id": task_id,
-            "limit": limit,
-            "process_id": process_id,
-            "token": token,
-            "timeout": timeout,
-            "woken": woken,
-        }
-        try:
-            with db.savepoint_if_needed(alias):
-                ((status, slot_id, still_waiting),) = db.run(alias, "acquire", params)
-        except IntegrityError:
-            # Two deliveries of one task id raced for the lease's unique key.
-            return Acquisition("duplicate")
-    else:
-        status, slot_id, still_waiting = _acquire_portable(
-            tenant, queue, task_id, limit, process_id, token, timeout, woken
+    if not db.uses_sql(alias):
+        return store_orm.try_acquire(
+            tenant=tenant,
+            queue=queue,
+            task_id=task_id,
+            limit=limit,
+            process_id=process_id,
+            timeout=timeout,
+            woken=woken,
         )
+    token = uuid.uuid4()
+    params: dict[str, Any] = {
+        "tenant": tenant,
+        "queue": queue,
+        "task_id": task_id,
+        "limit": limit,
+        "process_id": process_id,
+        "token": token,
+        "timeout": timeout,
+        "woken": woken,
+    }
+    try:
+        with db.savepoint_if_needed(alias):
+            ((status, slot_id, still_waiting),) = db.run(alias, "acquire", params)
+    except IntegrityError:
+        # Two deliveries of one task id raced for the lease's unique key.
+        return Acquisition("duplicate")
     if status != "held":
         return Acquisition(status)
     if still_waiting:
@@ -78,67 +77,6 @@ def try_acquire(
             parked_jobs=F("parked_jobs") - 1
         )
     return Acquisition("held", Grant(slot_id=slot_id, task_id=task_id, token=token))
-
-
-def _acquire_portable(
-    tenant: str,
-    queue: str,
-    task_id: str,
-    limit: int,
-    process_id: uuid.UUID,
-    token: uuid.UUID,
-    timeout: float,
-    woken: bool,
-) -> tuple[AcquireStatus, int | None, int]:
-    from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
-
-    with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
-        slot_id = (
-            TenantQueueSlot.objects.filter(tenant=tenant, queue=queue)
-            .values_list("pk", flat=True)
-            .first()
-        )
-        lease = (
-            None
-            if slot_id is None
-            else SlotLease.objects.filter(slot_id=slot_id, task_id=task_id).first()
-        )
-        if lease is not None:
-            live = (
-                lease.process_id is not None
-                and WorkerProcess.objects.filter(
-                    pk=lease.process_id, last_heartbeat_at__gte=db.ago(timeout)
-                ).exists()
-            )
-            if live or lease.queue_limit_id is not None:
-                # A queue path's lease is claimed on the queue path only: its release
-                # alone gives the queue's place back.
-                return "duplicate", None, 0
-            SlotLease.objects.filter(pk=lease.pk).update(
-                process_id=process_id, token=token, acquired_at=Now()
-            )
-        elif woken and not ParkedJob.objects.filter(task_id=task_id).exists():
-            return "stale", None, 0
-        else:
-            if slot_id is None:
-                TenantQueueSlot.objects.bulk_create(
-                    [TenantQueueSlot(tenant=tenant, queue=queue, default_max_jobs=limit)],
-                    ignore_conflicts=True,
-                )
-                slot_id = TenantQueueSlot.objects.get(tenant=tenant, queue=queue).pk
-            taken = TenantQueueSlot.objects.filter(
-                pk=slot_id, current_jobs__lt=Coalesce(F("max_jobs"), limit)
-            ).update(current_jobs=F("current_jobs") + 1, default_max_jobs=limit, updated_at=Now())
-            if not taken:
-                return "full", None, 0
-            SlotLease.objects.create(
-                slot_id=slot_id, task_id=task_id, token=token, process_id=process_id
-            )
-        waiting = ParkedJob.objects.filter(
-            task_id=task_id, slot_id=slot_id, woken_at__isnull=True
-        ).count()
-        ParkedJob.objects.filter(task_id=task_id, slot_id=slot_id).delete()
-    return "held", slot_id, waiting
 
 
 def try_park(
@@ -160,58 +98,27 @@ def try_park(
     from django_fair_jobs.models import TenantQueueSlot
 
     alias = router.db_for_write(TenantQueueSlot)
-    if db.uses_sql(alias):
-        params: dict[str, Any] = {
-            "tenant": tenant,
-            "queue": queue,
-            "task_id": task_id,
-            "task_name": task_name,
-            "limit": limit,
-            "signature": signature,
-            "woken": woken,
-        }
-        ((outcome,),) = db.run(alias, "park", params)
-        return outcome  # type: ignore[no-any-return]
-    return _park_portable(tenant, queue, task_id, task_name, limit, signature, woken)
-
-
-def _park_portable(
-    tenant: str,
-    queue: str,
-    task_id: str,
-    task_name: str,
-    limit: int,
-    signature: str,
-    woken: bool,
-) -> ParkOutcome:
-    from django_fair_jobs.models import ParkedJob, TenantQueueSlot
-
-    with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
-        refused = leases.park_refused(task_id, woken)
-        if refused is not None:
-            return refused
-        updated = TenantQueueSlot.objects.filter(
-            tenant=tenant, queue=queue, current_jobs__gte=Coalesce(F("max_jobs"), limit)
-        ).update(
-            parked_jobs=F("parked_jobs") + 1,
-            deferred_total=F("deferred_total") + 1,
-            updated_at=Now(),
-        )
-        if not updated:
-            return "room"
-        slot = TenantQueueSlot.objects.get(tenant=tenant, queue=queue)
-        ParkedJob.objects.update_or_create(
+    if not db.uses_sql(alias):
+        return store_orm.try_park(
+            tenant=tenant,
+            queue=queue,
             task_id=task_id,
-            defaults={
-                "slot": slot,
-                "queue_limit": None,
-                "task_name": task_name,
-                "signature": signature,
-                "default_max_jobs": limit,
-                "woken_at": None,
-            },
+            task_name=task_name,
+            limit=limit,
+            signature=signature,
+            woken=woken,
         )
-    return "parked"
+    params: dict[str, Any] = {
+        "tenant": tenant,
+        "queue": queue,
+        "task_id": task_id,
+        "task_name": task_name,
+        "limit": limit,
+        "signature": signature,
+        "woken": woken,
+    }
+    ((outcome,),) = db.run(alias, "park", params)
+    return outcome  # type: ignore[no-any-return]
 
 
 def count_deferral(*, tenant: str, queue: str) -> None:
@@ -230,7 +137,7 @@ def release(grant: Grant) -> int | None:
     at most), or None when the lease was already gone (reaped, or taken over by a
     redelivery): a stale holder releases nothing.
     """
-    from django_fair_jobs.models import SlotLease, TenantQueueSlot
+    from django_fair_jobs.models import TenantQueueSlot
 
     alias = router.db_for_write(TenantQueueSlot)
     slot_id = grant.slot_id
@@ -241,22 +148,10 @@ def release(grant: Grant) -> int | None:
         "task_id": grant.task_id,
         "token": grant.token,
     }
-    if db.uses_sql(alias):
-        rows = db.run(alias, "release", params)
-        return int(rows[0][0]) if rows else None
-    with transaction.atomic(using=alias):
-        deleted, _ = SlotLease.objects.filter(
-            slot_id=grant.slot_id, task_id=grant.task_id, token=grant.token
-        ).delete()
-        if not deleted:
-            return None
-        TenantQueueSlot.objects.filter(pk=slot_id, current_jobs__gt=0).update(
-            current_jobs=F("current_jobs") - 1, updated_at=Now()
-        )
-        parked: int = TenantQueueSlot.objects.filter(pk=slot_id).values_list(
-            "parked_jobs", flat=True
-        )[0]
-    return parked
+    if not db.uses_sql(alias):
+        return store_orm.release(grant)
+    rows = db.run(alias, "release", params)
+    return int(rows[0][0]) if rows else None
 
 
 def wake_one(slot_id: int) -> Woken | None:
@@ -268,50 +163,16 @@ def wake_one(slot_id: int) -> Woken | None:
     from django_fair_jobs.models import TenantQueueSlot
 
     alias = router.db_for_write(TenantQueueSlot)
+    if not db.uses_sql(alias):
+        return store_orm.wake_one(slot_id)
     token = uuid.uuid4()
-    if db.uses_sql(alias):
-        try:
-            with db.savepoint_if_needed(alias):
-                rows = db.run(alias, "wake", {"slot_id": slot_id, "token": token})
-        except IntegrityError:
-            # The job already has a lease on this slot: it is running, nothing to wake.
-            return None
-        return Woken(slot_id, *rows[0]) if rows else None
-    return _wake_portable(slot_id, token)
-
-
-def _wake_portable(slot_id: int, token: uuid.UUID) -> Woken | None:
-    from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
-
-    with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
-        slot = TenantQueueSlot.objects.filter(pk=slot_id).values("current_jobs", "max_jobs").first()
-        if slot is None:
-            return None
-        running = SlotLease.objects.filter(slot_id=slot_id, task_id=models.OuterRef("task_id"))
-        # Same choice as the PostgreSQL statement: the oldest job with room under its own
-        # limit whose task holds no lease on the slot.
-        candidates = ParkedJob.objects.filter(
-            slot_id=slot_id, woken_at__isnull=True, queue_limit__isnull=True
-        ).exclude(models.Exists(running))
-        if slot["max_jobs"] is None:
-            candidates = candidates.filter(default_max_jobs__gt=slot["current_jobs"])
-        elif slot["current_jobs"] >= slot["max_jobs"]:
-            return None
-        job = candidates.order_by("id").first()
-        if job is None:
-            return None
-        taken = TenantQueueSlot.objects.filter(
-            pk=slot_id, current_jobs__lt=Coalesce(F("max_jobs"), job.default_max_jobs)
-        ).update(
-            current_jobs=F("current_jobs") + 1,
-            parked_jobs=Greatest(F("parked_jobs") - 1, 0),
-            updated_at=Now(),
-        )
-        if not taken:
-            return None
-        ParkedJob.objects.filter(pk=job.pk).update(woken_at=Now(), wake_count=F("wake_count") + 1)
-        SlotLease.objects.create(slot_id=slot_id, task_id=job.task_id, token=token)
-    return Woken(slot_id, job.task_id, job.signature, job.wake_count + 1)
+    try:
+        with db.savepoint_if_needed(alias):
+            rows = db.run(alias, "wake", {"slot_id": slot_id, "token": token})
+    except IntegrityError:
+        # The job already has a lease on this slot: it is running, nothing to wake.
+        return None
+    return Woken(slot_id, *rows[0]) if rows else None
 
 
 def with_waiting_room() -> list[int]:

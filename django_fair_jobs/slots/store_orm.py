@@ -1,0 +1,203 @@
+"""Tenant slots' storage on databases other than PostgreSQL (SQLite for development): the
+steps :mod:`django_fair_jobs.slots.store` runs as named statements on PostgreSQL, each a
+function of the same name and signature, through the ORM inside ``transaction.atomic()``.
+SQLite serializes writers, so each conditional UPDATE stays atomic; success is judged by its
+row count, never by a read followed by a write."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models, router, transaction
+from django.db.models import F
+from django.db.models.functions import Coalesce, Greatest, Now
+
+from django_fair_jobs import db
+from django_fair_jobs.leases import store as leases
+from django_fair_jobs.leases.types import AcquireStatus, Acquisition, Grant, ParkOutcome, Woken
+
+
+def try_acquire(
+    *,
+    tenant: str,
+    queue: str,
+    task_id: str,
+    limit: int,
+    process_id: uuid.UUID,
+    timeout: float,
+    woken: bool = False,
+) -> Acquisition:
+    """See :func:`django_fair_jobs.slots.store.try_acquire`."""
+    from django_fair_jobs.models import TenantQueueSlot
+
+    token = uuid.uuid4()
+    status, slot_id, still_waiting = _acquire(
+        tenant, queue, task_id, limit, process_id, token, timeout, woken
+    )
+    if status != "held":
+        return Acquisition(status)
+    if still_waiting and slot_id is not None:
+        # A duplicate delivery started while its parked row was still waiting.
+        TenantQueueSlot.objects.filter(pk=slot_id, parked_jobs__gt=0).update(
+            parked_jobs=F("parked_jobs") - 1
+        )
+    return Acquisition("held", Grant(slot_id=slot_id, task_id=task_id, token=token))
+
+
+def _acquire(
+    tenant: str,
+    queue: str,
+    task_id: str,
+    limit: int,
+    process_id: uuid.UUID,
+    token: uuid.UUID,
+    timeout: float,
+    woken: bool,
+) -> tuple[AcquireStatus, int | None, int]:
+    from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+
+    with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
+        slot_id = (
+            TenantQueueSlot.objects.filter(tenant=tenant, queue=queue)
+            .values_list("pk", flat=True)
+            .first()
+        )
+        lease = (
+            None
+            if slot_id is None
+            else SlotLease.objects.filter(slot_id=slot_id, task_id=task_id).first()
+        )
+        if lease is not None:
+            live = (
+                lease.process_id is not None
+                and WorkerProcess.objects.filter(
+                    pk=lease.process_id, last_heartbeat_at__gte=db.ago(timeout)
+                ).exists()
+            )
+            if live or lease.queue_limit_id is not None:
+                # A queue path's lease is claimed on the queue path only: its release
+                # alone gives the queue's place back.
+                return "duplicate", None, 0
+            SlotLease.objects.filter(pk=lease.pk).update(
+                process_id=process_id, token=token, acquired_at=Now()
+            )
+        elif woken and not ParkedJob.objects.filter(task_id=task_id).exists():
+            return "stale", None, 0
+        else:
+            if slot_id is None:
+                TenantQueueSlot.objects.bulk_create(
+                    [TenantQueueSlot(tenant=tenant, queue=queue, default_max_jobs=limit)],
+                    ignore_conflicts=True,
+                )
+                slot_id = TenantQueueSlot.objects.get(tenant=tenant, queue=queue).pk
+            taken = TenantQueueSlot.objects.filter(
+                pk=slot_id, current_jobs__lt=Coalesce(F("max_jobs"), limit)
+            ).update(current_jobs=F("current_jobs") + 1, default_max_jobs=limit, updated_at=Now())
+            if not taken:
+                return "full", None, 0
+            SlotLease.objects.create(
+                slot_id=slot_id, task_id=task_id, token=token, process_id=process_id
+            )
+        waiting = ParkedJob.objects.filter(
+            task_id=task_id, slot_id=slot_id, woken_at__isnull=True
+        ).count()
+        ParkedJob.objects.filter(task_id=task_id, slot_id=slot_id).delete()
+    return "held", slot_id, waiting
+
+
+def try_park(
+    *,
+    tenant: str,
+    queue: str,
+    task_id: str,
+    task_name: str,
+    limit: int,
+    signature: str,
+    woken: bool = False,
+) -> ParkOutcome:
+    """See :func:`django_fair_jobs.slots.store.try_park`."""
+    from django_fair_jobs.models import ParkedJob, TenantQueueSlot
+
+    with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
+        refused = leases.park_refused(task_id, woken)
+        if refused is not None:
+            return refused
+        updated = TenantQueueSlot.objects.filter(
+            tenant=tenant, queue=queue, current_jobs__gte=Coalesce(F("max_jobs"), limit)
+        ).update(
+            parked_jobs=F("parked_jobs") + 1,
+            deferred_total=F("deferred_total") + 1,
+            updated_at=Now(),
+        )
+        if not updated:
+            return "room"
+        slot = TenantQueueSlot.objects.get(tenant=tenant, queue=queue)
+        ParkedJob.objects.update_or_create(
+            task_id=task_id,
+            defaults={
+                "slot": slot,
+                "queue_limit": None,
+                "task_name": task_name,
+                "signature": signature,
+                "default_max_jobs": limit,
+                "woken_at": None,
+            },
+        )
+    return "parked"
+
+
+def release(grant: Grant) -> int | None:
+    """See :func:`django_fair_jobs.slots.store.release`."""
+    from django_fair_jobs.models import SlotLease, TenantQueueSlot
+
+    slot_id = grant.slot_id
+    if slot_id is None:
+        return None
+    with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
+        deleted, _ = SlotLease.objects.filter(
+            slot_id=slot_id, task_id=grant.task_id, token=grant.token
+        ).delete()
+        if not deleted:
+            return None
+        TenantQueueSlot.objects.filter(pk=slot_id, current_jobs__gt=0).update(
+            current_jobs=F("current_jobs") - 1, updated_at=Now()
+        )
+        parked: int = TenantQueueSlot.objects.filter(pk=slot_id).values_list(
+            "parked_jobs", flat=True
+        )[0]
+    return parked
+
+
+def wake_one(slot_id: int) -> Woken | None:
+    """See :func:`django_fair_jobs.slots.store.wake_one`."""
+    from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
+
+    with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
+        slot = TenantQueueSlot.objects.filter(pk=slot_id).values("current_jobs", "max_jobs").first()
+        if slot is None:
+            return None
+        running = SlotLease.objects.filter(slot_id=slot_id, task_id=models.OuterRef("task_id"))
+        # Same choice as the PostgreSQL statement: the oldest job with room under its own
+        # limit whose task holds no lease on the slot.
+        candidates = ParkedJob.objects.filter(
+            slot_id=slot_id, woken_at__isnull=True, queue_limit__isnull=True
+        ).exclude(models.Exists(running))
+        if slot["max_jobs"] is None:
+            candidates = candidates.filter(default_max_jobs__gt=slot["current_jobs"])
+        elif slot["current_jobs"] >= slot["max_jobs"]:
+            return None
+        job = candidates.order_by("id").first()
+        if job is None:
+            return None
+        taken = TenantQueueSlot.objects.filter(
+            pk=slot_id, current_jobs__lt=Coalesce(F("max_jobs"), job.default_max_jobs)
+        ).update(
+            current_jobs=F("current_jobs") + 1,
+            parked_jobs=Greatest(F("parked_jobs") - 1, 0),
+            updated_at=Now(),
+        )
+        if not taken:
+            return None
+        ParkedJob.objects.filter(pk=job.pk).update(woken_at=Now(), wake_count=F("wake_count") + 1)
+        SlotLease.objects.create(slot_id=slot_id, task_id=job.task_id, token=uuid.uuid4())
+    return Woken(slot_id, job.task_id, job.signature, job.wake_count + 1)
