@@ -17,4 +17,4 @@ class FairJobsConfig(AppConfig):
         # Imported for their side effects only: check registration, signal wiring, and
         # the heartbeat's registration hook (identity.on_register), so that a process
         # that registers from any path starts its heartbeat and maintenance threads.
-        from django_fair_jobs import checks, signals, workers  # noqa: F401
+        from django_fair_jobs import checks, maintenance, signals  # noqa: F401

@@ -9,7 +9,7 @@ start, in the main process before the pool forks, so all of a node's processes s
 a restarted node gets a new one; per-worker queue limits count by it.
 
 What a registered process must then run (its heartbeat and maintenance threads) lives in
-:mod:`django_fair_jobs.workers`, which asks to be told through :func:`on_register`; this
+:mod:`django_fair_jobs.maintenance`, which asks to be told through :func:`on_register`; this
 module never imports it.
 """
 
@@ -30,7 +30,7 @@ from django.db.models.functions import Now
 from django_fair_jobs import db
 from django_fair_jobs.conf import fair_settings
 
-logger = logging.getLogger("django_fair_jobs.workers")
+logger = logging.getLogger("django_fair_jobs.identity")
 
 
 @dataclass

@@ -67,7 +67,7 @@ def _on_process_init(**kwargs: Any) -> None:
     # connection inherited from the parent until Celery's Django fixup drops it.
     import threading
 
-    from django_fair_jobs.workers import start_process
+    from django_fair_jobs.maintenance import start_process
 
     threading.Thread(target=start_process, name="fair-jobs-register", daemon=True).start()
 
@@ -78,7 +78,7 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     # A prefork parent runs no task and does not register: the children it forks later
     # must not inherit a live database connection.
     from django_fair_jobs.identity import set_concurrency
-    from django_fair_jobs.workers import start_process
+    from django_fair_jobs.maintenance import start_process
 
     pool = getattr(sender, "pool", None)
     if pool is not None and type(pool).__module__ != "celery.concurrency.prefork":
@@ -91,7 +91,7 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
 @worker_process_shutdown.connect
 def _on_process_shutdown(**kwargs: Any) -> None:
     # A prefork child exits: retire its row so its slots come back at once.
-    from django_fair_jobs.workers import shutdown
+    from django_fair_jobs.maintenance import shutdown
 
     shutdown()
 
@@ -99,7 +99,7 @@ def _on_process_shutdown(**kwargs: Any) -> None:
 @worker_shutdown.connect
 def _on_worker_shutdown(**kwargs: Any) -> None:
     # The solo and threads pools run tasks in the main process.
-    from django_fair_jobs.workers import shutdown
+    from django_fair_jobs.maintenance import shutdown
 
     shutdown()
 

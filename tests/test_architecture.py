@@ -59,7 +59,7 @@ LAYERS: dict[str, int] = {
     "plain_tasks": 5,
     "tasks": 5,
     # L6: what runs the rest and shows it; may import anything below. ``managers``,
-    # ``limits`` and ``windows`` are shims of old import paths (see SHIMS).
+    # ``limits``, ``windows`` and ``workers`` are shims of old import paths (see SHIMS).
     "managers": 6,
     "limits": 6,
     "windows": 6,
@@ -89,7 +89,7 @@ its layout. Empty: none is allowed. Never add one; move the code it needs down i
 ALLOWED_CYCLES: list[list[str]] = []
 """Cycles among modules of one layer. Empty: none is allowed."""
 
-SHIMS = {"managers", "limits", "windows"}
+SHIMS = {"managers", "limits", "windows", "workers"}
 """Modules that only re-export moved names for one release; nothing in the package may
 import them, so that deleting them breaks only old user code."""
 
@@ -365,6 +365,12 @@ OLD_PATHS = {
     "windows.Rule": "reroute.Rule",
     "windows.parse_rules": "reroute.parse_rules",
     "windows.prune": "reroute.prune",
+    "workers.run_maintenance": "maintenance.run_maintenance",
+    "workers.start_process": "maintenance.start_process",
+    "workers.shutdown": "maintenance.shutdown",
+    "workers.MaintenanceReport": "maintenance.MaintenanceReport",
+    "workers.claim_maintenance": "maintenance.claim_maintenance",
+    "workers.dispatch_due": "maintenance.dispatch_due",
 }
 
 
@@ -383,7 +389,9 @@ def test_old_import_path__still_gives_the_moved_name(old: str, new: str) -> None
     assert load(old) is load(new)
 
 
-@pytest.mark.parametrize(("old", "new"), [("limits", "queue_limits"), ("windows", "reroute")])
+@pytest.mark.parametrize(
+    ("old", "new"), [("limits", "queue_limits"), ("windows", "reroute"), ("workers", "maintenance")]
+)
 def test_renamed_room__every_name_is_reachable_by_its_old_path_with_a_warning(
     old: str, new: str
 ) -> None:
@@ -419,10 +427,10 @@ def test_is_fair__a_fair_task_is__a_plain_task_is_not() -> None:
     assert not messages.is_fair(plain) and isinstance(plain, Task)
 
 
-def test_registration__starts_the_heartbeat__though_the_rooms_never_import_workers() -> None:
-    # identity (layer 2) cannot import workers (layer 6); workers hooks itself in when it
-    # is imported, which the app's ready() must guarantee before any job runs. A fresh
-    # interpreter, since this one may have imported workers already.
+def test_registration__starts_the_heartbeat__though_the_rooms_never_import_maintenance() -> None:
+    # identity (layer 2) cannot import maintenance (layer 6); maintenance hooks itself in
+    # when it is imported, which the app's ready() must guarantee before any job runs. A
+    # fresh interpreter, since this one may have imported maintenance already.
     code = (
         "import django; django.setup()\n"
         "from django_fair_jobs import identity\n"
@@ -432,11 +440,12 @@ def test_registration__starts_the_heartbeat__though_the_rooms_never_import_worke
         [sys.executable, "-c", code], capture_output=True, text=True, check=True,
         env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"},
     ).stdout  # fmt: skip
-    assert "django_fair_jobs.workers._start_threads" in out, out
+    assert "django_fair_jobs.maintenance.threads._start_threads" in out, out
 
 
 RETIRED_VERBS = re.compile(
-    r"give_back|gives? back|given back|take_back|takes? back|rewake|re-wake|forget_task"
+    r"give_back|gives? back|given back|take_back|takes? back|rewake|rewoken|re-wake|re-queue"
+    r"|forget_task"
     r"|forget_parked|dispatch\.forget",
     re.IGNORECASE,
 )
@@ -468,7 +477,9 @@ def test_one_verb_per_step__retired_synonyms_appear_nowhere() -> None:
     assert not found, "use the step's verb (docs/concepts.md):\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("room", ["slots", "queue_limits", "reroute", "planner", "leases"])
+@pytest.mark.parametrize(
+    "room", ["slots", "queue_limits", "reroute", "planner", "leases", "maintenance"]
+)
 def test_store_contract__the_orm_store_has_the_postgresql_stores_functions(room: str) -> None:
     import importlib
     import inspect

@@ -27,11 +27,11 @@ from django_fair_jobs import (
     decisions,
     explain,
     identity,
+    maintenance,
     planner,
     queue_limits,
     slots,
     status,
-    workers,
 )
 from django_fair_jobs.checks import check_settings
 from django_fair_jobs.conf import fair_settings
@@ -519,10 +519,10 @@ def test_boost__raises_the_limit_wakes_parked_jobs_records_history_and_ends_by_i
     assert history() == [("python", "", "2", note)]
     assert LimitChange.objects.get(tenant="acme").user == "ops"
     # Nothing ends before its time.
-    assert workers.run_maintenance(timeout=3600).boosts_ended == 0
+    assert maintenance.run_maintenance(timeout=3600).boosts_ended == 0
     assert TenantQueueSlot.objects.get(tenant="acme").max_jobs == 2
     ended = wait_for(
-        lambda: workers.run_maintenance(timeout=3600).boosts_ended, 10, "the boosts to end"
+        lambda: maintenance.run_maintenance(timeout=3600).boosts_ended, 10, "the boosts to end"
     )
     assert ended == 2
     acme, numbered = (TenantQueueSlot.objects.get(tenant=t) for t in ("acme", "numbered"))
@@ -530,7 +530,7 @@ def test_boost__raises_the_limit_wakes_parked_jobs_records_history_and_ends_by_i
     assert (numbered.max_jobs, numbered.boost_until, numbered.boost_restore) == (3, None, None)
     assert history()[-1] == ("maintenance", "2", "", "boost ended")
     assert history("numbered")[-1] == ("maintenance", "5", "3", "boost ended")
-    assert workers.run_maintenance(timeout=3600).boosts_ended == 0
+    assert maintenance.run_maintenance(timeout=3600).boosts_ended == 0
 
 
 def test_boost__of_a_boosted_tenant__keeps_the_override_to_put_back() -> None:
@@ -561,7 +561,7 @@ def test_set_tenant_limit__ends_a_boost_early() -> None:
     stored = TenantQueueSlot.objects.get()
     assert (stored.max_jobs, stored.boost_until, stored.boost_restore) == (2, None, None)
     assert history()[-1] == ("admin", "4", "2", "boost ended early")
-    assert workers.run_maintenance(timeout=3600).boosts_ended == 0
+    assert maintenance.run_maintenance(timeout=3600).boosts_ended == 0
     assert TenantQueueSlot.objects.get().max_jobs == 2
 
 
@@ -768,7 +768,7 @@ def test_maintenance__prunes_decisions_past_the_retention() -> None:
     JobDecision.objects.filter(task_id="old").update(
         at=database_now() - timedelta(seconds=86_400 + 60)
     )
-    report = workers.run_maintenance()
+    report = maintenance.run_maintenance()
     assert report.decisions_pruned == 1
     assert list(JobDecision.objects.values_list("task_id", flat=True)) == ["new"]
     with override_settings(FAIR_JOBS_DECISION_RETENTION=3600):
@@ -785,7 +785,7 @@ def test_maintenance__counts_reaped_leases(process: uuid.UUID) -> None:
     acquire(process, "live", tenant="third")
     WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at=OLD)
     SlotLease.objects.filter(process_id=dead).update(acquired_at=OLD)
-    assert workers.run_maintenance().leases_reaped == 2
+    assert maintenance.run_maintenance().leases_reaped == 2
     assert Maintenance.objects.get(name="reaped").leases_reaped_total == 2
     assert list(SlotLease.objects.values_list("task_id", flat=True)) == ["live"]
     again = uuid.uuid4()
@@ -793,7 +793,7 @@ def test_maintenance__counts_reaped_leases(process: uuid.UUID) -> None:
     acquire(again, "d3")
     WorkerProcess.objects.filter(pk=again).update(last_heartbeat_at=OLD)
     SlotLease.objects.filter(process_id=again).update(acquired_at=OLD)
-    assert workers.run_maintenance().leases_reaped == 1
+    assert maintenance.run_maintenance().leases_reaped == 1
     assert Maintenance.objects.get(name="reaped").leases_reaped_total == 3
     assert status.snapshot()["totals"]["leases_reaped_total"] == 3
 

@@ -312,7 +312,7 @@ def test_live_worker__cpu_bound_job_longer_than_timeout__keeps_its_lease(
     assert lease.process_id is not None
     while not slow.ready():
         # Meanwhile maintenance runs (in the worker, and here): a live holder is never reaped.
-        from django_fair_jobs.workers import run_maintenance
+        from django_fair_jobs.maintenance import run_maintenance
 
         run_maintenance()
         # Lease first, then the finish record: the job records its finish before it

@@ -292,7 +292,7 @@ class QueueLimitAdmin(_BoundedLimits, _QueueAdmin):
 
 
 def _reap(model_admin: Any, request: HttpRequest) -> None:
-    from django_fair_jobs.workers import run_maintenance
+    from django_fair_jobs.maintenance import run_maintenance
 
     report = run_maintenance()
     model_admin.message_user(

@@ -22,7 +22,7 @@ _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 STATEMENT_FILES = (
     "slots/store.sql",
     "leases/store.sql",
-    "sql/maintenance.sql",
+    "maintenance/store.sql",
     "reroute/store.sql",
     "queue_limits/store.sql",
     "planner/store.sql",

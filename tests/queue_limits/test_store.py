@@ -423,8 +423,8 @@ def test_maintenance__recounts_queue_places_from_leases_under_the_row_lock(
     assert queue_store.reconcile_running() == 1
     assert (row().current_jobs, row().running) == (1, {str(NODE_A): 1})
     assert queue_store.reconcile_running() == 0  # nothing left to fix
-    from django_fair_jobs import workers
+    from django_fair_jobs import maintenance
 
     QueueLimit.objects.filter(queue="hooks").update(current_jobs=2, running={})
-    workers.run_maintenance(timeout=60)
+    maintenance.run_maintenance(timeout=60)
     assert (row().current_jobs, row().running) == (1, {str(NODE_A): 1})

@@ -241,7 +241,7 @@ def test_busy_worker__cpu_bound_job__heartbeat_not_starved_never_over_admitted(
         )
         now = database_now()
         stalest = max([stalest, *((now - beat).total_seconds() for beat in beats)])
-        from django_fair_jobs.workers import run_maintenance
+        from django_fair_jobs.maintenance import run_maintenance
 
         run_maintenance()  # a reaper is at hand all along
         # Follower first, then spin's finish: spin records its finish before it gives its

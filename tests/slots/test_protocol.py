@@ -294,7 +294,7 @@ def test_heartbeat__a_shutdown_between_its_wake_and_its_beat__does_not_register_
 
     from django.test import override_settings
 
-    from django_fair_jobs import workers
+    from django_fair_jobs.maintenance import threads
     from django_fair_jobs.models import WorkerProcess
 
     ident = identity.Identity(process_id=uuid.uuid4(), pid=os.getpid(), node="n@h")
@@ -308,7 +308,7 @@ def test_heartbeat__a_shutdown_between_its_wake_and_its_beat__does_not_register_
 
     monkeypatch.setattr(identity, "beat", beat_after_a_shutdown)
     with override_settings(FAIR_JOBS_HEARTBEAT_INTERVAL=0.01):
-        beating = threading.Thread(target=workers._heartbeat_loop, args=(ident,))
+        beating = threading.Thread(target=threads._heartbeat_loop, args=(ident,))
         beating.start()
         beating.join(10)
     assert not beating.is_alive()

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from django_fair_jobs import identity, workers
+from django_fair_jobs import identity, maintenance
 from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.leases.types import Grant
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
@@ -290,10 +290,10 @@ def test_woken_copy__second_copy_while_first_runs__duplicate(process: uuid.UUID)
 def test_maintenance_claim__once_per_interval() -> None:
     from django_fair_jobs.models import Maintenance
 
-    assert workers.claim_maintenance("m", interval=60)
-    assert not workers.claim_maintenance("m", interval=60)
+    assert maintenance.claim_maintenance("m", interval=60)
+    assert not maintenance.claim_maintenance("m", interval=60)
     Maintenance.objects.update(last_run_at="2000-01-01T00:00:00Z")
-    assert workers.claim_maintenance("m", interval=60)
+    assert maintenance.claim_maintenance("m", interval=60)
 
 
 def wake_all(slot_id: int) -> list[str]:

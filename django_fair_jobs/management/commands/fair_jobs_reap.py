@@ -29,7 +29,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from django_fair_jobs.workers import run_maintenance
+        from django_fair_jobs.maintenance import run_maintenance
 
         timeout = options["timeout"]
         interval = fair_settings.HEARTBEAT_INTERVAL
@@ -44,7 +44,7 @@ class Command(BaseCommand):
             f"Reaped {report.leases_reaped} lease(s) on {report.slots_reaped} tenant slot(s) "
             f"and {report.queues_reaped} queue(s) "
             f"(timeout {timeout or fair_settings.WORKER_TIMEOUT} s); woke "
-            f"{report.jobs_woken} parked job(s); re-queued {report.lost_rewoken} lost "
+            f"{report.jobs_woken} parked job(s); requeued {report.wakes_requeued} lost "
             f"wake-up(s); fixed {report.counters_fixed} counter(s); pruned "
             f"{report.windows_pruned} idle rerouting window(s); ended {report.boosts_ended} "
             f"boost(s)."

@@ -59,6 +59,7 @@ from django_fair_jobs import identity, planner
 from django_fair_jobs.admin import DASHBOARD_TENANTS
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.leases.types import Grant
+from django_fair_jobs.maintenance import run_maintenance
 from django_fair_jobs.models import (
     PlannedJob,
     SlotLease,
@@ -68,7 +69,6 @@ from django_fair_jobs.models import (
 from django_fair_jobs.reroute import prune
 from django_fair_jobs.reroute import store as reroute_store
 from django_fair_jobs.slots import store as slot_store
-from django_fair_jobs.workers import run_maintenance
 
 QUEUE = "bench.load"
 SLOTS_TASK = "bench.slots_job"

@@ -1,0 +1,182 @@
+"""One maintenance pass: reap dead holders on every queue, requeue lost wake-ups, wake
+jobs that have room, end boosts, prune idle windows and old decisions, and repair fair
+dispatch. It runs at most once per ``FAIR_JOBS_HEARTBEAT_INTERVAL`` across the cluster,
+whoever claims it, with no beat schedule; ``manage.py fair_jobs_reap`` runs the same pass
+by hand, at once."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.leases import store as lease_store
+from django_fair_jobs.maintenance.store import claim_maintenance, count_reaped
+from django_fair_jobs.queue_limits import store as queue_store
+from django_fair_jobs.slots import store as slot_store
+
+logger = logging.getLogger("django_fair_jobs.maintenance")
+
+
+_WINDOW_PRUNE_INTERVAL = 60.0
+"""Seconds between two prunes of idle rerouting windows, cluster-wide."""
+
+
+@dataclass(frozen=True)
+class MaintenanceReport:
+    """What one maintenance pass did."""
+
+    leases_reaped: int
+    slots_reaped: int
+    queues_reaped: int
+    wakes_requeued: int
+    jobs_woken: int
+    counters_fixed: int
+    windows_pruned: int = 0
+    boosts_ended: int = 0
+    decisions_pruned: int = 0
+    dispatch_requeued: int = 0
+    dispatch_dropped: int = 0
+    dispatch_republished: int = 0
+    dispatch_dispatched: int = 0
+
+
+def maybe_run_maintenance() -> MaintenanceReport | None:
+    """Run a maintenance pass if no process in the cluster ran one within the last
+    ``FAIR_JOBS_HEARTBEAT_INTERVAL``; called by every heartbeat. Returns None if skipped.
+
+    Pacing it cluster-wide keeps the write load of maintenance constant however many
+    processes beat, so heartbeats are never starved by it (on SQLite, every write contends
+    for one lock)."""
+
+    # A little under the interval, so that beats arriving on time are not skipped by
+    # rounding, while two passes still cannot run within one interval.
+    if not claim_maintenance("maintenance", interval=fair_settings.HEARTBEAT_INTERVAL * 0.9):
+        return None
+    return run_maintenance()
+
+
+def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
+    """Reap dead holders on every queue, return lost wake-ups to line, and wake jobs that
+    have room (on tenant slots and in limited queues' lines).
+
+    ``timeout`` defaults to ``FAIR_JOBS_WORKER_TIMEOUT``. Safe to run from several
+    processes at once.
+    """
+    from django_fair_jobs import decisions
+    from django_fair_jobs.queue_limits import wake_waiting
+    from django_fair_jobs.reroute import prune as prune_windows
+    from django_fair_jobs.slots import end_boosts, wake
+
+    if timeout is None:
+        timeout = fair_settings.WORKER_TIMEOUT
+    reaped = lease_store.reap(timeout=timeout)
+    if reaped.leases:
+        count_reaped(reaped.leases)
+    boosts_ended = end_boosts()
+    lost = lease_store.requeue_lost_wakes(timeout=timeout)
+    fixed = (
+        slot_store.reconcile_parked()
+        + queue_store.reconcile_parked()
+        + queue_store.reconcile_running()
+    )
+    woken = wake_waiting()
+    for slot_id in slot_store.with_waiting_room():
+        woken += wake(slot_id, limit=None)
+    pruned = 0
+    # Idle windows age by the day, not by the beat: a scan a minute is plenty.
+    if claim_maintenance("windows", interval=_WINDOW_PRUNE_INTERVAL):
+        pruned = prune_windows()
+        decisions_pruned = decisions.prune()
+    else:
+        decisions_pruned = 0
+    repaired = _repair_dispatch()
+    report = MaintenanceReport(
+        leases_reaped=reaped.leases,
+        slots_reaped=len(reaped.slots),
+        queues_reaped=len(reaped.queues),
+        wakes_requeued=lost,
+        jobs_woken=woken,
+        counters_fixed=fixed,
+        windows_pruned=pruned,
+        boosts_ended=boosts_ended,
+        decisions_pruned=decisions_pruned,
+        dispatch_requeued=repaired.requeued,
+        dispatch_dropped=repaired.dropped,
+        dispatch_republished=repaired.republished,
+        dispatch_dispatched=repaired.dispatched,
+    )
+    _log_maintenance(report)
+    return report
+
+
+def _log_maintenance(report: MaintenanceReport) -> None:
+    """Log what a maintenance pass did, if it did anything."""
+    if report.dispatch_requeued or report.dispatch_dropped or report.dispatch_republished:
+        logger.info(
+            "Maintenance: fair dispatch put %s jobs of dead workers back in line, dropped %s "
+            "(not acks_late), published %s again (not started in time), dispatched %s",
+            report.dispatch_requeued, report.dispatch_dropped, report.dispatch_republished,
+            report.dispatch_dispatched,
+        )  # fmt: skip
+    if (
+        report.leases_reaped or report.jobs_woken or report.wakes_requeued or report.counters_fixed
+        or report.windows_pruned or report.boosts_ended or report.decisions_pruned
+    ):  # fmt: skip
+        logger.info(
+            "Maintenance: reaped %s leases on %s tenant slots and %s queues, requeued %s "
+            "lost wake-ups, woke %s parked jobs, fixed %s counters, pruned %s idle windows "
+            "and %s old decisions, ended %s boosts",
+            report.leases_reaped, report.slots_reaped, report.queues_reaped,
+            report.wakes_requeued, report.jobs_woken, report.counters_fixed,
+            report.windows_pruned, report.decisions_pruned, report.boosts_ended,
+        )  # fmt: skip
+
+
+def refresh_capacity() -> dict[str, int]:
+    """Recount every dispatched queue's capacity from the live worker processes; returns
+    the queues whose room grew, with their capacity."""
+    from django_fair_jobs import dispatch
+
+    return dispatch.refresh_capacity(fair_settings.DISPATCH_SLACK, fair_settings.WORKER_TIMEOUT)
+
+
+def dispatch_into_new_capacity() -> int:
+    """After this process registered: recount every queue's capacity and dispatch into
+    the queues whose room grew. Returns how many jobs were published."""
+    from celery import current_app
+
+    from django_fair_jobs import dispatch
+
+    published = 0
+    for queue in refresh_capacity():
+        published += dispatch.publish(current_app, dispatch.dispatch(queue))
+    return published
+
+
+def retry_pending_ends() -> int:
+    """Retry the ends of dispatched jobs this process could not record earlier; returns
+    how many were recorded."""
+    from celery import current_app
+
+    from django_fair_jobs import admission
+
+    return admission.retry_pending_ends(current_app)
+
+
+def _repair_dispatch() -> Any:
+    from celery import current_app
+
+    from django_fair_jobs import dispatch
+
+    try:
+        return dispatch.repair(
+            current_app,
+            timeout=fair_settings.WORKER_TIMEOUT,
+            lost_after=fair_settings.DISPATCH_LOST_AFTER,
+            slack_per_node=fair_settings.DISPATCH_SLACK,
+        )
+    except Exception:
+        logger.exception("Fair dispatch maintenance failed; it runs again next pass")
+        return dispatch.Repaired()
