@@ -15,6 +15,7 @@ from typing import Any
 
 from django.db import DatabaseError
 
+from django_fair_jobs import db
 from django_fair_jobs.conf import fair_settings
 
 logger = logging.getLogger("django_fair_jobs.decisions")
@@ -56,10 +57,9 @@ def prune() -> int:
     """Delete decisions older than ``FAIR_JOBS_DECISION_RETENTION``; returns how many."""
     from datetime import timedelta
 
-    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import JobDecision
 
-    cutoff = database_now() - timedelta(seconds=fair_settings.DECISION_RETENTION)
+    cutoff = db.database_now() - timedelta(seconds=fair_settings.DECISION_RETENTION)
     deleted = 0
     while True:
         ids = list(

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django_fair_jobs import db, planner
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.planner import store as planner_store
 from django_fair_jobs.status import age
@@ -68,11 +69,10 @@ def explain(task_id: str) -> Explanation:
     """Say where job ``task_id`` is and why it has not started (or what it holds while it
     runs), from the library's rows: leases, parked jobs, virtual queues and recorded
     decisions. Read-only; a few indexed queries."""
-    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob, SlotLease
 
     task_id = str(task_id)
-    now = database_now()
+    now = db.database_now()
     decisions = [
         {"at": d.at.isoformat(), "mechanism": d.mechanism, "action": d.action,
          "enforced": d.enforced, "queue": d.queue, "tenant": d.tenant or None,
@@ -200,7 +200,6 @@ def _planner_details(
     """Add the planner's side of a pending planned job to ``details`` (its tenant's weight,
     the last run, the queue's latency and backpressure); returns its task (None if not
     registered here), the queue's latency, the plan's threshold and whether it holds back."""
-    from django_fair_jobs import planner
     from django_fair_jobs.models import PlannerRun
 
     task = next((t for t in planner.planned_tasks() if t.name == planned.task_name), None)
@@ -232,7 +231,6 @@ def _planner_details(
 
 
 def _planned(planned: Any, now: datetime) -> Explanation:
-    from django_fair_jobs import planner
     from django_fair_jobs.models import PlannedJob, PlannerTenant
 
     details: dict[str, Any] = {

@@ -1,5 +1,5 @@
 """Celery signal handlers: check at worker start, keep the worker's database connection
-sound between jobs, give slots back when a process stops or a job is revoked."""
+sound between jobs, release slots when a process stops or a job is revoked."""
 
 from __future__ import annotations
 
@@ -17,6 +17,18 @@ from celery.signals import (
     worker_shutdown,
 )
 
+from django_fair_jobs import (
+    admission,
+    checks,
+    dispatch,
+    identity,
+    maintenance,
+    plain_tasks,
+    planner,
+    queue_limits,
+)
+from django_fair_jobs.conf import fair_settings
+
 logger = logging.getLogger("django_fair_jobs.signals")
 
 
@@ -27,13 +39,8 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
     # limits for queues that have none stored, and the plain-task hook if asked for.
     from django.db import connections
 
-    from django_fair_jobs import plain_tasks, queue_limits
-    from django_fair_jobs.checks import fail_fast_on_bad_settings
-    from django_fair_jobs.conf import fair_settings
-    from django_fair_jobs.identity import start_node
-
-    fail_fast_on_bad_settings()
-    start_node(getattr(sender, "hostname", None))
+    checks.fail_fast_on_bad_settings()
+    identity.start_node(getattr(sender, "hostname", None))
     try:
         queue_limits.seed()
     except Exception:
@@ -67,9 +74,9 @@ def _on_process_init(**kwargs: Any) -> None:
     # connection inherited from the parent until Celery's Django fixup drops it.
     import threading
 
-    from django_fair_jobs.maintenance import start_process
-
-    threading.Thread(target=start_process, name="fair-jobs-register", daemon=True).start()
+    threading.Thread(
+        target=maintenance.start_process, name="fair-jobs-register", daemon=True
+    ).start()
 
 
 @worker_ready.connect
@@ -77,31 +84,27 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     # The solo and threads pools run tasks in the main process, which beats from now on.
     # A prefork parent runs no task and does not register: the children it forks later
     # must not inherit a live database connection.
-    from django_fair_jobs.identity import set_concurrency
-    from django_fair_jobs.maintenance import start_process
 
     pool = getattr(sender, "pool", None)
     if pool is not None and type(pool).__module__ != "celery.concurrency.prefork":
         # A threads pool runs as many jobs at once as it has threads (fair dispatch's
         # capacity); solo runs one.
-        set_concurrency(int(getattr(pool, "limit", None) or 1))
-        start_process()
+        identity.set_concurrency(int(getattr(pool, "limit", None) or 1))
+        maintenance.start_process()
 
 
 @worker_process_shutdown.connect
 def _on_process_shutdown(**kwargs: Any) -> None:
     # A prefork child exits: retire its row so its slots come back at once.
-    from django_fair_jobs.maintenance import shutdown
 
-    shutdown()
+    maintenance.shutdown()
 
 
 @worker_shutdown.connect
 def _on_worker_shutdown(**kwargs: Any) -> None:
     # The solo and threads pools run tasks in the main process.
-    from django_fair_jobs.maintenance import shutdown
 
-    shutdown()
+    maintenance.shutdown()
 
 
 @task_revoked.connect
@@ -115,15 +118,11 @@ def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: An
     # SoftTimeLimitExceeded, a task may handle SIGTERM). Its running lease goes only once
     # that process is gone; until then it is the job's, and its own release frees it.
     try:
-        from django_fair_jobs.planner import started
-
-        started(str(task_id))  # a revoked planned job's row goes: it no longer counts
+        planner.started(str(task_id))  # a revoked planned job's row goes: it no longer counts
         pids = _pool_pids_running(str(task_id)) if terminated else []
         _drop(str(task_id), terminated=bool(terminated) and not pids)
         if pids:
-            from django_fair_jobs.identity import when_gone
-
-            when_gone(pids, lambda: _drop(str(task_id), terminated=True))
+            identity.when_gone(pids, lambda: _drop(str(task_id), terminated=True))
     except Exception:
         logger.exception("Could not drop the slots of revoked job %s", task_id)
     finally:
@@ -139,10 +138,7 @@ def _drop(task_id: str, *, terminated: bool) -> None:
     lease and row too if it was ``terminated`` (its process is gone)."""
     from celery import current_app
 
-    from django_fair_jobs import dispatch
-    from django_fair_jobs.admission import drop_task
-
-    drop_task(task_id, terminated=terminated)
+    admission.drop_task(task_id, terminated=terminated)
     dispatch.drop(current_app, task_id, terminated=terminated)
 
 

@@ -20,6 +20,7 @@ import functools
 from datetime import datetime, timedelta
 from typing import Any
 
+from django_fair_jobs import db
 from django_fair_jobs.conf import fair_settings
 
 SMALL_BACKLOG = 10
@@ -184,11 +185,10 @@ def fairness(tenant_rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def snapshot() -> dict[str, Any]:
     """Everything the dashboard shows, as JSON-ready data (see the module docstring)."""
-    from django_fair_jobs.db import database_now
     from django_fair_jobs.planner import status as planner_status
     from django_fair_jobs.queue_limits import queue_status
 
-    now = database_now()
+    now = db.database_now()
     tenant_rows = tenants(now)
     return {
         "at": now.isoformat(),

@@ -11,6 +11,7 @@ from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
+from django_fair_jobs import db
 from django_fair_jobs.admin.base import (
     EstimatedCountPaginator,
     RecentValuesFilter,
@@ -199,10 +200,9 @@ class PlannerTenantAdmin(_PlannerTenantAdmin):
         )  # fmt: skip
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
-        from django_fair_jobs.db import database_now
 
         # Ages on the database clock, read once for the page.
-        self._now = database_now()
+        self._now = db.database_now()
         return super().changelist_view(request, extra_context)
 
     @admin.display(description="pending", ordering="pending_count")

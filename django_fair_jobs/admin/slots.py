@@ -10,6 +10,7 @@ from django.contrib import admin, messages
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 
+from django_fair_jobs import db
 from django_fair_jobs.admin.base import (
     EstimatedCountPaginator,
     RecentValuesFilter,
@@ -71,11 +72,8 @@ class TenantSlotForm(_SlotForm):
             raise forms.ValidationError("A boost needs both a limit and an end time.")
         if boost is not None and "max_jobs" in self.changed_data:
             raise forms.ValidationError("Change max_jobs or set a boost, not both at once.")
-        if until is not None:
-            from django_fair_jobs.db import database_now
-
-            if until <= database_now():
-                raise forms.ValidationError("A boost must end in the future.")
+        if until is not None and until <= db.database_now():
+            raise forms.ValidationError("A boost must end in the future.")
         return data
 
 

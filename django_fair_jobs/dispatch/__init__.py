@@ -50,6 +50,7 @@ from kombu.utils.json import dumps, loads
 
 from django_fair_jobs import db, validation
 from django_fair_jobs import headers as fair_headers
+from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.dispatch.types import BATCH as BATCH
 from django_fair_jobs.dispatch.types import Job as Job
 from django_fair_jobs.dispatch.types import Ready as Ready
@@ -106,7 +107,6 @@ def parse(raw: Any) -> Options | None:
     problems = option_errors(raw)
     if problems:
         raise DispatchError("; ".join(problems))
-    from django_fair_jobs.conf import fair_settings
 
     spec = raw.get("tenant_weights") if isinstance(raw, Mapping) else None
     if spec is None:
@@ -165,7 +165,6 @@ def prepare(
     """Freeze a job to wait in its tenant's line: its queue, its due time and the
     signature that re-publishes it unchanged. Raises :class:`DispatchError` without a
     tenant or when the job cannot be stored as JSON."""
-    from django_fair_jobs.conf import fair_settings
 
     tenant = tenant if tenant is not None else fair_settings.PLANNER_DEFAULT_TENANT
     if tenant is None:

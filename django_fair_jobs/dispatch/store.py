@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import connections, transaction
 
 from django_fair_jobs.dispatch.models import DISPATCHED, RUNNING
+from django_fair_jobs.dispatch.types import BATCH, Job, Ready, Started
 from django_fair_jobs.sql import queries
-
-if TYPE_CHECKING:
-    from django_fair_jobs.dispatch.types import Job, Ready, Started
 
 MAX_BACKOFF = 60.0
 """Longest wait before a job whose publish failed is tried again (seconds)."""
@@ -34,7 +32,6 @@ class Store:
 
     @staticmethod
     def _ready(rows: list[tuple[Any, ...]]) -> list[Ready]:
-        from django_fair_jobs.dispatch.types import Ready
 
         return [Ready(int(job_id), signature) for job_id, signature in rows if job_id is not None]
 
@@ -76,7 +73,6 @@ class Store:
 
     def start(self, job_id: int, process_id: uuid.UUID) -> Started:
         """See :func:`django_fair_jobs.dispatch.start`."""
-        from django_fair_jobs.dispatch.types import Started
 
         rows = self._rows("dispatch_start", {"job": job_id, "process": process_id})
         if not rows:  # the tenant row is gone: the job still started
@@ -205,7 +201,6 @@ class Store:
 
 
 def _batch() -> int:
-    from django_fair_jobs.dispatch.types import BATCH
 
     return BATCH
 

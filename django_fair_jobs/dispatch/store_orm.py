@@ -5,7 +5,7 @@ one writing transaction at a time, so each step sees no concurrent change."""
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import transaction
 from django.db.models import F, Q
@@ -22,9 +22,7 @@ from django_fair_jobs.dispatch.models import (
     DispatchQueue,
     DispatchTenant,
 )
-
-if TYPE_CHECKING:
-    from django_fair_jobs.dispatch.types import Job, Ready, Started
+from django_fair_jobs.dispatch.types import BATCH, Job, Ready, Started
 
 
 class Store(pg_store.Store):
@@ -65,7 +63,6 @@ class Store(pg_store.Store):
             tenant.save(update_fields=["waiting", "head_id", "pass_value"])
 
     def _dispatch(self, queue: str, limit: int) -> list[Ready]:
-        from django_fair_jobs.dispatch.types import Ready
         from django_fair_jobs.models import TenantQueueSlot
 
         row = self._queues().filter(queue=queue).first()
@@ -131,7 +128,6 @@ class Store(pg_store.Store):
 
     def enqueue(self, job: Job) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue`."""
-        from django_fair_jobs.dispatch.types import BATCH
 
         with transaction.atomic(using=self.alias):
             if self._put(job):
@@ -169,7 +165,6 @@ class Store(pg_store.Store):
 
     def enqueue_many(self, jobs: list[Job]) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue_many` (one transaction)."""
-        from django_fair_jobs.dispatch.types import BATCH
 
         ready: list[Ready] = []
         with transaction.atomic(using=self.alias):
@@ -181,7 +176,6 @@ class Store(pg_store.Store):
 
     def start(self, job_id: int, process_id: uuid.UUID) -> Started:
         """See :func:`django_fair_jobs.dispatch.start`."""
-        from django_fair_jobs.dispatch.types import Started
         from django_fair_jobs.models import TenantQueueSlot
 
         with transaction.atomic(using=self.alias):
@@ -220,8 +214,6 @@ class Store(pg_store.Store):
         from datetime import timedelta
 
         from django.utils import timezone
-
-        from django_fair_jobs.dispatch.types import BATCH
 
         back = not ended and delay <= 0
         with transaction.atomic(using=self.alias):
@@ -301,7 +293,6 @@ class Store(pg_store.Store):
 
     def lost(self, lost_after: float) -> list[Ready]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.lost`."""
-        from django_fair_jobs.dispatch.types import Ready
 
         with transaction.atomic(using=self.alias):
             stale = self._jobs().filter(

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from django_fair_jobs import admission, decisions, dispatch, queue_limits, reroute, slots
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.maintenance.store import claim_maintenance, count_reaped
@@ -64,30 +65,26 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
     ``timeout`` defaults to ``FAIR_JOBS_WORKER_TIMEOUT``. Safe to run from several
     processes at once.
     """
-    from django_fair_jobs import decisions
-    from django_fair_jobs.queue_limits import wake_waiting
-    from django_fair_jobs.reroute import prune as prune_windows
-    from django_fair_jobs.slots import end_boosts, wake
 
     if timeout is None:
         timeout = fair_settings.WORKER_TIMEOUT
     reaped = lease_store.reap(timeout=timeout)
     if reaped.leases:
         count_reaped(reaped.leases)
-    boosts_ended = end_boosts()
+    boosts_ended = slots.end_boosts()
     lost = lease_store.requeue_lost_wakes(timeout=timeout)
     fixed = (
         slot_store.reconcile_parked()
         + queue_store.reconcile_parked()
         + queue_store.reconcile_running()
     )
-    woken = wake_waiting()
+    woken = queue_limits.wake_waiting()
     for slot_id in slot_store.with_waiting_room():
-        woken += wake(slot_id, limit=None)
+        woken += slots.wake(slot_id, limit=None)
     pruned = 0
     # Idle windows age by the day, not by the beat: a scan a minute is plenty.
     if claim_maintenance("windows", interval=_WINDOW_PRUNE_INTERVAL):
-        pruned = prune_windows()
+        pruned = reroute.prune()
         decisions_pruned = decisions.prune()
     else:
         decisions_pruned = 0
@@ -137,7 +134,6 @@ def _log_maintenance(report: MaintenanceReport) -> None:
 def refresh_capacity() -> dict[str, int]:
     """Recount every dispatched queue's capacity from the live worker processes; returns
     the queues whose room grew, with their capacity."""
-    from django_fair_jobs import dispatch
 
     return dispatch.refresh_capacity(fair_settings.DISPATCH_SLACK, fair_settings.WORKER_TIMEOUT)
 
@@ -146,8 +142,6 @@ def dispatch_into_new_capacity() -> int:
     """After this process registered: recount every queue's capacity and dispatch into
     the queues whose room grew. Returns how many jobs were published."""
     from celery import current_app
-
-    from django_fair_jobs import dispatch
 
     published = 0
     for queue in refresh_capacity():
@@ -160,15 +154,11 @@ def retry_pending_ends() -> int:
     how many were recorded."""
     from celery import current_app
 
-    from django_fair_jobs import admission
-
     return admission.retry_pending_ends(current_app)
 
 
 def _repair_dispatch() -> Any:
     from celery import current_app
-
-    from django_fair_jobs import dispatch
 
     try:
         return dispatch.repair(

@@ -19,7 +19,7 @@ import threading
 
 from django.db import close_old_connections, connections
 
-from django_fair_jobs import identity
+from django_fair_jobs import admission, dispatch, identity, planner
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.maintenance import passes
 
@@ -48,7 +48,6 @@ def start_process() -> None:
 def _start_threads(ident: identity.Identity) -> None:
     """Start a newly registered process's threads: heartbeat, maintenance, the due poll
     (one process per node) and the planner's."""
-    from django_fair_jobs.planner import start_thread
 
     ident.thread = threading.Thread(
         target=_heartbeat_loop, args=(ident,), name="fair-jobs-heartbeat", daemon=True
@@ -59,7 +58,7 @@ def _start_threads(ident: identity.Identity) -> None:
     ).start()
     if _polls_due():
         threading.Thread(target=_due_loop, args=(ident,), name="fair-jobs-due", daemon=True).start()
-    start_thread(ident.stop)
+    planner.start_thread(ident.stop)
 
 
 identity.on_register(_start_threads)
@@ -99,8 +98,6 @@ def _maintenance_loop(ident: identity.Identity) -> None:
     """Once per interval: retry this process's failed releases, ends and planned starts,
     and take part in the cluster's maintenance pass. Each of them may publish (wake-ups,
     dispatches), so a broker that stops answering blocks this thread, never the heartbeat."""
-    from django_fair_jobs.admission import retry_pending_releases
-    from django_fair_jobs.planner import retry_pending_starts
 
     try:
         while not ident.stop.wait(fair_settings.HEARTBEAT_INTERVAL):
@@ -108,9 +105,9 @@ def _maintenance_loop(ident: identity.Identity) -> None:
                 return  # a forked copy of this thread's owner
             try:
                 close_old_connections()
-                retry_pending_releases()
+                admission.retry_pending_releases()
                 passes.retry_pending_ends()
-                retry_pending_starts()
+                planner.retry_pending_starts()
                 passes.maybe_run_maintenance()
             except Exception:
                 # A database outage must not end the loop: try again next interval.
@@ -156,8 +153,6 @@ def dispatch_due() -> int:
     """Dispatch the queues this worker consumes that hold countdowns or ETAs come due;
     returns how many jobs were published."""
     from celery import current_app
-
-    from django_fair_jobs import dispatch
 
     published = 0
     for queue in dispatch.due_queues(identity.consumed_queues()):

@@ -43,11 +43,12 @@ from dataclasses import dataclass
 from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django import db
+from django import db as django_db
 from django.utils import timezone
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import dumps, loads
 
+from django_fair_jobs import db
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import (
@@ -71,6 +72,8 @@ from django_fair_jobs.planner.stride import Allocation as Allocation
 from django_fair_jobs.planner.stride import allocate as allocate
 from django_fair_jobs.planner.stride import wait_bound as wait_bound
 from django_fair_jobs.planner.stride import weights as weights
+from django_fair_jobs.routing import declared_queue
+from django_fair_jobs.tenants import for_log, normalize_tenant
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -92,8 +95,8 @@ is not counted (:data:`TRANSIENT_ERRORS`)."""
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     KombuOperationalError,
     OSError,
-    db.OperationalError,
-    db.InterfaceError,
+    django_db.OperationalError,
+    django_db.InterfaceError,
 )
 """Errors of a publish that say the broker or the database is unreachable, not that the
 job is wrong: the tenant's batch stays in line untouched (Celery already retried the
@@ -126,8 +129,6 @@ def _row(
     task: Task[Any, Any], tenant: Any, args: Any, kwargs: Any, options: dict[str, Any]
 ) -> PlannedJob:
     from django_fair_jobs.models import PlannedJob
-    from django_fair_jobs.routing import declared_queue
-    from django_fair_jobs.tenants import normalize_tenant
 
     tenant = normalize_tenant(tenant) or fair_settings.PLANNER_DEFAULT_TENANT
     if tenant is None:
@@ -344,7 +345,6 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
     from django.db.models import F
 
     from django_fair_jobs.models import PlannerRun, PlannerTenant
-    from django_fair_jobs.tenants import for_log
 
     name = task.name
     allocated = _allocation(name, plan)
@@ -397,7 +397,6 @@ def _publish(app: Celery, row: PlannedJob) -> None:
 def _gave_up(app: Celery, row: PlannedJob, exc: BaseException) -> None:
     """A planned job failed for good: log it, and end its result in FAILURE so that a
     caller waiting on its ``AsyncResult`` learns why instead of waiting for ever."""
-    from django_fair_jobs.tenants import for_log
 
     logger.error(
         "Planned job %s of %s (tenant %s) failed %s publishes and will not be promoted: %s",
@@ -474,10 +473,9 @@ def status(app: Celery | None = None) -> list[dict[str, Any]]:
     in all, and whether promotion is paused."""
     from django.db.models import Count, Min, Q
 
-    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
 
-    now = database_now()
+    now = db.database_now()
     out = []
     for task in planned_tasks(app):
         run_row = PlannerRun.objects.filter(task_name=task.name).first()

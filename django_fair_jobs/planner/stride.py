@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from django_fair_jobs import validation
 from django_fair_jobs.planner.plans import Plan, as_seconds
+from django_fair_jobs.tenants import for_log
 
 logger = logging.getLogger("django_fair_jobs.planner")
 
@@ -112,7 +113,6 @@ def weights(plan: Plan, tenants: list[str], *, task_name: str = "") -> dict[str,
             name, reprlib.repr(raw),
         )  # fmt: skip
         return {tenant: 1.0 for tenant in tenants}
-    from django_fair_jobs.tenants import for_log
 
     found: dict[str, float] = {}
     for tenant, value in raw.items():

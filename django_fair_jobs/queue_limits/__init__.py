@@ -22,7 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from django_fair_jobs import identity, messages
+from django_fair_jobs import db, identity, messages
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import (
     LimitError as LimitError,
@@ -197,10 +197,11 @@ def wake_line(queue_limit_id: int, limit: int = 1, app: Celery | None = None) ->
     :func:`django_fair_jobs.slots.wake`)."""
     from django.db import router
 
-    from django_fair_jobs.db import after_commit
     from django_fair_jobs.models import QueueLimit
 
-    if after_commit(lambda: wake_line(queue_limit_id, limit, app), router.db_for_write(QueueLimit)):
+    if db.after_commit(
+        lambda: wake_line(queue_limit_id, limit, app), router.db_for_write(QueueLimit)
+    ):
         return 0
     woken = 0
     while woken < limit:
@@ -229,10 +230,9 @@ def queue_status() -> list[dict[str, Any]]:
     parked in its line and the age of the oldest, in seconds of the database clock."""
     from django.db.models import Count, Min, Q
 
-    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import QueueLimit, WorkerProcess
 
-    now = database_now()
+    now = db.database_now()
     names = {
         str(node_id): node for node_id, node in WorkerProcess.objects.values_list("node_id", "node")
     }

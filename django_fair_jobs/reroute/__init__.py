@@ -34,8 +34,8 @@ from datetime import timedelta
 from numbers import Real
 from typing import TYPE_CHECKING, Any
 
+from django_fair_jobs import decisions, messages, routing
 from django_fair_jobs import headers as fair_headers
-from django_fair_jobs import messages, routing
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 from django_fair_jobs.errors import (
     RuleError as RuleError,
@@ -248,7 +248,6 @@ def apply(
 ) -> None:
     """Mark the job as counted and, if a rule matched, send it to the rule's queue and
     record the reroute (in shadow mode: record it only, the job stays on ``queue``)."""
-    from django_fair_jobs import decisions
 
     headers[fair_headers.WINDOW] = decision.header()
     rule = decision.rule

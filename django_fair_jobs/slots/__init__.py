@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from django_fair_jobs import db, messages, routing
 from django_fair_jobs import headers as fair_headers
-from django_fair_jobs import messages, routing
 from django_fair_jobs.conf import MAX_LIMIT
 from django_fair_jobs.db import after_commit
 from django_fair_jobs.errors import (
@@ -140,13 +140,12 @@ def boost(
     """
     from django.db import transaction
 
-    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import LimitChange, TenantQueueSlot
 
     _check_limit(max_jobs, "A boost's max_jobs")
     if until.tzinfo is None:
         raise TenantLimitError("A boost's end must be an aware datetime (with a time zone).")
-    if until <= database_now():
+    if until <= db.database_now():
         raise TenantLimitError(f"A boost must end in the future; {until.isoformat()} is past.")
     with transaction.atomic():
         row, _ = TenantQueueSlot.objects.get_or_create(tenant=tenant, queue=queue)

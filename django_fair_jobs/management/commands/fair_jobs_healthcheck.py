@@ -7,6 +7,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_fair_jobs import db
+
 
 class Command(BaseCommand):
     """Check the database, the migrations, the settings and the workers' heartbeats; one
@@ -53,11 +55,10 @@ class Command(BaseCommand):
 def _database() -> str:
     from django.db import router
 
-    from django_fair_jobs.db import database_now
     from django_fair_jobs.models import TenantQueueSlot
 
     alias = router.db_for_write(TenantQueueSlot)
-    return f"{alias}, clock {database_now(alias):%Y-%m-%d %H:%M:%S}"
+    return f"{alias}, clock {db.database_now(alias):%Y-%m-%d %H:%M:%S}"
 
 
 def _migrations() -> str:
@@ -85,10 +86,9 @@ def _settings() -> str:
 
 
 def _heartbeats(require_workers: bool) -> str:
-    from django_fair_jobs.db import database_now
     from django_fair_jobs.status import nodes
 
-    found = nodes(database_now())
+    found = nodes(db.database_now())
     alive = [n for n in found if n["alive"]]
     dead = len(found) - len(alive)
     if require_workers and not alive:

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_fair_jobs import db
 from django_fair_jobs.queue_limits import LimitError
 
 
@@ -113,7 +114,6 @@ class Command(BaseCommand):
         from datetime import datetime, timedelta
 
         from django_fair_jobs import slots
-        from django_fair_jobs.db import database_now
         from django_fair_jobs.models import TenantQueueSlot
 
         tenant = options["tenant"]
@@ -138,7 +138,7 @@ class Command(BaseCommand):
                 if raw_max is not None:
                     raise CommandError("--boost cannot be combined with --max-jobs.")
                 if options["boost_for"] is not None:
-                    until = database_now() + timedelta(seconds=options["boost_for"])
+                    until = db.database_now() + timedelta(seconds=options["boost_for"])
                 elif options["boost_until"]:
                     try:
                         until = datetime.fromisoformat(options["boost_until"])
