@@ -156,3 +156,19 @@ def park_refused(task_id: str, woken: bool) -> ParkOutcome | None:
     if woken and not ParkedJob.objects.filter(task_id=task_id).exists():
         return "stale"
     return None
+
+
+def started_while_waiting(*, queue_id: int | None = None, slot_id: int | None = None) -> None:
+    """Take one job off the waiting counts of ``queue_id``'s line and of ``slot_id``: a
+    duplicate delivery of a parked job started while its parked row still waited (the
+    acquire deleted the row). Either row may be None; a count never goes below 0."""
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+
+    if queue_id is not None:
+        QueueLimit.objects.filter(pk=queue_id, parked_jobs__gt=0).update(
+            parked_jobs=F("parked_jobs") - 1
+        )
+    if slot_id is not None:
+        TenantQueueSlot.objects.filter(pk=slot_id, parked_jobs__gt=0).update(
+            parked_jobs=F("parked_jobs") - 1
+        )

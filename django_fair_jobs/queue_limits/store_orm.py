@@ -36,7 +36,7 @@ def try_acquire(
     woken: bool = False,
 ) -> LimitedAcquisition:
     """See :func:`django_fair_jobs.queue_limits.store.try_acquire`."""
-    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+    from django_fair_jobs.models import TenantQueueSlot
 
     token = uuid.uuid4()
     for _ in range(2):
@@ -51,14 +51,9 @@ def try_acquire(
         )
     if status != "held":
         return LimitedAcquisition(status)
-    # A duplicate delivery started while its parked row was still waiting.
-    if in_line and queue_id is not None:
-        QueueLimit.objects.filter(pk=queue_id, parked_jobs__gt=0).update(
-            parked_jobs=F("parked_jobs") - 1
-        )
-    if on_slot and slot_id is not None:
-        TenantQueueSlot.objects.filter(pk=slot_id, parked_jobs__gt=0).update(
-            parked_jobs=F("parked_jobs") - 1
+    if in_line or on_slot:
+        leases.started_while_waiting(
+            queue_id=queue_id if in_line else None, slot_id=slot_id if on_slot else None
         )
     return LimitedAcquisition("held", Grant(slot_id, task_id, token, queue_id))
 

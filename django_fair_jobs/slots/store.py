@@ -72,10 +72,7 @@ def try_acquire(
     if status != "held":
         return Acquisition(status)
     if still_waiting:
-        # A duplicate delivery started while its parked row was still waiting.
-        TenantQueueSlot.objects.filter(pk=slot_id, parked_jobs__gt=0).update(
-            parked_jobs=F("parked_jobs") - 1
-        )
+        leases.started_while_waiting(slot_id=slot_id)
     return Acquisition("held", Grant(slot_id=slot_id, task_id=task_id, token=token))
 
 

@@ -28,7 +28,6 @@ def try_acquire(
     woken: bool = False,
 ) -> Acquisition:
     """See :func:`django_fair_jobs.slots.store.try_acquire`."""
-    from django_fair_jobs.models import TenantQueueSlot
 
     token = uuid.uuid4()
     status, slot_id, still_waiting = _acquire(
@@ -36,11 +35,8 @@ def try_acquire(
     )
     if status != "held":
         return Acquisition(status)
-    if still_waiting and slot_id is not None:
-        # A duplicate delivery started while its parked row was still waiting.
-        TenantQueueSlot.objects.filter(pk=slot_id, parked_jobs__gt=0).update(
-            parked_jobs=F("parked_jobs") - 1
-        )
+    if still_waiting:
+        leases.started_while_waiting(slot_id=slot_id)
     return Acquisition("held", Grant(slot_id=slot_id, task_id=task_id, token=token))
 
 
