@@ -10,13 +10,13 @@ Ids are stable:
 * ``fair_jobs.E006`` the heartbeat interval is more than half ``FAIR_JOBS_WORKER_TIMEOUT``.
 * ``fair_jobs.E007`` ``FAIR_JOBS_TENANT_WARNING_INTERVAL`` is not a number >= 0.
 * ``fair_jobs.E008`` a ``FAIR_JOBS_*`` environment variable cannot be parsed.
-* ``fair_jobs.E009`` ``FAIR_JOBS_MAX_THROTTLING_WINDOW`` is not a whole number >= 1.
-* ``fair_jobs.E010`` ``FAIR_JOBS_WINDOW_SCOPE`` is not ``"task"``, ``"queue"`` or
+* ``fair_jobs.E009`` ``FAIR_JOBS_REROUTE_MAX_WINDOW`` is not a whole number >= 1.
+* ``fair_jobs.E010`` ``FAIR_JOBS_REROUTE_SCOPE`` is not ``"task"``, ``"queue"`` or
   ``"group:<name>"``.
-* ``fair_jobs.E011`` a task's ``fair_tenant_queues`` rule is invalid (unknown key, missing
+* ``fair_jobs.E011`` a task's ``fair_reroute`` rule is invalid (unknown key, missing
   queue, threshold < 1, ``per`` not > 0 or above the maximum window, bad ``max_jobs``).
-* ``fair_jobs.E012`` a task's ``fair_window_scope`` is invalid.
-* ``fair_jobs.E013`` ``FAIR_JOBS_QUEUE_LIMITS`` or ``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` is not
+* ``fair_jobs.E012`` a task's ``fair_reroute_scope`` is invalid.
+* ``fair_jobs.E013`` ``FAIR_JOBS_QUEUE_LIMITS`` or ``FAIR_JOBS_QUEUE_LIMITS_PER_WORKER`` is not
   a mapping of queue names to whole numbers >= 0.
 * ``fair_jobs.E014`` ``FAIR_JOBS_LIMIT_PLAIN_TASKS`` is not True or False.
 * ``fair_jobs.E015`` a task's ``fair_plan`` is invalid (unknown key, ``enqueue_interval`` or
@@ -41,6 +41,10 @@ Ids are stable:
 * ``fair_jobs.W004`` Celery's Django integration closes the worker's database connection
   around every job (``CELERY_DB_REUSE_MAX`` unset, or ``CONN_MAX_AGE`` 0), so every job
   pays a reconnect.
+* ``fair_jobs.W005`` a setting or a task option under its old name
+  (``FAIR_JOBS_QUEUE_PROCESS_LIMITS``, ``FAIR_JOBS_MAX_THROTTLING_WINDOW``,
+  ``FAIR_JOBS_WINDOW_SCOPE``, ``fair_tenant_queues``, ``fair_window_scope``): it still works
+  for one release; the message names the new one.
 
 The task checks read the tasks of the current Celery app after importing its task modules,
 as a worker does at start-up (``autodiscover_tasks()``, ``imports``, ``include``): the app
@@ -54,7 +58,7 @@ import difflib
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
@@ -62,12 +66,19 @@ from django.apps import AppConfig
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, PREFIX, SETTING_NAMES, fair_settings
+from django_fair_jobs.conf import (
+    MAX_LIMIT,
+    OLD_SETTING_NAMES,
+    ON_LIMIT_CHOICES,
+    PREFIX,
+    SETTING_NAMES,
+    fair_settings,
+)
 from django_fair_jobs.dispatch import option_errors as dispatch_option_errors
 from django_fair_jobs.planner import plan_errors
 from django_fair_jobs.reroute import rule_errors, scope_error
 from django_fair_jobs.routing import queue_name
-from django_fair_jobs.task import TASK_OPTIONS, FairTask
+from django_fair_jobs.task import OLD_OPTION_NAMES, TASK_OPTIONS, FairTask
 
 logger = logging.getLogger("django_fair_jobs.checks")
 
@@ -105,7 +116,7 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("HEARTBEAT_INTERVAL", "fair_jobs.E005", lambda v: _number(v, 0, True), "a number > 0"),
     ("TENANT_WARNING_INTERVAL", "fair_jobs.E007", lambda v: _number(v, 0, False), "a number >= 0"),
     (
-        "MAX_THROTTLING_WINDOW",
+        "REROUTE_MAX_WINDOW",
         "fair_jobs.E009",
         lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_LIMIT,
         f"a whole number of seconds from 1 to {MAX_LIMIT} (default 86400)",
@@ -117,7 +128,7 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         'a dict of queue names to whole numbers >= 0, e.g. {"webhooks": 2} (0 pauses)',
     ),
     (
-        "QUEUE_PROCESS_LIMITS",
+        "QUEUE_LIMITS_PER_WORKER",
         "fair_jobs.E013",
         lambda v: _queue_limits(v),
         'a dict of queue names to whole numbers >= 0, e.g. {"webhooks": 1} (0 pauses)',
@@ -167,7 +178,7 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "seconds >= 0 (0: countdowns come due at maintenance only)",
     ),
     (
-        "WINDOW_SCOPE",
+        "REROUTE_SCOPE",
         "fair_jobs.E010",
         lambda v: scope_error(v) is None,
         '"task", "queue" or "group:<name>"',
@@ -254,13 +265,13 @@ def check_task_rules(
             )
         )
     try:
-        max_window = int(fair_settings.MAX_THROTTLING_WINDOW)
+        max_window = int(fair_settings.REROUTE_MAX_WINDOW)
     except (ImproperlyConfigured, ValueError, TypeError):
         return messages  # reported by check_settings
     known: set[str] | None = None
     for task in fair_tasks(current_app):
         messages += _option_errors(task, max_window)
-        raw = task.fair_tenant_queues
+        raw = task.fair_reroute
         if not raw or rule_errors(raw, max_window):
             continue
         known = _known_queues(current_app) if known is None else known
@@ -271,7 +282,7 @@ def check_task_rules(
 def _option_errors(task: Any, max_window: int) -> list[checks.CheckMessage]:
     """The errors of one fair task's ``fair_*`` options (E011, E015, E019, E012)."""
     found: list[checks.CheckMessage] = []
-    raw = task.fair_tenant_queues
+    raw = task.fair_reroute
     for problem in rule_errors(raw, max_window):
         found.append(
             checks.Error(
@@ -300,12 +311,12 @@ def _option_errors(task: Any, max_window: int) -> list[checks.CheckMessage]:
                 id="fair_jobs.E019",
             )
         )
-    scope = task.fair_window_scope
+    scope = task.fair_reroute_scope
     if scope is not None and scope_error(scope):
         found.append(
             checks.Error(
-                f"Task {task.name}: fair_window_scope {scope_error(scope)}.",
-                hint="Leave it unset to use FAIR_JOBS_WINDOW_SCOPE.",
+                f"Task {task.name}: fair_reroute_scope {scope_error(scope)}.",
+                hint="Leave it unset to use FAIR_JOBS_REROUTE_SCOPE.",
                 id="fair_jobs.E012",
             )
         )
@@ -355,9 +366,14 @@ def fair_tasks(app: Any) -> list[Any]:
     return sorted((t for t in app.tasks.values() if isinstance(t, FairTask)), key=lambda t: t.name)
 
 
-def _closest(name: str, known: Sequence[str]) -> str:
-    match = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f"did you mean {match[0]}?" if match else f"the known ones are {', '.join(known)}."
+def _closest(name: str, known: Sequence[str], renamed: Mapping[str, str] | None = None) -> str:
+    """The known name closest to ``name``; a misspelt old name (``renamed``: old -> new)
+    points to the new one."""
+    renamed = renamed or {}
+    match = difflib.get_close_matches(name, [*known, *renamed], n=1, cutoff=0.6)
+    if not match:
+        return f"the known ones are {', '.join(known)}."
+    return f"did you mean {renamed.get(match[0], match[0])}?"
 
 
 @checks.register("fair_jobs")
@@ -375,12 +391,27 @@ def check_unknown_names(
     sources = [("setting", name) for name in dir(settings) if name.startswith(PREFIX)] + [
         ("environment variable", name) for name in os.environ if name.startswith(PREFIX)
     ]
+    renamed = {PREFIX + old: PREFIX + new for new, old in OLD_SETTING_NAMES.items()}
     for source, name in sorted(set(sources)):
-        if name not in known:
+        if name in renamed:
+            messages.append(
+                checks.Warning(
+                    f"The {source} {name} is renamed {renamed[name]}; the old name is read "
+                    "for this release only"
+                    + (
+                        ", and not at all while the new one is set."
+                        if hasattr(settings, renamed[name]) or renamed[name] in os.environ
+                        else "."
+                    ),
+                    hint=f"Rename it {renamed[name]}.",
+                    id="fair_jobs.W005",
+                )
+            )
+        elif name not in known:
             messages.append(
                 checks.Warning(
                     f"The {source} {name} is not a django-fair-jobs setting; "
-                    f"{_closest(name, known)}",
+                    f"{_closest(name, known, renamed)}",
                     hint="Rename it, or remove it (the settings are listed in the docs' "
                     "Reference page).",
                     id="fair_jobs.W002",
@@ -391,11 +422,21 @@ def check_unknown_names(
             if klass is FairTask:
                 break
             for name in sorted(vars(klass)):
-                if name.startswith("fair_") and name not in TASK_OPTIONS:
+                if name in OLD_OPTION_NAMES:
+                    messages.append(
+                        checks.Warning(
+                            f"Task {task.name}: the option {name} is renamed "
+                            f"{OLD_OPTION_NAMES[name]}; the old name works for this release "
+                            "only.",
+                            hint=f"Rename it {OLD_OPTION_NAMES[name]}.",
+                            id="fair_jobs.W005",
+                        )
+                    )
+                elif name.startswith("fair_") and name not in TASK_OPTIONS:
                     messages.append(
                         checks.Warning(
                             f"Task {task.name}: {name} is not a FairTask option; "
-                            f"{_closest(name, TASK_OPTIONS)}",
+                            f"{_closest(name, TASK_OPTIONS, OLD_OPTION_NAMES)}",
                             hint="Rename it; an unknown fair_* option is ignored.",
                             id="fair_jobs.W003",
                         )

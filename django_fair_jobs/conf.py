@@ -29,6 +29,14 @@ passes validation can fail in the database later, in a worker."""
 
 _env = environ.Env()
 
+OLD_SETTING_NAMES: dict[str, str] = {
+    "QUEUE_LIMITS_PER_WORKER": "QUEUE_PROCESS_LIMITS",
+    "REROUTE_MAX_WINDOW": "MAX_THROTTLING_WINDOW",
+    "REROUTE_SCOPE": "WINDOW_SCOPE",
+}
+"""Settings renamed so that one concept has one name (new name -> old name, without the
+prefix). The old name is still read for one release, when the new one is not set."""
+
 
 def _json_object(raw: str) -> dict[str, Any]:
     """Parse an environment value like ``{"webhooks": 2}`` (JSON)."""
@@ -65,6 +73,14 @@ class Settings:
 
     def _get(self, name: str, default: T, parse: Callable[[str], Any]) -> Any:
         key = PREFIX + name
+        if not hasattr(django_settings, key) and key not in os.environ:
+            # A renamed setting still works under its old name for one release (check
+            # fair_jobs.W005 says to rename it).
+            old = OLD_SETTING_NAMES.get(name)
+            if old is not None and (
+                hasattr(django_settings, PREFIX + old) or PREFIX + old in os.environ
+            ):
+                key = PREFIX + old
         if hasattr(django_settings, key):
             return getattr(django_settings, key)
         if key in os.environ:
@@ -123,20 +139,21 @@ class Settings:
         return value
 
     @property
-    def MAX_THROTTLING_WINDOW(self) -> int:
+    def REROUTE_MAX_WINDOW(self) -> int:
         """Longest rerouting window in seconds: a rule's ``per`` may not exceed it, a rule
         without ``per`` uses it, and enqueue counts older than it are pruned (with the rows
-        of tenants idle that long). Default 86,400 (one day)."""
-        value: int = self._get("MAX_THROTTLING_WINDOW", 86_400, int)
+        of tenants idle that long). Default 86,400 (one day). Was
+        ``MAX_THROTTLING_WINDOW``."""
+        value: int = self._get("REROUTE_MAX_WINDOW", 86_400, int)
         return value
 
     @property
-    def WINDOW_SCOPE(self) -> str:
+    def REROUTE_SCOPE(self) -> str:
         """What rerouting counts a tenant's enqueues under, for tasks that do not set
-        ``fair_window_scope``: ``"task"`` (each task apart), ``"queue"`` (all tasks of the
+        ``fair_reroute_scope``: ``"task"`` (each task apart), ``"queue"`` (all tasks of the
         task's declared queue together) or ``"group:<name>"`` (all tasks naming that
-        group). Default ``"task"``."""
-        value: str = self._get("WINDOW_SCOPE", "task", str)
+        group). Default ``"task"``. Was ``WINDOW_SCOPE``."""
+        value: str = self._get("REROUTE_SCOPE", "task", str)
         return value
 
     @property
@@ -148,11 +165,12 @@ class Settings:
         return value
 
     @property
-    def QUEUE_PROCESS_LIMITS(self) -> dict[str, int]:
+    def QUEUE_LIMITS_PER_WORKER(self) -> dict[str, int]:
         """Jobs at most running at once per queue on one worker node (a ``celery worker``
-        instance, whatever its pool and concurrency), e.g. ``{"webhooks": 1}``. Seeds like
-        ``QUEUE_LIMITS``. Default ``{}``."""
-        value: dict[str, int] = self._get("QUEUE_PROCESS_LIMITS", {}, _json_object)
+        instance, whatever its pool and concurrency), e.g. ``{"webhooks": 1}``: the
+        ``max_jobs_per_worker`` of the queue's row, ``--per-worker`` of ``fair_jobs_limit``.
+        Seeds like ``QUEUE_LIMITS``. Default ``{}``. Was ``QUEUE_PROCESS_LIMITS``."""
+        value: dict[str, int] = self._get("QUEUE_LIMITS_PER_WORKER", {}, _json_object)
         return value
 
     @property

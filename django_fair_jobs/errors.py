@@ -36,7 +36,7 @@ class TenantLimitError(ValueError):
 
 
 class RuleError(ValueError):
-    """A ``fair_tenant_queues`` rule or a ``fair_window_scope`` that cannot work. System
+    """A ``fair_reroute`` rule or a ``fair_reroute_scope`` that cannot work. System
     checks report it at start-up; publishing such a task raises it."""
 
 

@@ -182,7 +182,7 @@ class QueueLimit(models.Model):
     ``max_jobs`` caps the queue across every worker node, ``max_jobs_per_worker`` on each
     node; empty means no cap, 0 pauses the queue. Both are edited at runtime (admin,
     ``manage.py fair_jobs_limit``) and seeded from ``FAIR_JOBS_QUEUE_LIMITS`` and
-    ``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` only for queues that have no row. The counters are
+    ``FAIR_JOBS_QUEUE_LIMITS_PER_WORKER`` only for queues that have no row. The counters are
     changed only by the statements of :mod:`django_fair_jobs.queue_limits.store`:
     ``current_jobs`` and ``running`` (jobs per node id) always match the leases that name
     this row.

@@ -10,6 +10,7 @@ queue's place together.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
 from typing import Any
@@ -42,6 +43,30 @@ SHADOW_PLANNED = publishing.SHADOW_PLANNED
 """The old name of :data:`django_fair_jobs.publishing.SHADOW_PLANNED` (one release)."""
 
 
+OLD_OPTION_NAMES: dict[str, str] = {
+    "fair_tenant_queues": "fair_reroute",
+    "fair_window_scope": "fair_reroute_scope",
+}
+"""Task options renamed so that rerouting's options say reroute (old name -> new name).
+The old name still works for one release, with a ``DeprecationWarning`` where the task is
+defined and the check ``fair_jobs.W005``."""
+
+
+def _take_old_option_names(cls: type[FairTask]) -> None:
+    """Give an option set under its old name to its new name, once, with a warning."""
+    name = getattr(cls, "name", None) or cls.__qualname__
+    for old, new in OLD_OPTION_NAMES.items():
+        if old not in vars(cls):
+            continue
+        warnings.warn(
+            f"{name}: the task option {old} is renamed {new}; {old} goes away in the next release.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if new not in vars(cls):
+            setattr(cls, new, vars(cls)[old])
+
+
 def _validate_options(cls: type[FairTask]) -> None:
     name = getattr(cls, "name", None) or cls.__qualname__
     max_jobs = cls.fair_max_jobs
@@ -67,9 +92,9 @@ def _validate_options(cls: type[FairTask]) -> None:
             f"{name}: fair_dispatch must be True, False or a dict such as "
             f'{{"tenant_weights": "myapp.weights"}} (got {wanted!r}).'
         )
-    if wanted and (cls.fair_plan or cls.fair_tenant_queues):
+    if wanted and (cls.fair_plan or cls.fair_reroute):
         raise FairTaskConfigError(
-            f"{name}: fair_dispatch replaces fair_plan and fair_tenant_queues (it decides "
+            f"{name}: fair_dispatch replaces fair_plan and fair_reroute (it decides "
             "who runs next when a worker frees); use one or the other. Add fair_max_jobs to "
             "cap a tenant."
         )
@@ -114,7 +139,7 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     """False: no tenant slots for this task (rerouting only). Jobs rerouted by a rule with
     ``max_jobs`` still take a slot, limited by that rule."""
 
-    fair_tenant_queues: Sequence[Mapping[str, Any]] | None = None
+    fair_reroute: Sequence[Mapping[str, Any]] | None = None
     """Rerouting rules, ``[{"queue": ..., "threshold": N, "per": seconds}, ...]``: a tenant
     with more than ``threshold`` enqueues of this task within ``per`` seconds has its next
     jobs published to ``queue`` (the last matching rule wins). See
@@ -133,14 +158,15 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     (then the lowest virtual time, then the oldest job). ``fair_max_jobs``, if set, caps
     each tenant. See :mod:`django_fair_jobs.dispatch`."""
 
-    fair_window_scope: str | None = None
+    fair_reroute_scope: str | None = None
     """What the rules count under: ``"task"``, ``"queue"`` or ``"group:<name>"``.
-    None: ``FAIR_JOBS_WINDOW_SCOPE``."""
+    None: ``FAIR_JOBS_REROUTE_SCOPE``."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Celery builds a class per decorated function with the decorator's keywords as
         # attributes, so this validates both subclasses and @shared_task(fair_...=...).
         super().__init_subclass__(**kwargs)
+        _take_old_option_names(cls)
         _validate_options(cls)
 
     @classmethod
@@ -158,11 +184,11 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         return self.fair_max_jobs or fair_settings.DEFAULT_MAX_JOBS
 
     def fair_rules(self) -> tuple[Rule, ...]:
-        """The validated ``fair_tenant_queues`` rules; raises :class:`RuleError`."""
-        raw = self.fair_tenant_queues
+        """The validated ``fair_reroute`` rules; raises :class:`RuleError`."""
+        raw = self.fair_reroute
         if not raw:
             return ()
-        max_window = fair_settings.MAX_THROTTLING_WINDOW
+        max_window = fair_settings.REROUTE_MAX_WINDOW
         cached = self.__dict__.get("_fair_rules")
         if cached is not None and cached[0] is raw and cached[1] == max_window:
             rules: tuple[Rule, ...] = cached[2]

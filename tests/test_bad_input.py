@@ -78,7 +78,7 @@ def process(in_process_worker: uuid.UUID) -> uuid.UUID:
     return in_process_worker
 
 
-# Rule configurations (fair_tenant_queues) --------------------------------------------
+# Rule configurations (fair_reroute) --------------------------------------------
 
 BAD_RULES: list[tuple[Any, str]] = [
     ("fair_slow", "must be a list of rules"),
@@ -119,7 +119,7 @@ BAD_RULES: list[tuple[Any, str]] = [
 def test_bad_rules__error_at_publish_and_at_start_up__nothing_counted_or_sent(
     rules: Any, message: str, broker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tasks.rerouted, "fair_tenant_queues", rules)
+    monkeypatch.setattr(tasks.rerouted, "fair_reroute", rules)
     with pytest.raises(RuleError, match=message) as raised:
         tasks.rerouted.delay("acme")
     assert str(raised.value).startswith(f"{tasks.rerouted.name}: ")  # names the task
@@ -179,9 +179,9 @@ def test_largest_accepted_window_and_threshold__counted_in_the_database(
     broker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, settings: Any
 ) -> None:
     # The bounds validation lets through must work in the SQL too (bigint arithmetic).
-    settings.FAIR_JOBS_MAX_THROTTLING_WINDOW = MAX_LIMIT
+    settings.FAIR_JOBS_REROUTE_MAX_WINDOW = MAX_LIMIT
     huge = [{"queue": "fair_slow", "threshold": MAX_LIMIT, "per": MAX_LIMIT, "max_jobs": MAX_LIMIT}]
-    monkeypatch.setattr(tasks.rerouted, "fair_tenant_queues", huge)
+    monkeypatch.setattr(tasks.rerouted, "fair_reroute", huge)
     tasks.rerouted.delay("acme")
     tasks.rerouted.delay("acme")
     assert broker_depth("fair") == 2  # not rerouted: 2 is far below the threshold
@@ -191,8 +191,8 @@ def test_largest_accepted_window_and_threshold__counted_in_the_database(
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("MAX_THROTTLING_WINDOW", MAX_LIMIT + 1),
-        ("MAX_THROTTLING_WINDOW", 0),
+        ("REROUTE_MAX_WINDOW", MAX_LIMIT + 1),
+        ("REROUTE_MAX_WINDOW", 0),
         ("DEFAULT_MAX_JOBS", 10**12),
         ("RETRY_COUNTDOWN", math.inf),
         ("RETRY_COUNTDOWN", math.nan),

@@ -160,10 +160,69 @@ def test_w003__unknown_task_option__names_the_closest() -> None:
             "Task tests.typo_task: fair_max_job is not a FairTask option; "
             "did you mean fair_max_jobs?",
             "Task tests.typo_task: fair_tenant_queue is not a FairTask option; "
-            "did you mean fair_tenant_queues?",
+            "did you mean fair_reroute?",
         ]
     finally:
         app.tasks.unregister("tests.typo_task")
+
+
+def test_w005__old_setting_names__still_read__warned__the_new_name_wins(
+    monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    for name in [n for n in os.environ if n.startswith("FAIR_JOBS_")]:
+        monkeypatch.delenv(name)
+    assert warnings_of(check_unknown_names, "fair_jobs.W005") == []
+    settings.FAIR_JOBS_QUEUE_PROCESS_LIMITS = {"webhooks": 1}
+    settings.FAIR_JOBS_MAX_THROTTLING_WINDOW = 3600
+    monkeypatch.setenv("FAIR_JOBS_WINDOW_SCOPE", "queue")
+    assert fair_settings.QUEUE_LIMITS_PER_WORKER == {"webhooks": 1}
+    assert fair_settings.REROUTE_MAX_WINDOW == 3600
+    assert fair_settings.REROUTE_SCOPE == "queue"
+    assert warnings_of(check_unknown_names, "fair_jobs.W005") == [
+        "The environment variable FAIR_JOBS_WINDOW_SCOPE is renamed FAIR_JOBS_REROUTE_SCOPE; "
+        "the old name is read for this release only.",
+        "The setting FAIR_JOBS_MAX_THROTTLING_WINDOW is renamed FAIR_JOBS_REROUTE_MAX_WINDOW; "
+        "the old name is read for this release only.",
+        "The setting FAIR_JOBS_QUEUE_PROCESS_LIMITS is renamed FAIR_JOBS_QUEUE_LIMITS_PER_WORKER; "
+        "the old name is read for this release only.",
+    ]
+    assert warnings_of(check_unknown_names, "fair_jobs.W002") == []
+    settings.FAIR_JOBS_REROUTE_MAX_WINDOW = 7200  # both set: the new name wins, and says so
+    assert fair_settings.REROUTE_MAX_WINDOW == 7200
+    assert (
+        "The setting FAIR_JOBS_MAX_THROTTLING_WINDOW is renamed FAIR_JOBS_REROUTE_MAX_WINDOW; "
+        "the old name is read for this release only, and not at all while the new one is set."
+    ) in warnings_of(check_unknown_names, "fair_jobs.W005")
+
+
+def test_w005__old_task_option_names__still_work__warned_where_defined_and_by_the_check() -> None:
+    from tests.celery_app import app
+
+    rules = [{"queue": "slow", "threshold": 5, "per": 60}]
+    with pytest.warns(DeprecationWarning, match="fair_tenant_queues is renamed fair_reroute"):
+
+        @app.task(
+            base=FairTask,
+            name="tests.old_names",
+            fair_tenant_queues=rules,
+            fair_window_scope="queue",
+        )
+        def old_names() -> None:
+            """A task that still uses the old option names."""
+
+    try:
+        assert old_names.fair_reroute is rules
+        assert old_names.fair_reroute_scope == "queue"
+        assert [rule.queue for rule in old_names.fair_rules()] == ["slow"]
+        assert warnings_of(check_unknown_names, "fair_jobs.W005") == [
+            "Task tests.old_names: the option fair_tenant_queues is renamed fair_reroute; "
+            "the old name works for this release only.",
+            "Task tests.old_names: the option fair_window_scope is renamed fair_reroute_scope; "
+            "the old name works for this release only.",
+        ]
+        assert warnings_of(check_unknown_names, "fair_jobs.W003") == []
+    finally:
+        app.tasks.unregister("tests.old_names")
 
 
 @pytest.mark.django_db

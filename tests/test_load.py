@@ -200,7 +200,7 @@ def _windows(active: int, idle: int, buckets: int) -> None:
     """``active`` windows with ``buckets`` buckets spread over twice the maximum window,
     and ``idle`` windows whose last enqueue is older than the maximum window."""
     now = reroute_store.database_second()
-    span = 2 * fair_settings.MAX_THROTTLING_WINDOW
+    span = 2 * fair_settings.REROUTE_MAX_WINDOW
     rows = [TenantWindow(key="task:load", tenant=f"a{i}", total=buckets, last_second=now - 1)
             for i in range(active)]  # fmt: skip
     rows += [TenantWindow(key="task:load", tenant=f"i{i}", total=buckets,

@@ -3,7 +3,7 @@ cluster (``max_jobs``) and P on each worker node (``max_jobs_per_worker``); 0 pa
 
 Limits are :class:`~django_fair_jobs.models.QueueLimit` rows, edited at runtime in the
 admin or with ``manage.py fair_jobs_limit``; ``FAIR_JOBS_QUEUE_LIMITS`` and
-``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` only seed the queues that have no row. A job of a
+``FAIR_JOBS_QUEUE_LIMITS_PER_WORKER`` only seed the queues that have no row. A job of a
 limited queue takes its place in the queue and its tenant slot (if it has a tenant) in
 one statement, both or neither; a blocked job is parked in the queue's line and woken
 when a place frees, through the same slot, lease and reaping machinery as tenant slots
@@ -101,12 +101,12 @@ def validate(value: Any, what: str) -> int | None:
 
 
 def seed() -> list[str]:
-    """Store ``FAIR_JOBS_QUEUE_LIMITS`` and ``FAIR_JOBS_QUEUE_PROCESS_LIMITS`` for the
+    """Store ``FAIR_JOBS_QUEUE_LIMITS`` and ``FAIR_JOBS_QUEUE_LIMITS_PER_WORKER`` for the
     queues that have no stored limits (runtime changes survive restarts). Returns the
     queues seeded."""
 
     seeded = queue_store.seed(
-        dict(fair_settings.QUEUE_LIMITS), dict(fair_settings.QUEUE_PROCESS_LIMITS)
+        dict(fair_settings.QUEUE_LIMITS), dict(fair_settings.QUEUE_LIMITS_PER_WORKER)
     )
     if seeded:
         logger.info("Queue limits seeded from settings for %s", ", ".join(seeded))
@@ -156,7 +156,7 @@ def reset(
     what the settings say; a queue the settings do not name gets no limit."""
     from django_fair_jobs.models import QueueLimit
 
-    max_jobs, per_worker = fair_settings.QUEUE_LIMITS, fair_settings.QUEUE_PROCESS_LIMITS
+    max_jobs, per_worker = fair_settings.QUEUE_LIMITS, fair_settings.QUEUE_LIMITS_PER_WORKER
     names = queues or sorted(
         set(QueueLimit.objects.values_list("queue", flat=True)) | set(max_jobs) | set(per_worker)
     )

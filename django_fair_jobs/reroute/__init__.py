@@ -2,9 +2,9 @@
 jobs of a task within the last ``per`` seconds has its next ones published to a slower
 queue, and comes back by itself once its rate falls.
 
-A task declares its rules as ``fair_tenant_queues``::
+A task declares its rules as ``fair_reroute``::
 
-    fair_tenant_queues = [
+    fair_reroute = [
         {"queue": "imports_slow", "threshold": 1000, "per": 86400},
         {"queue": "imports_slower", "threshold": 40, "per": 3600, "max_jobs": 2},
     ]
@@ -92,11 +92,11 @@ def _seconds(value: Any) -> float | None:
 
 
 def rule_errors(raw: Any, max_window: int) -> list[str]:
-    """Everything wrong with a ``fair_tenant_queues`` value, one message each."""
+    """Everything wrong with a ``fair_reroute`` value, one message each."""
     if raw is None:
         return []
     if isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Sequence):
-        return ["fair_tenant_queues must be a list of rules (dicts)"]
+        return ["fair_reroute must be a list of rules (dicts)"]
     errors: list[str] = []
     for number, rule in enumerate(raw, start=1):
         where = f"rule {number}"
@@ -134,7 +134,7 @@ def rule_errors(raw: Any, max_window: int) -> list[str]:
                 )
             elif int(per) > max_window:
                 errors.append(
-                    f"{where}: per is {int(per)} s, above FAIR_JOBS_MAX_THROTTLING_WINDOW "
+                    f"{where}: per is {int(per)} s, above FAIR_JOBS_REROUTE_MAX_WINDOW "
                     f"({max_window} s), so older enqueues would already be pruned; raise "
                     "the setting or shorten the window"
                 )
@@ -148,7 +148,7 @@ def rule_errors(raw: Any, max_window: int) -> list[str]:
 
 
 def parse_rules(raw: Any, max_window: int) -> tuple[Rule, ...]:
-    """Validate ``fair_tenant_queues`` and return its rules; raise :class:`RuleError`."""
+    """Validate ``fair_reroute`` and return its rules; raise :class:`RuleError`."""
     errors = rule_errors(raw, max_window)
     if errors:
         raise RuleError("; ".join(errors))
@@ -171,11 +171,11 @@ def scope_error(scope: Any) -> str | None:
 
 def counting_key(task: Task[Any, Any], declared_queue: str) -> str:
     """The key a task's enqueues are counted under: its name, its declared queue, or the
-    named group (``fair_window_scope``, else ``FAIR_JOBS_WINDOW_SCOPE``)."""
-    scope = getattr(task, "fair_window_scope", None) or fair_settings.WINDOW_SCOPE
+    named group (``fair_reroute_scope``, else ``FAIR_JOBS_REROUTE_SCOPE``)."""
+    scope = getattr(task, "fair_reroute_scope", None) or fair_settings.REROUTE_SCOPE
     problem = scope_error(scope)
     if problem:
-        raise RuleError(f"{task.name}: fair_window_scope {problem}")
+        raise RuleError(f"{task.name}: fair_reroute_scope {problem}")
     if scope == "task":
         return f"task:{task.name}"
     if scope == "queue":
@@ -275,7 +275,7 @@ def prune() -> int:
     """Delete the window rows of tenants idle for longer than the maximum window; run by
     the workers' maintenance pass, so no scheduled job is needed."""
 
-    return reroute_store.prune(max_window=fair_settings.MAX_THROTTLING_WINDOW)
+    return reroute_store.prune(max_window=fair_settings.REROUTE_MAX_WINDOW)
 
 
 def windows_by_key(app: Any = None) -> dict[str, list[int]]:
@@ -284,7 +284,7 @@ def windows_by_key(app: Any = None) -> dict[str, list[int]]:
     from celery import current_app
 
     found: dict[str, set[int]] = {}
-    max_window = fair_settings.MAX_THROTTLING_WINDOW
+    max_window = fair_settings.REROUTE_MAX_WINDOW
     task: Any
     for task in (app or current_app).tasks.values():
         if not messages.is_fair(task):

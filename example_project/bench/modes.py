@@ -49,7 +49,7 @@ class Mode:
         return [self.queue(run), self.slow_queue(run)] if self.reroutes else [self.queue(run)]
 
     def rules(self, run: str) -> list[dict[str, Any]]:
-        """The ``fair_tenant_queues`` of the mode's task in ``run`` (none if it does not
+        """The ``fair_reroute`` of the mode's task in ``run`` (none if it does not
         reroute)."""
         return [{"queue": self.slow_queue(run), **REROUTE_RULE}] if self.reroutes else []
 

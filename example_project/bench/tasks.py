@@ -151,7 +151,7 @@ def _configure_from_env() -> None:
             setattr(planned, "fair_plan", None)  # noqa: B010
     if task is not None:
         setattr(task, "queue", queue)  # noqa: B010
-        setattr(task, "fair_tenant_queues", json.loads(os.environ.get("BENCH_RULES") or "[]"))  # noqa: B010
+        setattr(task, "fair_reroute", json.loads(os.environ.get("BENCH_RULES") or "[]"))  # noqa: B010
 
 
 _configure_from_env()

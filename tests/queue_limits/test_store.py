@@ -221,7 +221,7 @@ def test_seed__fills_missing_queues_only(take: Take) -> None:
     queue_limits.set_limits("hooks", max_jobs=7)
     with override_settings(
         FAIR_JOBS_QUEUE_LIMITS={"hooks": 2, "email": 1},
-        FAIR_JOBS_QUEUE_PROCESS_LIMITS={"email": 1},
+        FAIR_JOBS_QUEUE_LIMITS_PER_WORKER={"email": 1},
     ):
         assert queue_limits.seed() == ["email"]
         assert (row("hooks").max_jobs, row("email").max_jobs) == (7, 1)

@@ -97,7 +97,7 @@ def test_reroutes__counted_per_tenant_task_and_queue() -> None:
     assert (row.tenant, row.task_name, row.queue, row.total) == ("acme", "t", "slow", 3)
 
 
-@override_settings(FAIR_JOBS_MAX_THROTTLING_WINDOW=100)
+@override_settings(FAIR_JOBS_REROUTE_MAX_WINDOW=100)
 def test_prune__old_buckets_go__one_anchor_kept__counts_unchanged() -> None:
     rules = [(100, 1000, "slow")]
     # Enqueues every 10 s from 305 s ago to 15 s ago; the cutoff is 100 s ago (200 + 5).
@@ -190,7 +190,7 @@ def test_rules__per_defaults_to_max_window_and_accepts_timedelta() -> None:
         ({"queue": "a", "threshold": 0}, "threshold must be"),
         ({"queue": "a", "threshold": 1, "per": 0}, "per must be"),
         ({"queue": "a", "threshold": 1, "per": 1.5}, "per must be"),
-        ({"queue": "a", "threshold": 1, "per": DAY + 1}, "above FAIR_JOBS_MAX_THROTTLING_WINDOW"),
+        ({"queue": "a", "threshold": 1, "per": DAY + 1}, "above FAIR_JOBS_REROUTE_MAX_WINDOW"),
         ({"threshold": 1}, "queue must be"),
         ({"queue": "a", "threshold": 1, "max_jobs": 0}, "max_jobs must be"),
     ],
@@ -223,21 +223,21 @@ def check_ids(name: str) -> list[str]:
 
 
 def test_checks__bad_rules_scope_and_unknown_queue(adhoc_task: Callable[..., Any]) -> None:
-    adhoc_task("bad.rule", fair_tenant_queues=[{"queue": "fair", "threshold": -1}])
-    adhoc_task("bad.scope", fair_tenant_queues=[], fair_window_scope="tenant")
-    adhoc_task("bad.queue", fair_tenant_queues=[{"queue": "nowhere", "threshold": 1}])
-    adhoc_task("good.one", queue="fair", fair_tenant_queues=[{"queue": "fair", "threshold": 1}])
+    adhoc_task("bad.rule", fair_reroute=[{"queue": "fair", "threshold": -1}])
+    adhoc_task("bad.scope", fair_reroute=[], fair_reroute_scope="tenant")
+    adhoc_task("bad.queue", fair_reroute=[{"queue": "nowhere", "threshold": 1}])
+    adhoc_task("good.one", queue="fair", fair_reroute=[{"queue": "fair", "threshold": 1}])
     assert check_ids("bad.rule") == ["fair_jobs.E011"]
     assert check_ids("bad.scope") == ["fair_jobs.E012"]
     assert check_ids("bad.queue") == ["fair_jobs.W001"]
     assert check_ids("good.one") == []
-    with override_settings(FAIR_JOBS_MAX_THROTTLING_WINDOW=30):
-        adhoc_task("long.window", fair_tenant_queues=[{"queue": "fair", "threshold": 1, "per": 60}])
+    with override_settings(FAIR_JOBS_REROUTE_MAX_WINDOW=30):
+        adhoc_task("long.window", fair_reroute=[{"queue": "fair", "threshold": 1, "per": 60}])
         assert check_ids("long.window") == ["fair_jobs.E011"]
 
 
 def test_publish__invalid_rules_raise_at_enqueue(adhoc_task: Callable[..., Any]) -> None:
-    task = adhoc_task("bad.publish", fair_tenant_queues=[{"queue": "x", "threshold": 0}])
+    task = adhoc_task("bad.publish", fair_reroute=[{"queue": "x", "threshold": 0}])
     with pytest.raises(RuleError, match=r"bad\.publish: rule 1: threshold"):
         task.delay("acme")
 
@@ -333,7 +333,7 @@ def test_publish__no_tenant__not_counted__warned_once(
 def test_publish__queue_scope_counts_tasks_together(
     published: list[tuple[str, dict[str, Any]]],
 ) -> None:
-    with override_settings(FAIR_JOBS_WINDOW_SCOPE="queue"):
+    with override_settings(FAIR_JOBS_REROUTE_SCOPE="queue"):
         tasks.rerouted.delay("acme")
         tasks.rerouted_capped.delay("acme")
         tasks.rerouted.delay("acme")

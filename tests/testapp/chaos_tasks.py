@@ -82,9 +82,7 @@ def chaos_slot(self: Any, tenant: str, duration: float) -> str:
     bind=True,
     queue="chaos",
     fair_slots=False,
-    fair_tenant_queues=[
-        {"queue": "chaos_slow", "threshold": 3, "per": 300, "max_jobs": SLOW_LIMIT}
-    ],
+    fair_reroute=[{"queue": "chaos_slow", "threshold": 3, "per": 300, "max_jobs": SLOW_LIMIT}],
 )
 def chaos_reroute(self: Any, tenant: str, duration: float) -> str:
     """Rerouting: a tenant's fourth job in five minutes goes to ``chaos_slow``, where it

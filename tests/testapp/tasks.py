@@ -117,9 +117,7 @@ def overruns(self: Any, tenant: str) -> str:
 _SLOW = [{"queue": "fair_slow", "threshold": 2, "per": 60}]
 
 
-@shared_task(
-    base=TenantFromFirstArg, bind=True, queue="fair", fair_slots=False, fair_tenant_queues=_SLOW
-)
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_slots=False, fair_reroute=_SLOW)
 def rerouted(self: Any, tenant: str, duration: float = 0.05) -> str:
     """Rerouting only: a tenant's third job within a minute goes to ``fair_slow``."""
     return _run(self, tenant, duration)
@@ -130,7 +128,7 @@ def rerouted(self: Any, tenant: str, duration: float = 0.05) -> str:
     bind=True,
     queue="fair",
     fair_slots=False,
-    fair_tenant_queues=[{"queue": "fair_slow", "threshold": 2, "per": 60, "max_jobs": 1}],
+    fair_reroute=[{"queue": "fair_slow", "threshold": 2, "per": 60, "max_jobs": 1}],
 )
 def rerouted_capped(self: Any, tenant: str, duration: float = 0.05) -> str:
     """Like ``rerouted``, but a tenant runs at most one rerouted job at a time."""
@@ -143,7 +141,7 @@ def rerouted_capped(self: Any, tenant: str, duration: float = 0.05) -> str:
     queue="fair",
     fair_slots=False,
     max_retries=3,
-    fair_tenant_queues=[{"queue": "fair_slow", "threshold": 1, "per": 60}],
+    fair_reroute=[{"queue": "fair_slow", "threshold": 1, "per": 60}],
 )
 def rerouted_retries_once(self: Any, tenant: str, duration: float = 0.05) -> str:
     """Calls self.retry() on its first run: the retry must not be counted again."""

@@ -45,7 +45,7 @@ class Command(BaseCommand):
         "Show or change how many jobs of QUEUE run at once: --global across every worker "
         "node, --per-worker on each node (0 pauses the queue). Changes apply at once, wake "
         "parked jobs, and survive restarts: FAIR_JOBS_QUEUE_LIMITS and "
-        "FAIR_JOBS_QUEUE_PROCESS_LIMITS only seed queues with nothing stored. --clear "
+        "FAIR_JOBS_QUEUE_LIMITS_PER_WORKER only seed queues with nothing stored. --clear "
         "removes QUEUE's limits; --reset makes the stored limits (of QUEUE, or of every "
         "queue) what the settings say. With no option, prints the limits. With --tenant T: "
         "--max-jobs N sets T's limit on QUEUE (--max-jobs default: the task's), --boost N "

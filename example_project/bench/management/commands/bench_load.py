@@ -10,7 +10,7 @@ and measures the same operations in both, through the library's own functions:
   1,000,000 window buckets, 100,000 parked jobs and 100,000 planned jobs pending.
 
 Every tenant has a rerouting window; nine in ten are idle (their last enqueue older than
-``FAIR_JOBS_MAX_THROTTLING_WINDOW``), the others have buckets spread over twice the
+``FAIR_JOBS_REROUTE_MAX_WINDOW``), the others have buckets spread over twice the
 maximum window. Figures, each a median over ``--repeat`` calls, and the ratio large / small
 (1.00x: the cost does not grow with the data):
 
@@ -313,7 +313,7 @@ class Command(BaseCommand):
         identity.register_process(
             process_id=process_id, node="bench-load@local", hostname="local", pid=0
         )
-        max_window = fair_settings.MAX_THROTTLING_WINDOW
+        max_window = fair_settings.REROUTE_MAX_WINDOW
         with connection.cursor() as cursor:
             cursor.execute("SELECT floor(extract(epoch FROM now()))::bigint")
             now = int(cursor.fetchone()[0])

@@ -100,7 +100,7 @@ class Command(BaseCommand):
                 f"whole publish, {big:,} vs 100 in the window", publish_large, publish_small
             )
         finally:
-            setattr(task, "fair_tenant_queues", None)  # noqa: B010
+            setattr(task, "fair_reroute", None)  # noqa: B010
             for name in (queue, f"{queue}.slow"):
                 delete_queue(name)
             self._reset()
@@ -135,7 +135,7 @@ class Command(BaseCommand):
         )
 
     def _publish(self, task: Any, rules: Any, tenant: str, jobs: int, queue: str) -> float:
-        setattr(task, "fair_tenant_queues", rules)  # noqa: B010
+        setattr(task, "fair_reroute", rules)  # noqa: B010
         kwargs = {
             "run": "cost", "mode": "cost", "job": 0, "tenant": tenant,
             "enqueued_at": 0.0, "seconds": 0.0, "kind": "sleep",
