@@ -202,7 +202,7 @@ class TenantQueueSlotAdmin(_BoundedLimits, _SlotAdmin):
             set_tenant_limit(row.tenant, row.queue, None, user=_user(request), source="admin")
         self.message_user(request, f"Cleared {len(rows)} override(s); parked jobs were woken.")
 
-    @admin.action(description="Release the leases of dead workers now", permissions=["change"])
+    @admin.action(description="Reap the leases of dead workers now", permissions=["change"])
     def reap_dead_workers(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
         _reap(self, request)
 
@@ -284,7 +284,7 @@ class QueueLimitAdmin(_BoundedLimits, _QueueAdmin):
             request, f"Paused {len(names)} queue(s); running jobs finish, new ones park."
         )
 
-    @admin.action(description="Release the leases of dead workers now", permissions=["change"])
+    @admin.action(description="Reap the leases of dead workers now", permissions=["change"])
     def reap_dead_workers(self, request: HttpRequest, queryset: QuerySet[QueueLimit]) -> None:
         _reap(self, request)
 
