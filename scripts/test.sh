@@ -29,17 +29,17 @@ pg_url, broker = sys.argv[1:3]
 try:
     psycopg.connect(pg_url.rsplit("/", 1)[0] + "/postgres", connect_timeout=5).close()
 except Exception as exc:
-    sys.exit(f"PostgreSQL is not reachable ({exc}); start it (see README: Running the tests).")
+    sys.exit(f"PostgreSQL is not reachable ({exc}); start it (see docs/contributing.md, Running the tests).")
 try:
     redis.Redis.from_url(broker, socket_connect_timeout=5).ping()
 except Exception as exc:
-    sys.exit(f"Redis is not reachable ({exc}); start it (see README: Running the tests).")
+    sys.exit(f"Redis is not reachable ({exc}); start it (see docs/contributing.md, Running the tests).")
 chaos_broker = os.environ.get("FAIR_JOBS_CHAOS_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
 try:
     with kombu.Connection(chaos_broker, connect_timeout=5) as conn:
         conn.ensure_connection(max_retries=1)
 except Exception as exc:
-    sys.exit(f"RabbitMQ is not reachable ({exc}); start it (see README: Running the tests).")
+    sys.exit(f"RabbitMQ is not reachable ({exc}); start it (see docs/contributing.md, Running the tests).")
 PY
 
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then

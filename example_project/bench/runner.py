@@ -101,7 +101,7 @@ def check_services() -> None:
         else:
             raise BenchError(
                 f"The database {describe_database()} is not reachable ({_reason(exc)}). Start "
-                "it (see README.md, Running the tests) or point DATABASE_URL at one."
+                "it (see docs/contributing.md, Running the tests) or point DATABASE_URL at one."
             ) from exc
     try:
         with app.connection_for_write() as conn:
@@ -109,7 +109,7 @@ def check_services() -> None:
     except Exception as exc:
         raise BenchError(
             f"The broker {describe_broker()} is not reachable ({_reason(exc)}). Start it (see "
-            "README.md, Running the tests) or point CELERY_BROKER_URL at one."
+            "docs/contributing.md, Running the tests) or point CELERY_BROKER_URL at one."
         ) from exc
 
 
@@ -245,7 +245,7 @@ def publish(
     if mode.reroutes:
         # Only publishers read the rules; each run has queues of its own, so they are set
         # here rather than in the task's declaration. The run's queue is the declared one.
-        setattr(task, "fair_tenant_queues", mode.rules(run))  # noqa: B010
+        setattr(task, "fair_reroute", mode.rules(run))  # noqa: B010
         setattr(task, "queue", queue)  # noqa: B010
     by_tenant: dict[str, list[Job]] = {}
     for job in jobs:
