@@ -104,8 +104,11 @@ BAD_RULES: list[tuple[Any, str]] = [
     ([{"queue": "fair_slow", "threshold": 1, "per": math.inf}], "per must be"),
     ([{"queue": "fair_slow", "threshold": 1, "per": -math.inf}], "per must be"),
     ([{"queue": "fair_slow", "threshold": 1, "per": timedelta(seconds=-1)}], "per must be"),
-    ([{"queue": "fair_slow", "threshold": 1, "per": 10**12}], "above FAIR_JOBS_MAX_THROTTLING"),
-    ([{"queue": "fair_slow", "threshold": 1, "per": timedelta.max}], "above FAIR_JOBS_MAX"),
+    ([{"queue": "fair_slow", "threshold": 1, "per": 10**12}], "above FAIR_JOBS_REROUTE_MAX_WINDOW"),
+    (
+        [{"queue": "fair_slow", "threshold": 1, "per": timedelta.max}],
+        "above FAIR_JOBS_REROUTE_MAX_WINDOW",
+    ),
     ([{"queue": "fair_slow", "threshold": 1, "max_jobs": 0}], "max_jobs must be a whole number"),
     ([{"queue": "fair_slow", "threshold": 1, "max_jobs": -1}], "max_jobs must be a whole"),
     ([{"queue": "fair_slow", "threshold": 1, "max_jobs": 10**10}], "max_jobs must be a whole"),
