@@ -381,11 +381,20 @@ def check_unknown_names(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
     """Warn about ``FAIR_JOBS_*`` settings and ``fair_*`` task options that the library does
-    not know: a typo would otherwise be silently ignored."""
+    not know (a typo would otherwise be silently ignored), and about old names."""
     from celery import current_app
-    from django.conf import settings
 
     _import_task_modules(current_app)  # an import error is check_task_rules' E018
+    messages = _setting_name_warnings()
+    for task in fair_tasks(current_app):
+        messages += _option_name_warnings(task)
+    return messages
+
+
+def _setting_name_warnings() -> list[checks.CheckMessage]:
+    """W002 for a ``FAIR_JOBS_*`` name that is no setting, W005 for an old one."""
+    from django.conf import settings
+
     messages: list[checks.CheckMessage] = []
     known = [PREFIX + name for name in SETTING_NAMES]
     sources = [("setting", name) for name in dir(settings) if name.startswith(PREFIX)] + [
@@ -394,16 +403,14 @@ def check_unknown_names(
     renamed = {PREFIX + old: PREFIX + new for new, old in OLD_SETTING_NAMES.items()}
     for source, name in sorted(set(sources)):
         if name in renamed:
+            new = renamed[name]
+            shadowed = hasattr(settings, new) or new in os.environ
             messages.append(
                 checks.Warning(
-                    f"The {source} {name} is renamed {renamed[name]}; the old name is read "
-                    "for this release only"
-                    + (
-                        ", and not at all while the new one is set."
-                        if hasattr(settings, renamed[name]) or renamed[name] in os.environ
-                        else "."
-                    ),
-                    hint=f"Rename it {renamed[name]}.",
+                    f"The {source} {name} is renamed {new}; the old name is read for this "
+                    "release only"
+                    + (", and not at all while the new one is set." if shadowed else "."),
+                    hint=f"Rename it {new}.",
                     id="fair_jobs.W005",
                 )
             )
@@ -417,30 +424,34 @@ def check_unknown_names(
                     id="fair_jobs.W002",
                 )
             )
-    for task in fair_tasks(current_app):
-        for klass in type(task).__mro__:
-            if klass is FairTask:
-                break
-            for name in sorted(vars(klass)):
-                if name in OLD_OPTION_NAMES:
-                    messages.append(
-                        checks.Warning(
-                            f"Task {task.name}: the option {name} is renamed "
-                            f"{OLD_OPTION_NAMES[name]}; the old name works for this release "
-                            "only.",
-                            hint=f"Rename it {OLD_OPTION_NAMES[name]}.",
-                            id="fair_jobs.W005",
-                        )
+    return messages
+
+
+def _option_name_warnings(task: Any) -> list[checks.CheckMessage]:
+    """W003 for a ``fair_*`` attribute of ``task`` that is no option, W005 for an old one."""
+    messages: list[checks.CheckMessage] = []
+    for klass in type(task).__mro__:
+        if klass is FairTask:
+            break
+        for name in sorted(vars(klass)):
+            if name in OLD_OPTION_NAMES:
+                messages.append(
+                    checks.Warning(
+                        f"Task {task.name}: the option {name} is renamed "
+                        f"{OLD_OPTION_NAMES[name]}; the old name works for this release only.",
+                        hint=f"Rename it {OLD_OPTION_NAMES[name]}.",
+                        id="fair_jobs.W005",
                     )
-                elif name.startswith("fair_") and name not in TASK_OPTIONS:
-                    messages.append(
-                        checks.Warning(
-                            f"Task {task.name}: {name} is not a FairTask option; "
-                            f"{_closest(name, TASK_OPTIONS, OLD_OPTION_NAMES)}",
-                            hint="Rename it; an unknown fair_* option is ignored.",
-                            id="fair_jobs.W003",
-                        )
+                )
+            elif name.startswith("fair_") and name not in TASK_OPTIONS:
+                messages.append(
+                    checks.Warning(
+                        f"Task {task.name}: {name} is not a FairTask option; "
+                        f"{_closest(name, TASK_OPTIONS, OLD_OPTION_NAMES)}",
+                        hint="Rename it; an unknown fair_* option is ignored.",
+                        id="fair_jobs.W003",
                     )
+                )
     return messages
 
 

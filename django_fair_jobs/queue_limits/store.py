@@ -23,6 +23,7 @@ from django_fair_jobs.leases import store as leases
 from django_fair_jobs.leases.types import (
     Grant,
     LimitedAcquisition,
+    LimitedStatus,
     ParkOutcome,
     Woken,
 )
@@ -114,38 +115,14 @@ def try_acquire(
     """Take a place in ``queue`` (within its cluster and per-node limits, counted on
     ``node_id``) and, with a ``tenant``, one of its slots (``limit`` when the slot row
     has no override): both or neither. Creates the tenant's slot row on first use."""
-    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+    from django_fair_jobs.models import TenantQueueSlot
 
-    alias = router.db_for_write(QueueLimit)
-    if not db.uses_sql(alias):
-        return store_orm.try_acquire(
-            queue=queue,
-            tenant=tenant,
-            limit=limit,
-            task_id=task_id,
-            process_id=process_id,
-            node_id=node_id,
-            woken=woken,
-        )
     token = uuid.uuid4()
-    params: dict[str, Any] = {
-        "queue": queue,
-        "tenant": tenant,
-        "limit": limit,
-        "task_id": task_id,
-        "token": token,
-        "process_id": process_id,
-        "node": str(node_id),
-        "woken": woken,
-    }
     for _ in range(2):
-        try:
-            with db.savepoint_if_needed(alias):
-                ((status, queue_id, slot_id, in_line, on_slot),) = db.run(
-                    alias, "acquire_limited", params
-                )
-        except IntegrityError:
-            return LimitedAcquisition("duplicate")
+        status, queue_id, slot_id, in_line, on_slot = acquire_limited(
+            queue=queue, tenant=tenant, limit=limit, task_id=task_id, token=token,
+            process_id=process_id, node_id=node_id, woken=woken,
+        )  # fmt: skip
         if status != "new_tenant":
             break
         TenantQueueSlot.objects.bulk_create(
@@ -159,6 +136,48 @@ def try_acquire(
             queue_id=queue_id if in_line else None, slot_id=slot_id if on_slot else None
         )
     return LimitedAcquisition("held", Grant(slot_id, task_id, token, queue_id))
+
+
+def acquire_limited(
+    *,
+    queue: str,
+    tenant: str | None,
+    limit: int,
+    task_id: str,
+    token: uuid.UUID,
+    process_id: uuid.UUID,
+    node_id: uuid.UUID,
+    woken: bool,
+) -> tuple[LimitedStatus, int | None, int | None, int, int]:
+    """The ``acquire_limited`` statement: ``(status, queue row id, slot id, 1 if the job's
+    parked row waited in the queue's line, 1 if it waited on its slot)``; see
+    :func:`try_acquire`, which builds the answer from it."""
+    from django_fair_jobs.models import QueueLimit
+
+    alias = router.db_for_write(QueueLimit)
+    if not db.uses_sql(alias):
+        return store_orm.acquire_limited(
+            queue=queue, tenant=tenant, limit=limit, task_id=task_id, token=token,
+            process_id=process_id, node_id=node_id, woken=woken,
+        )  # fmt: skip
+    params: dict[str, Any] = {
+        "queue": queue,
+        "tenant": tenant,
+        "limit": limit,
+        "task_id": task_id,
+        "token": token,
+        "process_id": process_id,
+        "node": str(node_id),
+        "woken": woken,
+    }
+    try:
+        with db.savepoint_if_needed(alias):
+            ((status, queue_id, slot_id, in_line, on_slot),) = db.run(
+                alias, "acquire_limited", params
+            )
+    except IntegrityError:
+        return "duplicate", None, None, 0, 0
+    return status, queue_id, slot_id, int(in_line or 0), int(on_slot or 0)
 
 
 def try_park(

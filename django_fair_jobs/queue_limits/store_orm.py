@@ -15,7 +15,6 @@ from django.db.models.functions import Coalesce, Greatest, Now
 from django_fair_jobs.leases import store as leases
 from django_fair_jobs.leases.types import (
     Grant,
-    LimitedAcquisition,
     LimitedStatus,
     ParkOutcome,
     Woken,
@@ -25,40 +24,8 @@ if TYPE_CHECKING:
     from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
 
-def try_acquire(
+def acquire_limited(
     *,
-    queue: str,
-    tenant: str | None,
-    limit: int,
-    task_id: str,
-    process_id: uuid.UUID,
-    node_id: uuid.UUID,
-    woken: bool = False,
-) -> LimitedAcquisition:
-    """See :func:`django_fair_jobs.queue_limits.store.try_acquire`."""
-    from django_fair_jobs.models import TenantQueueSlot
-
-    token = uuid.uuid4()
-    for _ in range(2):
-        status, queue_id, slot_id, in_line, on_slot = _acquire(
-            queue, tenant, limit, task_id, token, process_id, node_id, woken
-        )
-        if status != "new_tenant":
-            break
-        TenantQueueSlot.objects.bulk_create(
-            [TenantQueueSlot(tenant=str(tenant), queue=queue, default_max_jobs=limit)],
-            ignore_conflicts=True,
-        )
-    if status != "held":
-        return LimitedAcquisition(status)
-    if in_line or on_slot:
-        leases.started_while_waiting(
-            queue_id=queue_id if in_line else None, slot_id=slot_id if on_slot else None
-        )
-    return LimitedAcquisition("held", Grant(slot_id, task_id, token, queue_id))
-
-
-def _acquire(
     queue: str,
     tenant: str | None,
     limit: int,
@@ -68,6 +35,7 @@ def _acquire(
     node_id: uuid.UUID,
     woken: bool,
 ) -> tuple[LimitedStatus, int | None, int | None, int, int]:
+    """See :func:`django_fair_jobs.queue_limits.store.acquire_limited`."""
     from django_fair_jobs.models import ParkedJob, QueueLimit, SlotLease, TenantQueueSlot
 
     node = str(node_id)

@@ -16,7 +16,7 @@ from django.db.models.functions import Coalesce
 
 from django_fair_jobs import db
 from django_fair_jobs.leases import store as leases
-from django_fair_jobs.leases.types import Acquisition, Grant, ParkOutcome, Woken
+from django_fair_jobs.leases.types import AcquireStatus, Acquisition, Grant, ParkOutcome, Woken
 from django_fair_jobs.slots import store_orm
 
 
@@ -39,20 +39,39 @@ def try_acquire(
     the queue path claims that one), is a ``"duplicate"`` delivery. A ``woken``
     job (a re-published parked job) starts only while its parked row exists.
     """
+    token = uuid.uuid4()
+    status, slot_id, still_waiting = acquire(
+        tenant=tenant, queue=queue, task_id=task_id, limit=limit, process_id=process_id,
+        token=token, timeout=timeout, woken=woken,
+    )  # fmt: skip
+    if status != "held":
+        return Acquisition(status)
+    if still_waiting:
+        leases.started_while_waiting(slot_id=slot_id)
+    return Acquisition("held", Grant(slot_id=slot_id, task_id=task_id, token=token))
+
+
+def acquire(
+    *,
+    tenant: str,
+    queue: str,
+    task_id: str,
+    limit: int,
+    process_id: uuid.UUID,
+    token: uuid.UUID,
+    timeout: float,
+    woken: bool,
+) -> tuple[AcquireStatus, int | None, int]:
+    """The ``acquire`` statement: ``(status, slot id, 1 if the job's parked row was still
+    waiting)``; see :func:`try_acquire`, which builds the answer from it."""
     from django_fair_jobs.models import TenantQueueSlot
 
     alias = router.db_for_write(TenantQueueSlot)
     if not db.uses_sql(alias):
-        return store_orm.try_acquire(
-            tenant=tenant,
-            queue=queue,
-            task_id=task_id,
-            limit=limit,
-            process_id=process_id,
-            timeout=timeout,
-            woken=woken,
-        )
-    token = uuid.uuid4()
+        return store_orm.acquire(
+            tenant=tenant, queue=queue, task_id=task_id, limit=limit, process_id=process_id,
+            token=token, timeout=timeout, woken=woken,
+        )  # fmt: skip
     params: dict[str, Any] = {
         "tenant": tenant,
         "queue": queue,
@@ -68,12 +87,8 @@ def try_acquire(
             ((status, slot_id, still_waiting),) = db.run(alias, "acquire", params)
     except IntegrityError:
         # Two deliveries of one task id raced for the lease's unique key.
-        return Acquisition("duplicate")
-    if status != "held":
-        return Acquisition(status)
-    if still_waiting:
-        leases.started_while_waiting(slot_id=slot_id)
-    return Acquisition("held", Grant(slot_id=slot_id, task_id=task_id, token=token))
+        return "duplicate", None, 0
+    return status, slot_id, int(still_waiting or 0)
 
 
 def try_park(

@@ -14,33 +14,11 @@ from django.db.models.functions import Coalesce, Greatest, Now
 
 from django_fair_jobs import db
 from django_fair_jobs.leases import store as leases
-from django_fair_jobs.leases.types import AcquireStatus, Acquisition, Grant, ParkOutcome, Woken
+from django_fair_jobs.leases.types import AcquireStatus, Grant, ParkOutcome, Woken
 
 
-def try_acquire(
+def acquire(
     *,
-    tenant: str,
-    queue: str,
-    task_id: str,
-    limit: int,
-    process_id: uuid.UUID,
-    timeout: float,
-    woken: bool = False,
-) -> Acquisition:
-    """See :func:`django_fair_jobs.slots.store.try_acquire`."""
-
-    token = uuid.uuid4()
-    status, slot_id, still_waiting = _acquire(
-        tenant, queue, task_id, limit, process_id, token, timeout, woken
-    )
-    if status != "held":
-        return Acquisition(status)
-    if still_waiting:
-        leases.started_while_waiting(slot_id=slot_id)
-    return Acquisition("held", Grant(slot_id=slot_id, task_id=task_id, token=token))
-
-
-def _acquire(
     tenant: str,
     queue: str,
     task_id: str,
@@ -50,6 +28,7 @@ def _acquire(
     timeout: float,
     woken: bool,
 ) -> tuple[AcquireStatus, int | None, int]:
+    """See :func:`django_fair_jobs.slots.store.acquire`."""
     from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
 
     with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
