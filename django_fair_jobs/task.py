@@ -67,6 +67,30 @@ def _take_old_option_names(cls: type[FairTask]) -> None:
             setattr(cls, new, vars(cls)[old])
 
 
+def _old_option(old: str) -> property:
+    """A property for the old name ``old`` of a task option, so that reading or setting it
+    on a task (``setattr(task, "fair_tenant_queues", rules)``) reaches the new option,
+    with a warning, instead of being ignored."""
+    new = OLD_OPTION_NAMES[old]
+
+    def warn() -> None:
+        warnings.warn(
+            f"the task option {old} is renamed {new}; {old} goes away in the next release.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+    def get(task: Any) -> Any:
+        warn()
+        return getattr(task, new)
+
+    def set_(task: Any, value: Any) -> None:
+        warn()
+        setattr(task, new, value)
+
+    return property(get, set_, doc=f"The old name of ``{new}`` (one release).")
+
+
 def _validate_options(cls: type[FairTask]) -> None:
     name = getattr(cls, "name", None) or cls.__qualname__
     max_jobs = cls.fair_max_jobs
@@ -161,6 +185,9 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     fair_reroute_scope: str | None = None
     """What the rules count under: ``"task"``, ``"queue"`` or ``"group:<name>"``.
     None: ``FAIR_JOBS_REROUTE_SCOPE``."""
+
+    fair_tenant_queues = _old_option("fair_tenant_queues")
+    fair_window_scope = _old_option("fair_window_scope")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Celery builds a class per decorated function with the decorator's keywords as
@@ -308,6 +335,8 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         return super().retry(*args, **kwargs)
 
 
-TASK_OPTIONS: tuple[str, ...] = tuple(name for name in vars(FairTask) if name.startswith("fair_"))
+TASK_OPTIONS: tuple[str, ...] = tuple(
+    name for name in vars(FairTask) if name.startswith("fair_") and name not in OLD_OPTION_NAMES
+)
 """Every ``fair_*`` name a fair task may set (options and overridable methods); the checks
 warn about any other (``fair_jobs.W003``)."""

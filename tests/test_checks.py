@@ -338,3 +338,26 @@ def test_e018__task_module_that_cannot_import__reported_by_check(tmp_path: Path)
     assert "fair_jobs.E018" in result.stderr
     assert "FairTaskConfigError" in result.stderr and "fair_max_jobs must be" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_old_task_option_names__set_on_a_task_after_it_is_defined__still_work() -> None:
+    from tests.testapp import tasks
+
+    rules = [{"queue": "slow", "threshold": 5, "per": 60}]
+    task = tasks.rerouted
+    saved = task.__dict__.get("fair_reroute"), task.__dict__.get("fair_reroute_scope")
+    try:
+        with pytest.warns(DeprecationWarning, match="fair_tenant_queues is renamed fair_reroute"):
+            setattr(task, "fair_tenant_queues", rules)  # noqa: B010
+        with pytest.warns(DeprecationWarning, match="fair_window_scope is renamed"):
+            setattr(task, "fair_window_scope", "queue")  # noqa: B010
+        assert [rule.queue for rule in task.fair_rules()] == ["slow"]
+        assert task.fair_reroute_scope == "queue"
+        with pytest.warns(DeprecationWarning, match="fair_tenant_queues is renamed"):
+            assert task.fair_tenant_queues is rules
+    finally:
+        for name, value in zip(("fair_reroute", "fair_reroute_scope"), saved, strict=True):
+            if value is None:
+                task.__dict__.pop(name, None)
+            else:
+                task.__dict__[name] = value
