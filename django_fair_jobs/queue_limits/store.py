@@ -193,7 +193,7 @@ def try_park(
 ) -> ParkOutcome:
     """Park a job of a limited queue in the queue's line if it is still blocked (by the
     queue, the per-worker limit on ``node_id``, or its tenant); same outcomes as
-    :meth:`TenantQueueSlotManager.try_park`."""
+    :func:`django_fair_jobs.slots.store.try_park`."""
     from django_fair_jobs.models import QueueLimit
 
     alias = router.db_for_write(QueueLimit)
