@@ -706,6 +706,24 @@ class Cluster:
         with contextlib.suppress(AssertionError):
             wait_for(settled, timeout, "every job to complete and every slot to come back")
 
+    def wait_quiet(self, seconds: float, timeout: float = 120) -> None:
+        """Wait until no run has started or finished for ``seconds`` and none is open.
+
+        :meth:`wait_settled` returns once every accepted job has run once; a second copy
+        of a job (a duplicate delivery) may still be in the broker then, or postponed by a
+        countdown. Once the nodes have been idle for longer than that countdown, every
+        copy that was going to run has run."""
+        last: list[tuple[str, datetime, datetime | None]] | None = None
+        since = time.monotonic()
+        deadline = since + timeout
+        while time.monotonic() < deadline:
+            now = sorted((r.task_id, r.started, r.finished) for r in self.runs())
+            if now != last:
+                last, since = now, time.monotonic()
+            elif all(f is not None for _, _, f in now) and time.monotonic() - since >= seconds:
+                return
+            time.sleep(0.5)
+
     def outcome(self, fault: str, recovery: float | None) -> Outcome:
         """Check the invariants' figures from the records: see the module's docstring."""
         runs = self.runs()
