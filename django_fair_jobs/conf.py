@@ -71,6 +71,15 @@ class Settings:
     Use the module-level :data:`fair_settings` instance.
     """
 
+    def is_set(self, name: str) -> bool:
+        """Whether ``FAIR_JOBS_<name>`` is set, in the Django settings or the environment
+        (under its old name too), rather than left to its default."""
+        names = [PREFIX + name]
+        old = OLD_SETTING_NAMES.get(name)
+        if old is not None:
+            names.append(PREFIX + old)
+        return any(hasattr(django_settings, key) or key in os.environ for key in names)
+
     def _get(self, name: str, default: T, parse: Callable[[str], Any]) -> Any:
         key = PREFIX + name
         if not hasattr(django_settings, key) and key not in os.environ:
@@ -96,7 +105,9 @@ class Settings:
     @property
     def DEFAULT_MAX_JOBS(self) -> int:
         """Jobs one tenant may run at once on one queue, when neither the tenant's slot row
-        nor the task (``fair_max_jobs``) says otherwise. Default 1."""
+        nor the task (``fair_max_jobs``) says otherwise. Default 1. Setting it also keeps a
+        ``FairTask`` without options on tenant slots rather than fair dispatch
+        (:meth:`~django_fair_jobs.task.FairTask.fair_dispatching`)."""
         value: int = self._get("DEFAULT_MAX_JOBS", 1, int)
         return value
 

@@ -123,7 +123,8 @@ def _publish_after_commit(task: Task[Any, Any], ready: list[dispatch.Ready]) -> 
 
 
 def _dispatch_options(task: Task[Any, Any]) -> dispatch.Options:
-    raw = getattr(task, "fair_dispatch", None)
+    # A FairTask's (this module is below the task class: see messages.is_fair).
+    raw = getattr(task, "fair_dispatching")()  # noqa: B009
     # Parsed once per task (it imports the weights callable), not at every enqueue.
     cached = task.__dict__.get("_fair_dispatch_options")
     if cached is not None and cached[0] is raw:
@@ -185,7 +186,7 @@ def prepare(
     headers, dispatched = _mark(task, args, kwargs, options)
     tenant = headers[fair_headers.TENANT]
     eager = task.app.conf.task_always_eager
-    if task.fair_dispatch and dispatched is None and not eager:
+    if dispatched is None and not eager and task.fair_dispatching():
         if decisions.enforcing():
             held = _with_links(options, headers, link, link_error, task_id)
             return Prepared(task_id, options, hold_for_dispatch(task, tenant, args, kwargs, held))

@@ -42,6 +42,17 @@ from django_fair_jobs.tenants import normalize_tenant
 SHADOW_PLANNED = publishing.SHADOW_PLANNED
 """The old name of :data:`django_fair_jobs.publishing.SHADOW_PLANNED` (one release)."""
 
+MECHANISM_OPTIONS = (
+    "fair_max_jobs",
+    "fair_on_limit",
+    "fair_retry_countdown",
+    "fair_reroute",
+    "fair_reroute_scope",
+    "fair_plan",
+)
+"""Options that choose a mechanism other than fair dispatch: a task that sets one of them
+(or ``fair_slots = False``) and not ``fair_dispatch`` is not dispatched
+(:meth:`FairTask.fair_dispatching`)."""
 
 OLD_OPTION_NAMES: dict[str, str] = {
     "fair_tenant_queues": "fair_reroute",
@@ -180,7 +191,8 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     wait in their tenant's line in the database, and whenever a worker process of the
     queue frees, the next job goes to the tenant with the fewest jobs in flight per weight
     (then the lowest virtual time, then the oldest job). ``fair_max_jobs``, if set, caps
-    each tenant. See :mod:`django_fair_jobs.dispatch`."""
+    each tenant. See :mod:`django_fair_jobs.dispatch`. None: the default of
+    :meth:`fair_dispatching` (on for a task that sets no other option); False: off."""
 
     fair_reroute_scope: str | None = None
     """What the rules count under: ``"task"``, ``"queue"`` or ``"group:<name>"``.
@@ -209,6 +221,23 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         if rule_limit is not None:
             return int(rule_limit)
         return self.fair_max_jobs or fair_settings.DEFAULT_MAX_JOBS
+
+    def fair_dispatching(self) -> bool | Mapping[str, Any]:
+        """The ``fair_dispatch`` option in force.
+
+        The task's own if it sets one. Otherwise fair dispatch is the default of a task
+        that sets none of the options that choose another mechanism (``fair_max_jobs``,
+        ``fair_on_limit``, ``fair_retry_countdown``, ``fair_slots = False``,
+        ``fair_reroute``, ``fair_reroute_scope``, ``fair_plan``): such a task is fair
+        without a cap that would run each tenant's jobs one at a time. Setting
+        ``FAIR_JOBS_DEFAULT_MAX_JOBS`` keeps those tasks on tenant slots with that cap,
+        as before fair dispatch was the default."""
+        own = self.fair_dispatch
+        if own is not None:
+            return own
+        if not self.fair_slots or any(getattr(self, name) for name in MECHANISM_OPTIONS):
+            return False
+        return not fair_settings.is_set("DEFAULT_MAX_JOBS")
 
     def fair_rules(self) -> tuple[Rule, ...]:
         """The validated ``fair_reroute`` rules; raises :class:`RuleError`."""
@@ -284,21 +313,22 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         queues in one INSERT, or of a ``fair_dispatch`` task in their tenants' lines in one
         round trip: ``items`` are ``(args, kwargs)`` pairs, ``options`` apply to each (no
         ``task_id``). Returns their ``AsyncResult``s."""
-        if not self.fair_plan and not self.fair_dispatch:
+        if not self.fair_plan and not self.fair_dispatching():
             raise planner.PlanError(f"{self.name}: bulk_enqueue needs fair_plan or fair_dispatch.")
         return publishing.off_event_loop(lambda: self._fair_bulk_enqueue(items, options))
 
     def _fair_bulk_enqueue(
         self, items: Iterable[tuple[Sequence[Any], Mapping[str, Any]]], options: dict[str, Any]
     ) -> list[Any]:
-        if self.fair_dispatch and decisions.enforcing() and not self.app.conf.task_always_eager:
+        dispatching = self.fair_dispatching()
+        if dispatching and decisions.enforcing() and not self.app.conf.task_always_eager:
             if "task_id" in options:
                 raise dispatch.DispatchError(
                     f"{self.name}: bulk_enqueue gives each job a task id of its own."
                 )
             held = [self._fair_dispatch_item(tuple(a), dict(k), options) for a, k in items]
             return publishing.hold_many_for_dispatch(self, held)
-        if not decisions.enforcing() or self.fair_dispatch:
+        if not decisions.enforcing() or dispatching:
             # Shadow mode: nothing waits in a virtual queue or line; each job is published
             # (and its would-be hold recorded) as apply_async does. So is an eager call.
             return [self.apply_async(args, kwargs, **options) for args, kwargs in items]

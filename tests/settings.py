@@ -73,6 +73,11 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_DB_REUSE_MAX = env.int("CELERY_DB_REUSE_MAX", default=0) or None
 CELERY_TASK_DEFAULT_QUEUE = "default"
 
+# The suite's test tasks without options are tenant slots of 1 (they predate fair dispatch
+# as the default). FAIR_JOBS_TESTS_LIBRARY_DEFAULTS=1 leaves the setting unset, as in a new
+# project: tests/test_defaults.py runs its workers so.
+if not env.bool("FAIR_JOBS_TESTS_LIBRARY_DEFAULTS", default=False):
+    FAIR_JOBS_DEFAULT_MAX_JOBS = env.int("FAIR_JOBS_DEFAULT_MAX_JOBS", default=1)
 FAIR_JOBS_HEARTBEAT_INTERVAL = env.float("FAIR_JOBS_HEARTBEAT_INTERVAL", default=0.5)
 FAIR_JOBS_WORKER_TIMEOUT = env.float("FAIR_JOBS_WORKER_TIMEOUT", default=3.0)
 

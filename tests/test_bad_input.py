@@ -223,6 +223,7 @@ def test_settings_out_of_range__system_check_error(name: str, value: Any, settin
         ({**PLAN, "tenant_weights": "no.such.module.weights"}, "tenant_weights"),
         ({**PLAN, "tenant_weights": 3}, "tenant_weights must be a callable"),
         ({**PLAN, "weights": {}}, "unknown key"),
+        ({"enqueue_interval": 1}, "enqueue_jobs is required"),
     ],
 )
 def test_bad_plan__error_at_start_up_and_at_publish(

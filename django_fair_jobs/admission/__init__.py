@@ -111,7 +111,9 @@ def holding(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterato
         # postponing it would repeat forever; it fails, saying why.
         raise TaskIdError(f"{task.name}: {problem}.")
     marks = request.headers or {}
-    if task.fair_dispatch and marks.get(fair_headers.DISPATCH) is not None:
+    # The mark, not the task's options, says the job was dispatched: its row exists, and a
+    # worker whose settings make the task's default differ must still start it from there.
+    if marks.get(fair_headers.DISPATCH) is not None:
         tenant = tenants.request_tenant(task, args, kwargs)
         if tenant is None:
             warn_missing_tenant(task.name)

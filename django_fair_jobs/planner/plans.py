@@ -13,10 +13,21 @@ from django_fair_jobs import validation
 from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 from django_fair_jobs.errors import PlanError
 
-REQUIRED_KEYS = ("enqueue_interval", "enqueue_jobs")
+REQUIRED_KEYS = ("enqueue_jobs",)
 KNOWN_KEYS = frozenset(
-    {*REQUIRED_KEYS, "tenant_weights", "latency_threshold", "planner_queue", "planner_lock_ttl"}
+    {
+        *REQUIRED_KEYS,
+        "enqueue_interval",
+        "tenant_weights",
+        "latency_threshold",
+        "planner_queue",
+        "planner_lock_ttl",
+    }
 )
+
+DEFAULT_ENQUEUE_INTERVAL = 1.0
+"""Seconds between planner runs when ``fair_plan`` leaves ``enqueue_interval`` out: a job
+enqueued on idle workers waits for the next run, so a long default would delay every job."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,7 @@ def plan_errors(raw: Any) -> list[str]:
     problems = [f"unknown key {key!r}" for key in sorted(set(raw) - KNOWN_KEYS)]
     for key in REQUIRED_KEYS:
         if raw.get(key) is None:
-            problems.append(f"{key} is required (how many jobs to promote, and how often)")
+            problems.append(f"{key} is required (how many jobs one planner run promotes)")
     interval = as_seconds(raw.get("enqueue_interval"))
     if raw.get("enqueue_interval") is not None and (
         interval is None or not 0 < interval <= MAX_LIMIT
@@ -89,7 +100,9 @@ def parse_plan(raw: Mapping[str, Any]) -> Plan:
     weights = given("tenant_weights", fair_settings.PLANNER_TENANT_WEIGHTS)
     threshold = given("latency_threshold", fair_settings.PLANNER_LATENCY_THRESHOLD)
     return Plan(
-        enqueue_interval=float(as_seconds(raw["enqueue_interval"]) or 0),
+        enqueue_interval=float(
+            as_seconds(given("enqueue_interval", DEFAULT_ENQUEUE_INTERVAL)) or 0
+        ),
         enqueue_jobs=int(raw["enqueue_jobs"]),
         tenant_weights=None if weights is None else validation.weights_callable(weights),
         latency_threshold=float(as_seconds(threshold) or 0),

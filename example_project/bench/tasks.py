@@ -51,7 +51,8 @@ def work(
 
 
 class PerTenant(FairTask):
-    """Fair per the job's ``tenant`` keyword; the limit is ``FAIR_JOBS_DEFAULT_MAX_JOBS``."""
+    """Fair per the job's ``tenant`` keyword; a task with tenant slots takes its limit from
+    ``FAIR_JOBS_DEFAULT_MAX_JOBS``."""
 
     @classmethod
     def fair_tenant(cls, *args: Any, **kwargs: Any) -> Any:
@@ -64,7 +65,7 @@ def plain_job(**kwargs: Any) -> None:
     work(**kwargs)
 
 
-@shared_task(base=PerTenant, name="bench.slots_job", ignore_result=True)
+@shared_task(base=PerTenant, name="bench.slots_job", ignore_result=True, fair_dispatch=False)
 def slots_job(**kwargs: Any) -> None:
     """The same job as a FairTask with tenant slots (mechanism A)."""
     work(**kwargs)

@@ -288,3 +288,11 @@ def test_allocate__publishes_in_the_order_the_draw_served() -> None:
     out = planner.allocate({"greedy": 100, "new": 2}, {"greedy": 1, "new": 1},
                            {"greedy": 51.0}, 50.0, 10)  # fmt: skip
     assert out.order == ("new", "greedy") and out.counts == {"new": 2, "greedy": 8}
+
+
+def test_plan_without_enqueue_interval__one_run_a_second() -> None:
+    # A long interval delays every job on idle workers by up to that long; the default
+    # keeps that wait under a second.
+    plan = planner.parse_plan({"enqueue_jobs": 10})
+    assert plan.enqueue_interval == planner.plans.DEFAULT_ENQUEUE_INTERVAL == 1.0
+    assert planner.parse_plan({"enqueue_jobs": 10, "enqueue_interval": 30}).enqueue_interval == 30
