@@ -185,8 +185,8 @@ def _parked(parked: Any, now: datetime) -> Explanation:
                          max_jobs_per_worker=row.max_jobs_per_worker)  # fmt: skip
             paused = row.max_jobs == 0 or row.max_jobs_per_worker == 0
             why = (f"queue {row.queue} is paused (limit 0)" if paused else
-                   f"queue {row.queue} is at a limit ({row.current_jobs} running, global "
-                   f"{row.max_jobs}, per worker {row.max_jobs_per_worker})")  # fmt: skip
+                   f"queue {row.queue} is at a limit ({row.current_jobs} running, max_jobs "
+                   f"{row.max_jobs}, max_jobs_per_worker {row.max_jobs_per_worker})")  # fmt: skip
         entry["reason"] = why
         details["tenant_slot" if kind == "tenant slot" else "queue_limit"] = entry
         reasons.append(f"{why}; it is number {entry['position']} in line")

@@ -227,8 +227,9 @@ def as_text(snap: dict[str, Any]) -> str:
         nodes_text = ", ".join(f"{n}: {c}" for n, c in q["running_by_node"].items()) or "-"
         oldest = q["oldest_parked_seconds"]
         lines.append(
-            f"  {q['queue']}{' PAUSED' if q['paused'] else ''}: global {_show(q['max_jobs'])}, "
-            f"per worker {_show(q['max_jobs_per_worker'])}; running {q['running']} ({nodes_text}); "
+            f"  {q['queue']}{' PAUSED' if q['paused'] else ''}: max_jobs {_show(q['max_jobs'])}, "
+            f"max_jobs_per_worker {_show(q['max_jobs_per_worker'])}; "
+            f"running {q['running']} ({nodes_text}); "
             f"parked {q['parked']}{'' if oldest is None else f', oldest {oldest:g} s'}; "
             f"deferred ever {q['deferred_total']}"
         )  # fmt: skip

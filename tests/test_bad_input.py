@@ -590,7 +590,7 @@ def test_admin_add_slot__bad_tenant__form_error__no_row(ops: Client, tenant: str
 def test_fair_jobs_limit_command__bad_numbers__command_error__nothing_changed() -> None:
     from django.core.management.base import CommandError
 
-    for argv in (["--global", "-1"], ["--global", "abc"], ["--per-worker", "1.5"]):
+    for argv in (["--max-jobs", "-1"], ["--max-jobs", "abc"], ["--per-worker", "1.5"]):
         with pytest.raises(CommandError):
             call_command("fair_jobs_limit", "hooks", *argv)
     assert not QueueLimit.objects.exists()

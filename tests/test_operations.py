@@ -233,7 +233,7 @@ def test_explain__parked_behind_a_queue_limit(process: uuid.UUID) -> None:
         "queue": "hooks",
         "max_jobs": 1,
         "max_jobs_per_worker": None,
-        "reason": "queue hooks is at a limit (1 running, global 1, per worker None)",
+        "reason": "queue hooks is at a limit (1 running, max_jobs 1, max_jobs_per_worker None)",
     }
     assert explain("h1").details["holding"] == [
         {"queue": "hooks", "running": 1, "max_jobs": 1, "max_jobs_per_worker": None}
@@ -625,7 +625,7 @@ def test_limit_command__options_that_do_not_apply_to_a_tenant__refused(args: lis
         (["q", "--tenant", "acme", "--boost", "3", "--until", "2099-01-01T00:00"], "aware"),
         (["q", "--tenant", "acme", "--boost", "3", "--max-jobs", "2"], "cannot be combined"),
         (["--tenant", "acme", "--max-jobs", "2"], "Name the QUEUE"),
-        (["q", "--max-jobs", "2"], "need --tenant"),
+        (["q", "--boost", "2", "--for", "5"], "needs --tenant"),
     ],
 )
 def test_limit_command__bad_tenant_values__helpful_command_error(

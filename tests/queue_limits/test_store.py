@@ -231,7 +231,7 @@ def test_seed__fills_missing_queues_only(take: Take) -> None:
 
 
 def test_limit_command__sets_clears_and_resets(capsys: pytest.CaptureFixture[str]) -> None:
-    call_command("fair_jobs_limit", "hooks", "--global", "4", "--per-worker", "1")
+    call_command("fair_jobs_limit", "hooks", "--max-jobs", "4", "--per-worker", "1")
     assert (row().max_jobs, row().max_jobs_per_worker) == (4, 1)
     call_command("fair_jobs_limit", "hooks", "--per-worker", "2")
     assert (row().max_jobs, row().max_jobs_per_worker) == (4, 2)
@@ -249,9 +249,9 @@ def test_limit_command__bad_input_is_a_clear_error() -> None:
     from django.core.management.base import CommandError
 
     with pytest.raises(CommandError, match="whole number"):
-        call_command("fair_jobs_limit", "hooks", "--global", "-1")
+        call_command("fair_jobs_limit", "hooks", "--max-jobs", "-1")
     with pytest.raises(CommandError, match="QUEUE"):
-        call_command("fair_jobs_limit", "--global", "1")
+        call_command("fair_jobs_limit", "--max-jobs", "1")
     assert not QueueLimit.objects.exists()
 
 
@@ -428,3 +428,17 @@ def test_maintenance__recounts_queue_places_from_leases_under_the_row_lock(
     QueueLimit.objects.filter(queue="hooks").update(current_jobs=2, running={})
     maintenance.run_maintenance(timeout=60)
     assert (row().current_jobs, row().running) == (1, {str(NODE_A): 1})
+
+
+def test_limit_command__old_name_global__still_sets_max_jobs_with_a_warning() -> None:
+    from io import StringIO
+
+    from django.core.management.base import CommandError
+
+    err = StringIO()
+    call_command("fair_jobs_limit", "hooks", "--global", "3", stdout=StringIO(), stderr=err)
+    assert row().max_jobs == 3
+    assert "--global is renamed --max-jobs" in err.getvalue()
+    with pytest.raises(CommandError, match="only --max-jobs"):
+        call_command("fair_jobs_limit", "hooks", "--global", "3", "--max-jobs", "2")
+    assert row().max_jobs == 3

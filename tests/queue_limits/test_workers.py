@@ -107,7 +107,7 @@ def test_limit_zero__pauses__other_queues_carry_on__raising_it_resumes(
     other = [tasks.limited3.delay("o", 0.01).id for _ in range(3)]
     wait_finished(other)
     assert not JobRun.objects.filter(task_id__in=paused).exists()
-    call_command("fair_jobs_limit", "limited", "--global", "2")
+    call_command("fair_jobs_limit", "limited", "--max-jobs", "2")
     wait_finished(paused, timeout=10)
     assert_queue_idle()
 
@@ -205,7 +205,7 @@ def test_runtime_change__survives_restart__settings_do_not_overwrite_it(
     seeded = {"FAIR_JOBS_QUEUE_LIMITS": '{"limited": 3}', **PLAIN}
     first = start_worker("a", concurrency=3, queues="limited", extra_env=seeded)
     assert QueueLimit.objects.get(queue="limited").max_jobs == 3  # seeded at start-up
-    call_command("fair_jobs_limit", "limited", "--global", "1")
+    call_command("fair_jobs_limit", "limited", "--max-jobs", "1")
     first.stop()
     start_worker("a2", concurrency=3, queues="limited", extra_env=seeded)
     assert QueueLimit.objects.get(queue="limited").max_jobs == 1  # kept over the settings

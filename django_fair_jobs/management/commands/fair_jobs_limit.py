@@ -3,6 +3,7 @@ boosts) at runtime; every change goes into the limit history."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -42,8 +43,9 @@ class Command(BaseCommand):
     queue, or boost it for a while."""
 
     help = (
-        "Show or change how many jobs of QUEUE run at once: --global across every worker "
-        "node, --per-worker on each node (0 pauses the queue). Changes apply at once, wake "
+        "Show or change how many jobs of QUEUE run at once: --max-jobs across every worker "
+        "node, --per-worker on each node (0 pauses the queue; --global is the old name of "
+        "--max-jobs). Changes apply at once, wake "
         "parked jobs, and survive restarts: FAIR_JOBS_QUEUE_LIMITS and "
         "FAIR_JOBS_QUEUE_LIMITS_PER_WORKER only seed queues with nothing stored. --clear "
         "removes QUEUE's limits; --reset makes the stored limits (of QUEUE, or of every "
@@ -55,14 +57,16 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("queue", nargs="?", metavar="QUEUE")
-        parser.add_argument("--global", dest="max_jobs", metavar="N", type=str)
+        parser.add_argument(
+            "--global", dest="old_global", metavar="N", type=str, help=argparse.SUPPRESS
+        )
         parser.add_argument("--per-worker", dest="per_worker", metavar="N", type=str)
         parser.add_argument("--clear", action="store_true", help="No limit on QUEUE.")
         parser.add_argument(
             "--reset", action="store_true", help="Stored limits back to the settings."
         )
         parser.add_argument("--tenant", metavar="TENANT", help="Change this tenant's limit.")
-        parser.add_argument("--max-jobs", dest="tenant_max", metavar="N|default")
+        parser.add_argument("--max-jobs", dest="max_jobs", metavar="N|default")
         parser.add_argument("--boost", metavar="N", help="Temporary limit of --tenant.")
         parser.add_argument("--for", dest="boost_for", metavar="SECONDS", type=float)
         parser.add_argument("--until", dest="boost_until", metavar="ISO-TIME")
@@ -72,11 +76,23 @@ class Command(BaseCommand):
         from django_fair_jobs.models import QueueLimit
 
         queue = options["queue"]
+        if options["old_global"] is not None:
+            # The queue row's field, the setting and the metric say max_jobs; --global is
+            # read for one release.
+            if options["max_jobs"] is not None:
+                raise CommandError("--global is the old name of --max-jobs: give only --max-jobs.")
+            self.stderr.write(
+                "--global is renamed --max-jobs (the queue's max_jobs); --global goes away in "
+                "the next release."
+            )
+            options["max_jobs"] = options.pop("old_global")
+            options["old_global"] = None
+            options["via_global"] = True
         if options["tenant"] is not None:
             self._tenant(queue, options)
             return
-        if options["tenant_max"] or options["boost"]:
-            raise CommandError("--max-jobs and --boost need --tenant.")
+        if options["boost"]:
+            raise CommandError("--boost needs --tenant.")
         changes: dict[str, Any] = {}
         if options["max_jobs"] is not None:
             changes["max_jobs"] = _limit(options["max_jobs"])
@@ -84,7 +100,7 @@ class Command(BaseCommand):
             changes["max_jobs_per_worker"] = _limit(options["per_worker"])
         if options["clear"]:
             if changes:
-                raise CommandError("--clear cannot be combined with --global or --per-worker.")
+                raise CommandError("--clear cannot be combined with --max-jobs or --per-worker.")
             changes = {"max_jobs": None, "max_jobs_per_worker": None}
         if options["reset"]:
             if changes:
@@ -93,7 +109,7 @@ class Command(BaseCommand):
         elif changes:
             if not queue:
                 raise CommandError(
-                    "Name the QUEUE to change, e.g. fair_jobs_limit webhooks --global 2."
+                    "Name the QUEUE to change, e.g. fair_jobs_limit webhooks --max-jobs 2."
                 )
             try:
                 rows = [queue_limits.set_limits(queue, **changes, user=_who(), source="command")]
@@ -106,7 +122,7 @@ class Command(BaseCommand):
                 self.stdout.write(f"{queue}: no limit stored")
         for row in rows:
             self.stdout.write(
-                f"{row.queue}: global {_show(row.max_jobs)}, per worker "
+                f"{row.queue}: max_jobs {_show(row.max_jobs)}, max_jobs_per_worker "
                 f"{_show(row.max_jobs_per_worker)}"
             )
 
@@ -117,9 +133,9 @@ class Command(BaseCommand):
         from django_fair_jobs.models import TenantQueueSlot
 
         tenant = options["tenant"]
-        flags = (("--global", "max_jobs"), ("--per-worker", "per_worker"), ("--clear", "clear"),
+        flags = (("--global", "via_global"), ("--per-worker", "per_worker"), ("--clear", "clear"),
                  ("--reset", "reset"))  # fmt: skip
-        queue_only = [flag for flag, key in flags if options[key]]
+        queue_only = [flag for flag, key in flags if options.get(key)]
         if queue_only:
             raise CommandError(
                 f"{', '.join(queue_only)} change a queue's limits, not a tenant's; with "
@@ -132,7 +148,7 @@ class Command(BaseCommand):
             raise CommandError(
                 "Name the QUEUE, e.g. fair_jobs_limit imports --tenant acme --max-jobs 4."
             )
-        boost, raw_max = options["boost"], options["tenant_max"]
+        boost, raw_max = options["boost"], options["max_jobs"]
         try:
             if boost is not None:
                 if raw_max is not None:
