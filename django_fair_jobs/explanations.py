@@ -10,9 +10,14 @@ A job the library knows about is in exactly one of these places, looked up in th
   its reservation on the way);
 * a planned row: **pending** in its tenant's virtual queue, **promoted** to the broker, or
   **failed** (its publish failed too often; never promoted again);
+* a dispatch row (fair dispatch): **scheduled** (a countdown or ETA not yet due),
+  **waiting** in its tenant's line, **dispatched** (published: in the broker, not started)
+  or **running**;
 * only decisions: **rerouted** (a rule sent it to a slower queue), or **shadow** (shadow
   mode recorded what a rule would have done);
-* nothing: **unknown** (finished, never held back, or not a job of ours).
+* the result backend's end state: **finished** (SUCCESS, FAILURE or REVOKED);
+* nothing: **unknown** (in the broker without being held back, ended without a result,
+  or not a job of ours).
 
 Every age is read on the database clock.
 """
@@ -69,6 +74,7 @@ def explain(task_id: str) -> Explanation:
     """Say where job ``task_id`` is and why it has not started (or what it holds while it
     runs), from the library's rows: leases, parked jobs, virtual queues and recorded
     decisions. Read-only; a few indexed queries."""
+    from django_fair_jobs.dispatch.models import DispatchJob
     from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob, SlotLease
 
     task_id = str(task_id)
@@ -86,6 +92,8 @@ def explain(task_id: str) -> Explanation:
         found = _parked(parked, now)
     elif (planned := PlannedJob.objects.filter(task_id=task_id).first()) is not None:
         found = _planned(planned, now)
+    elif (job := DispatchJob.objects.filter(task_id=task_id).order_by("-pk").first()) is not None:
+        found = _dispatched(job, now)
     else:
         found = _undecided(task_id, decisions)
     found.decisions = decisions
@@ -287,6 +295,85 @@ def _planned(planned: Any, now: datetime) -> Explanation:
     return Explanation(planned.task_id, "pending", summary, details)
 
 
+AHEAD_COUNTED = 1000
+"""Jobs of its tenant counted ahead of a waiting dispatched job; past this, the answer is
+"more than 1000", so that explain costs the same wherever the job is in its line."""
+
+
+def _dispatched(job: Any, now: datetime) -> Explanation:
+    from django_fair_jobs.dispatch.models import (
+        DISPATCHED,
+        RUNNING,
+        SCHEDULED,
+        DispatchJob,
+        DispatchQueue,
+        DispatchTenant,
+    )
+    from django_fair_jobs.models import WorkerProcess
+
+    line = DispatchTenant.objects.filter(queue=job.queue, tenant=job.tenant).first()
+    queue = DispatchQueue.objects.filter(queue=job.queue).first()
+    details: dict[str, Any] = {
+        "queue": job.queue,
+        "tenant": job.tenant,
+        "task": job.task_name,
+        "enqueued_at": job.enqueued_at.isoformat(),
+        "waited_seconds": age(now, job.enqueued_at),
+        "tenant_in_flight": None if line is None else line.in_flight,
+        "tenant_cap": None if line is None else line.cap,
+        "queue_in_flight": None if queue is None else queue.in_flight,
+        "queue_capacity": None if queue is None else queue.capacity + queue.slack,
+    }
+    if job.state == RUNNING:
+        process = WorkerProcess.objects.filter(pk=job.process_id).first()
+        where = "an unknown worker" if process is None else process.node
+        details["node"] = None if process is None else process.node
+        details["running_seconds"] = age(now, job.started_at) if job.started_at else None
+        return Explanation(job.task_id, "running", f"Running on {where} (fair dispatch).",
+                           details)  # fmt: skip
+    if job.state == DISPATCHED:
+        details["dispatched_seconds"] = age(now, job.dispatched_at) if job.dispatched_at else None
+        summary = (
+            f"In the broker: dispatched to queue {job.queue} "
+            f"{details['dispatched_seconds']} s ago and not started yet; it is among the "
+            "jobs that fill the queue's free worker processes, so it starts when one takes it."
+        )
+        if (details["dispatched_seconds"] or 0) > fair_settings.DISPATCH_LOST_AFTER:
+            summary += (
+                " It has waited longer than FAIR_JOBS_DISPATCH_LOST_AFTER: if its message was "
+                "lost (a purged queue), the next maintenance pass publishes it again."
+            )
+        return Explanation(job.task_id, "dispatched", summary, details)
+    if job.state == SCHEDULED:
+        details["due_at"] = job.not_before.isoformat() if job.not_before else None
+        return Explanation(
+            job.task_id, "scheduled",
+            f"Its countdown or ETA is not due yet (due {details['due_at']}); then it waits "
+            f"in {job.tenant}'s line on {job.queue}.",
+            details,
+        )  # fmt: skip
+    ahead = DispatchJob.objects.filter(
+        queue=job.queue, tenant=job.tenant, state=job.state, pk__lt=job.pk
+    ).values("pk")[:AHEAD_COUNTED]
+    count = len(ahead)
+    details["ahead_in_its_line"] = count if count < AHEAD_COUNTED else f"more than {count}"
+    details["tenant_waiting"] = None if line is None else line.waiting
+    cause = (
+        f"its tenant is at its cap ({line.in_flight} in flight, cap {line.cap})"
+        if line is not None and line.cap is not None and line.in_flight >= line.cap
+        else "every worker process of the queue is busy"
+        if queue is not None and queue.in_flight >= queue.capacity + queue.slack
+        else "the next free worker process takes the tenant with the fewest jobs in flight"
+    )
+    summary = (
+        f"Waiting in {job.tenant}'s line on {job.queue} (fair dispatch), "
+        f"{details['ahead_in_its_line']} of its tenant's jobs ahead of it; {cause}."
+    )
+    if queue is None or queue.capacity == 0:
+        summary += " No live worker consumes this queue: start one with -Q " + job.queue + "."
+    return Explanation(job.task_id, "waiting", summary, details)
+
+
 def _undecided(task_id: str, decisions: list[dict[str, Any]]) -> Explanation:
     reroutes = [d for d in decisions if d["mechanism"] == "reroute" and d["enforced"]]
     if reroutes:
@@ -304,8 +391,28 @@ def _undecided(task_id: str, decisions: list[dict[str, Any]]) -> Explanation:
             "Shadow mode (FAIR_JOBS_ENFORCE = False) recorded what the rules would have done "
             "to it; nothing was done, and nothing holds it now.",
         )  # fmt: skip
+    state = _result_state(task_id)
+    if state is not None:
+        return Explanation(
+            task_id, "finished",
+            f"It has ended: the result backend says {state}.", {"result_state": state},
+        )  # fmt: skip
     return Explanation(
         task_id, "unknown",
-        "django-fair-jobs holds nothing for this id: the job finished, was never held back "
-        "(it ran within its limits, or its task is not limited), or the id is wrong.",
+        "django-fair-jobs holds nothing for this id, and the result backend knows no end of "
+        "it: it waits in the broker unheld (tenant slots and queue limits record a job only "
+        "once it is held back; fair dispatch records every job), ended without a stored "
+        "result, or the id is wrong.",
     )  # fmt: skip
+
+
+def _result_state(task_id: str) -> str | None:
+    """The job's end state from the Celery result backend (SUCCESS, FAILURE, REVOKED...),
+    or None: not ended, no result backend, or the backend cannot be read."""
+    from celery import current_app, states
+
+    try:
+        state = str(current_app.AsyncResult(task_id).state)
+    except Exception:  # no backend (DisabledBackend raises), or it is down: not an answer
+        return None
+    return state if state in states.READY_STATES else None

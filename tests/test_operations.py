@@ -348,6 +348,17 @@ def test_explain__unknown() -> None:
     assert "holds nothing" in found.summary
 
 
+def test_explain__ended__the_result_backends_state() -> None:
+    from tests.celery_app import app
+
+    task_id = str(uuid.uuid4())
+    app.backend.mark_as_done(task_id, 42)
+    found = explain(task_id)
+    assert (found.state, found.details) == ("finished", {"result_state": "SUCCESS"})
+    app.backend.forget(task_id)
+    assert explain(task_id).state == "unknown"
+
+
 def test_explain_command__json_and_text(process: uuid.UUID) -> None:
     acquire(process, "j1")
     park("j2")
