@@ -79,6 +79,7 @@ from django_fair_jobs.planner import plan_errors
 from django_fair_jobs.reroute import rule_errors, scope_error
 from django_fair_jobs.routing import queue_name
 from django_fair_jobs.task import OLD_OPTION_NAMES, TASK_OPTIONS, FairTask
+from django_fair_jobs.validation import weights_problem
 
 logger = logging.getLogger("django_fair_jobs.checks")
 
@@ -163,6 +164,12 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
             or not plan_errors({"enqueue_interval": 1, "enqueue_jobs": 1, "tenant_weights": v})
         ),
         "None, a callable or the dotted path of one",
+    ),
+    (
+        "METRICS_TENANT_CLASS",
+        "fair_jobs.E017",
+        lambda v: v is None or weights_problem(v) is None,
+        "None, a callable or the dotted path of one (tenant -> class)",
     ),
     (
         "DISPATCH_SLACK",

@@ -199,6 +199,13 @@ class Settings:
         return value
 
     @property
+    def METRICS_TENANT_CLASS(self) -> Any:
+        """A callable or its dotted path, given a job's tenant (or None) and returning its
+        class for the wait histogram's ``tenant_class`` label: a tier or a plan, from a
+        small set. Default None: every job is in class ``"all"``."""
+        return self._get("METRICS_TENANT_CLASS", None, str)
+
+    @property
     def PLANNER_QUEUE(self) -> str:
         """Default ``planner_queue`` of a ``fair_plan``: the queue of the
         ``django_fair_jobs.plan`` task, for projects that run planners from Celery beat.

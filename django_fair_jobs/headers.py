@@ -40,6 +40,11 @@ and ends its row); a re-publish built from its request (a retry) goes back throu
 tenant's line."""
 
 
+ENQUEUED_AT = "fair_enqueued_at"
+"""When the job was first enqueued (epoch seconds, the publisher's clock). Set by the first
+publish, kept by every re-publish; the wait histogram measures a start from it."""
+
+
 def is_redelivered(request: Any) -> bool:
     """True if the broker delivers this job again because its holder died before
     acknowledging it (a Celery request's ``delivery_info["redelivered"]``)."""

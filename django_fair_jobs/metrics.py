@@ -28,7 +28,11 @@ from typing import Any, Literal
 
 try:
     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - exercised by a test that hides the package
@@ -40,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.http import HttpRequest, HttpResponse
 
-from django_fair_jobs import status
+from django_fair_jobs import status, waits
 from django_fair_jobs.tenants import shorten
 
 logger = logging.getLogger("django_fair_jobs.metrics")
@@ -51,20 +55,25 @@ TENANT_LABEL_MAX_LENGTH = 100
 prefix stay two series."""
 
 
+Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
+
+
 @dataclass(frozen=True)
 class MetricSpec:
     """One metric the exporter exposes: its name as queried in Prometheus (a counter's
     ends in ``_total``), its type, its label names and its help text."""
 
     name: str
-    kind: Literal["gauge", "counter"]
+    kind: Literal["gauge", "counter", "histogram"]
     labels: tuple[str, ...]
     help: str
 
-    def family(self) -> GaugeMetricFamily | CounterMetricFamily:
+    def family(self) -> Family:
         """A new, empty metric family for this metric."""
         if self.kind == "counter":
             return CounterMetricFamily(self.name, self.help, labels=self.labels)
+        if self.kind == "histogram":
+            return HistogramMetricFamily(self.name, self.help, labels=self.labels)
         return GaugeMetricFamily(self.name, self.help, labels=self.labels)
 
 
@@ -74,6 +83,10 @@ def _gauge(name: str, labels: tuple[str, ...], text: str) -> MetricSpec:
 
 def _counter(name: str, labels: tuple[str, ...], text: str) -> MetricSpec:
     return MetricSpec(name, "counter", labels, text)
+
+
+def _histogram(name: str, labels: tuple[str, ...], text: str) -> MetricSpec:
+    return MetricSpec(name, "histogram", labels, text)
 
 
 T, Q, K, N = ("tenant",), ("queue",), ("task",), ("node",)
@@ -112,6 +125,16 @@ METRICS: tuple[MetricSpec, ...] = (
            "queue's line, in seconds; absent when none is."),
     _counter("fair_jobs_queue_deferrals_total", Q, "Jobs ever parked because the queue was "
              "at a limit."),
+    _histogram("fair_jobs_wait_seconds", (*Q, "tenant_class"), "Seconds from enqueue (or "
+               "ETA) to start of the queue's jobs, by tenant class "
+               "(FAIR_JOBS_METRICS_TENANT_CLASS); flushed by each worker process once per "
+               "heartbeat interval."),
+    _gauge("fair_jobs_queue_depth", Q, "Jobs of fair dispatch due and waiting in the "
+           "queue's tenants' lines, not yet dispatched."),
+    _gauge("fair_jobs_queue_in_flight", Q, "Jobs of fair dispatch dispatched to the queue "
+           "(in the broker) or running from it."),
+    _gauge("fair_jobs_queue_capacity", Q, "Jobs fair dispatch keeps in flight on the queue: "
+           "its live worker processes plus the slack."),
     _gauge("fair_jobs_planner_pending", (*K, *T), "Jobs of the tenant in the task's virtual "
            "queue, not yet promoted."),
     _gauge("fair_jobs_planner_oldest_pending_seconds", (*K, *T), "Age of the tenant's oldest "
@@ -163,14 +186,27 @@ class _Families:
     """The families of one scrape, by name, filled sample by sample."""
 
     def __init__(self) -> None:
-        self.by_name: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
-            spec.name: spec.family() for spec in METRICS
-        }
+        self.by_name: dict[str, Family] = {spec.name: spec.family() for spec in METRICS}
 
     def add(self, name: str, labels: Iterable[str], value: float | None) -> None:
         """Add one sample; a None value adds nothing."""
         if value is not None:
-            self.by_name[name].add_metric(list(labels), float(value))
+            family = self.by_name[name]
+            assert not isinstance(family, HistogramMetricFamily), name
+            family.add_metric(list(labels), float(value))
+
+    def add_histogram(
+        self, name: str, labels: Iterable[str], counts: list[int], total: float
+    ) -> None:
+        """Add one histogram series: ``counts`` per bucket of :data:`waits.BUCKETS` (not
+        cumulative) and the observations' sum."""
+        family = self.by_name[name]
+        assert isinstance(family, HistogramMetricFamily), name
+        cumulative, running = [], 0
+        for bound, count in zip(waits.BUCKETS, counts, strict=True):
+            running += count
+            cumulative.append(("+Inf" if bound == float("inf") else f"{bound:g}", running))
+        family.add_metric(list(labels), cumulative, total)
 
 
 class FairJobsCollector(Collector):
@@ -215,6 +251,9 @@ class FairJobsCollector(Collector):
         out.add("fair_jobs_enforce", [], 1 if snap["enforce"] else 0)
         self._tenants(out, snap["tenants"])
         self._queues(out, snap["queues"])
+        self._dispatch(out)
+        for (queue, cls), (counts, total) in sorted(waits.histogram().items()):
+            out.add_histogram("fair_jobs_wait_seconds", [queue, cls], counts, total)
         self._planners(out, now, snap["totals"]["planner_runs_total"])
         self._nodes(out, snap["nodes"])
         fairness = snap["fairness"]
@@ -264,6 +303,24 @@ class FairJobsCollector(Collector):
             out.add("fair_jobs_queue_parked", [name], q["parked"])
             out.add("fair_jobs_queue_oldest_parked_seconds", [name], q["oldest_parked_seconds"])
             out.add("fair_jobs_queue_deferrals_total", [name], q["deferred_total"])
+
+    def _dispatch(self, out: _Families) -> None:
+        from django.db.models import Sum
+
+        from django_fair_jobs.dispatch.models import DispatchQueue, DispatchTenant
+
+        waiting = dict(
+            DispatchTenant.objects.filter(waiting__gt=0)
+            .values("queue")
+            .annotate(n=Sum("waiting"))
+            .values_list("queue", "n")
+        )
+        for q in DispatchQueue.objects.order_by("queue"):
+            out.add("fair_jobs_queue_depth", [q.queue], waiting.pop(q.queue, 0))
+            out.add("fair_jobs_queue_in_flight", [q.queue], q.in_flight)
+            out.add("fair_jobs_queue_capacity", [q.queue], q.capacity + q.slack)
+        for queue, n in waiting.items():  # lines of a queue with no row yet
+            out.add("fair_jobs_queue_depth", [queue], n)
 
     def _planners(self, out: _Families, now: datetime, runs_total: dict[str, int]) -> None:
         # From the rows, not from the Celery app's task registry (which planner.status

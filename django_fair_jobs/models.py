@@ -13,6 +13,8 @@
   capacities, tenants' lines and jobs (defined in :mod:`django_fair_jobs.dispatch.models`).
 * :class:`JobDecision`: what a rule did, or in shadow mode would have done, to one job.
 * :class:`LimitChange`: the history of limit changes (who, what, when).
+* :class:`WaitBucket`: the wait histogram's counts (enqueue to start), per queue and
+  tenant class.
 * :class:`Dashboard`: the admin's dashboard page (a proxy, for its permission).
 
 This module is the schema only. The statements that change these rows live in each
@@ -505,6 +507,31 @@ class LimitChange(models.Model):
 
 def _shown(value: object) -> str:
     return "" if value is None else str(value)[:64]
+
+
+class WaitBucket(models.Model):
+    """One bucket of the enqueue-to-start wait histogram of a queue and tenant class:
+    how many jobs started after waiting at most ``BUCKETS[bucket]`` seconds (and more
+    than the bucket below), and their waits' sum. Written by
+    :func:`django_fair_jobs.waits.flush`; read by the metrics exporter."""
+
+    queue = models.CharField(max_length=255)
+    tenant_class = models.CharField(max_length=100)
+    bucket = models.PositiveSmallIntegerField(help_text="Index into waits.BUCKETS.")
+    count = models.PositiveBigIntegerField(default=0)
+    total_seconds = models.FloatField(default=0.0)
+
+    class Meta:
+        db_table = "fair_jobs_waitbucket"
+        verbose_name = "wait histogram bucket"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["queue", "tenant_class", "bucket"], name="fair_jobs_waitbucket_key"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.queue} / {self.tenant_class} / {self.bucket}"
 
 
 class Dashboard(TenantQueueSlot):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -225,6 +226,9 @@ def _mark(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[d
     wake = options.pop("fair_wake", None)
     if wake is not None:
         headers[fair_headers.WAKE] = wake
+    # The first publish's time; a re-publish (a wake, a dispatch, a promotion) keeps it,
+    # so that the wait histogram measures from the enqueue.
+    headers.setdefault(fair_headers.ENQUEUED_AT, time.time())
     explicit = options.pop("fair_tenant", None)
     if explicit is not None:
         headers[fair_headers.TENANT] = normalize_tenant(explicit)

@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "decisions": 2,
     "identity": 2,
     "leases": 2,
+    "waits": 2,
     # L3: the mechanism rooms (see ROOMS); no room imports another.
     "slots": 3,
     "reroute": 3,

@@ -48,6 +48,7 @@ from django_fair_jobs import (
     slots,
     tenants,
     validation,
+    waits,
 )
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.admission import ends
@@ -136,6 +137,7 @@ def holding(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterato
         tenant = None  # rerouting only: no tenant slot
     queue = routing.request_queue(task)
     if tenant is None and not queue_limits.is_limited(queue) and not fair_headers.is_woken(request):
+        started_now(task, queue, tenant)
         yield
         return
     grant = enter(
@@ -148,10 +150,21 @@ def holding(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterato
     if grant is None:
         raise Ignore()  # parked, rescheduled or postponed under the same task id
     keep_grant(task, grant)
+    started_now(task, queue, tenant)
     try:
         yield
     finally:
         release_held(task)
+
+
+def started_now(task: Task[Any, Any], queue: str, tenant: str | None) -> None:
+    """Count the job's wait from enqueue to this start in the wait histogram (in memory;
+    see :mod:`django_fair_jobs.waits`). A retry's run is not a new wait."""
+    request = task.request
+    if request.retries:
+        return
+    enqueued_at = (request.headers or {}).get(fair_headers.ENQUEUED_AT)
+    waits.observe(queue, tenant, enqueued_at, request.eta)
 
 
 @contextmanager
@@ -188,6 +201,7 @@ def dispatched_run(
             dispatch.publish(task.app, dispatch.end(job_id, process, delay=dispatch.FENCE_DELAY))
             raise Ignore()
         keep_grant(task, acquired.grant)
+    started_now(task, queue, tenant)
     try:
         yield
     finally:

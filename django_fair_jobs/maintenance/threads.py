@@ -19,7 +19,7 @@ import threading
 
 from django.db import close_old_connections, connections
 
-from django_fair_jobs import admission, dispatch, identity, planner
+from django_fair_jobs import admission, dispatch, identity, planner, waits
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.maintenance import passes
 
@@ -109,6 +109,7 @@ def _maintenance_loop(ident: identity.Identity) -> None:
                 passes.retry_pending_ends()
                 planner.retry_pending_starts()
                 passes.maybe_run_maintenance()
+                waits.flush()
             except Exception:
                 # A database outage must not end the loop: try again next interval.
                 logger.exception(
@@ -172,6 +173,10 @@ def shutdown() -> None:
         # A beat under way ends first: one that ran after the retire would find no row
         # and, were it not stopped, register the process again.
         ident.thread.join(_BEAT_JOIN_SECONDS)
+    try:
+        waits.flush()
+    except Exception:
+        logger.exception("Could not store this process's wait counts")
     try:
         identity.retire_process(ident.process_id)
         passes.refresh_capacity()
