@@ -71,6 +71,7 @@ LAYERS: dict[str, int] = {
     "checks": 6,
     "status": 6,
     "explanations": 6,
+    "backlog": 6,
     "metrics": 6,
     "admin": 6,
     "management": 6,

@@ -73,6 +73,28 @@ class _BoundedLimits:
         return field
 
 
+class _CancelsBacklog:
+    """The admin action that cancels the selected rows' tenants' waiting jobs (on the
+    row's queue, or of the row's task): see :mod:`django_fair_jobs.backlog`. It needs the
+    ``fair_jobs.cancel_backlog`` permission."""
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        """Whether the user may cancel tenants' backlogs."""
+        return bool(request.user.has_perm("fair_jobs.cancel_backlog"))
+
+    def _cancel_rows(self, request: HttpRequest, rows: list[tuple[str, str | None, str | None]]
+                     ) -> None:  # fmt: skip
+        from django_fair_jobs import backlog
+
+        user = _user(request)
+        done = [backlog.cancel(t, queue=q, task=k, user=user, source="admin") for t, q, k in rows]
+        self.message_user(  # type: ignore[attr-defined]
+            request,
+            f"Cancelled {sum(d.total for d in done)} waiting job(s) of {len(done)} "
+            "tenant(s); their results are REVOKED. Jobs in the broker or running go on.",
+        )
+
+
 class _ReadOnly:
     """Rows that only the library writes: viewable, never added, edited or deleted."""
 

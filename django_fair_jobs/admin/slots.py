@@ -15,6 +15,7 @@ from django_fair_jobs.admin.base import (
     EstimatedCountPaginator,
     RecentValuesFilter,
     _BoundedLimits,
+    _CancelsBacklog,
     _LeaseInline,
     _ParkedAdmin,
     _ProcessAdmin,
@@ -78,7 +79,7 @@ class TenantSlotForm(_SlotForm):
 
 
 @admin.register(TenantQueueSlot)
-class TenantQueueSlotAdmin(_BoundedLimits, _SlotAdmin):
+class TenantQueueSlotAdmin(_CancelsBacklog, _BoundedLimits, _SlotAdmin):
     """Tenant limits: edit ``max_jobs`` (empty: the task's default; 0: paused) or boost
     it for a while. Every change is recorded in the limit history."""
 
@@ -118,7 +119,7 @@ class TenantQueueSlotAdmin(_BoundedLimits, _SlotAdmin):
     readonly_fields = ("boost", "default_max_jobs", "current_jobs", "parked_jobs",
                        "deferred_total")  # fmt: skip
     inlines = (SlotLeaseInline,)
-    actions = ("pause_tenants", "clear_overrides", "reap_dead_workers")
+    actions = ("pause_tenants", "clear_overrides", "cancel_backlog", "reap_dead_workers")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[TenantQueueSlot]:
         from django.db.models import IntegerField, OuterRef, Subquery
@@ -201,6 +202,13 @@ class TenantQueueSlotAdmin(_BoundedLimits, _SlotAdmin):
         for row in rows:
             set_tenant_limit(row.tenant, row.queue, None, user=_user(request), source="admin")
         self.message_user(request, f"Cleared {len(rows)} override(s); parked jobs were woken.")
+
+    @admin.action(
+        description="Cancel the selected tenants' waiting jobs on their queue",
+        permissions=["cancel"],
+    )
+    def cancel_backlog(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
+        self._cancel_rows(request, [(r.tenant, r.queue, None) for r in queryset])
 
     @admin.action(description="Reap the leases of dead workers now", permissions=["change"])
     def reap_dead_workers(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:

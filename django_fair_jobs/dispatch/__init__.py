@@ -323,6 +323,22 @@ def drop(app: Celery, task_id: str, *, terminated: bool) -> None:
     publish(app, _store().drop(task_id, terminated=terminated))
 
 
+def cancel(queue: str, tenant: str, task_name: str | None = None, limit: int = BATCH) -> list[str]:
+    """Delete up to ``limit`` of ``tenant``'s jobs not yet dispatched (scheduled or waiting
+    in its line) on ``queue``, of the task ``task_name`` or of every task, oldest first;
+    the line's counts stay true. Returns their task ids. Jobs already dispatched or
+    running are left alone (revoke those)."""
+    return _store().cancel(queue, tenant, task_name, limit)  # type: ignore[no-any-return]
+
+
+def lines_of(tenant: str) -> list[str]:
+    """The queues on which ``tenant`` has a line."""
+    from django_fair_jobs.dispatch.models import DispatchTenant
+
+    rows = DispatchTenant.objects.using(alias()).filter(tenant=tenant).order_by("queue")
+    return list(rows.values_list("queue", flat=True))
+
+
 @dataclass(frozen=True)
 class Repaired:
     """What one maintenance pass of dispatch did."""

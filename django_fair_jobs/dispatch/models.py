@@ -75,6 +75,9 @@ class DispatchTenant(models.Model):
     class Meta:
         db_table = "fair_jobs_dispatchtenant"
         verbose_name = "dispatch tenant"
+        # Cancelling a tenant's backlog (admin action, django_fair_jobs.backlog) drops
+        # jobs of every mechanism: a permission of its own, not any one table's delete.
+        permissions = [("cancel_backlog", "Can cancel a tenant's waiting jobs")]
         constraints = [
             models.UniqueConstraint(fields=["queue", "tenant"], name="fair_jobs_dispatch_tenant"),
         ]

@@ -132,6 +132,13 @@ class Store:
             )
         return ready
 
+    def cancel(self, queue: str, tenant: str, task_name: str | None, limit: int) -> list[str]:
+        """See :func:`django_fair_jobs.dispatch.cancel`."""
+        params = {"queue": queue, "tenant": tenant, "task_name": task_name, "max": limit}
+        with transaction.atomic(using=self.alias):
+            self._rows("dispatch_lock_line", params)
+            return [str(task_id) for (task_id,) in self._rows("dispatch_cancel", params)]
+
     def refresh_capacity(self, slack_per_node: int, timeout: float) -> dict[str, int]:
         """See :func:`django_fair_jobs.dispatch.refresh_capacity`."""
         from django_fair_jobs.dispatch.models import DispatchQueue

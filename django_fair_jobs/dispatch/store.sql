@@ -57,3 +57,35 @@ SELECT q.queue FROM unnest(%(queues)s::text[]) AS q(queue)
  WHERE EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
                 WHERE j.queue = q.queue AND j.state = 0 AND j.not_before <= now())
  ORDER BY q.queue;
+
+-- name: dispatch_lock_line
+-- Cancel, first step: lock the tenant's line row, in the order dispatch takes its locks
+-- (the line, then its jobs).
+SELECT t.id FROM fair_jobs_dispatchtenant AS t
+ WHERE t.queue = %(queue)s AND t.tenant = %(tenant)s
+   FOR UPDATE;
+
+-- name: dispatch_cancel
+-- Cancel, second step: delete up to %(max)s of the tenant's jobs not yet dispatched
+-- (scheduled or waiting) on the queue, of one task or of all (%(task_name)s NULL); the
+-- line's waiting count lowers by the waiting rows deleted and its head moves to the
+-- oldest waiting row left (the subquery sees the rows as before the DELETE, so it leaves
+-- out the deleted ones). Returns the cancelled task ids.
+WITH gone AS (
+    DELETE FROM fair_jobs_dispatchjob AS j
+     WHERE j.id IN (SELECT c.id FROM fair_jobs_dispatchjob AS c
+                     WHERE c.queue = %(queue)s AND c.tenant = %(tenant)s AND c.state IN (0, 1)
+                       AND (%(task_name)s::text IS NULL OR c.task_name = %(task_name)s)
+                     ORDER BY c.id LIMIT %(max)s)
+       AND j.state IN (0, 1)
+    RETURNING j.id, j.task_id, j.state
+), line AS (
+    UPDATE fair_jobs_dispatchtenant AS t
+       SET waiting = t.waiting - (SELECT count(*) FROM gone WHERE gone.state = 1),
+           head_id = (SELECT min(j.id) FROM fair_jobs_dispatchjob AS j
+                       WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1
+                         AND j.id NOT IN (SELECT gone.id FROM gone))
+     WHERE t.queue = %(queue)s AND t.tenant = %(tenant)s
+       AND EXISTS (SELECT 1 FROM gone)
+)
+SELECT task_id FROM gone;

@@ -272,6 +272,23 @@ class Store(pg_store.Store):
             ready += self._out_of_flight(job_id, process_id, ended=True, delay=0.0)
         return ready
 
+    def cancel(self, queue: str, tenant: str, task_name: str | None, limit: int) -> list[str]:
+        """See :func:`django_fair_jobs.dispatch.cancel`."""
+        with transaction.atomic(using=self.alias):
+            list(self._tenants().select_for_update().filter(queue=queue, tenant=tenant))
+            rows = self._jobs().filter(queue=queue, tenant=tenant, state__in=[SCHEDULED, WAITING])
+            if task_name is not None:
+                rows = rows.filter(task_name=task_name)
+            picked = list(rows.order_by("id").values_list("id", "task_id", "state")[:limit])
+            if not picked:
+                return []
+            self._jobs().filter(pk__in=[pk for pk, _, _ in picked]).delete()
+            waiting = sum(1 for _, _, state in picked if state == WAITING)
+            self._tenants().filter(queue=queue, tenant=tenant).update(
+                waiting=F("waiting") - waiting, head_id=self._head(queue, tenant)
+            )
+            return [str(task_id) for _, task_id, _ in picked]
+
     def reap(self, timeout: float, requeue_tasks: list[str]) -> tuple[int, int]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.reap`."""
         from django_fair_jobs.models import WorkerProcess

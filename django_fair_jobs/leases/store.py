@@ -96,15 +96,18 @@ def requeue_lost_wakes(*, timeout: float) -> int:
     return len(db.run(alias, "requeue_lost_wakes", {"timeout": timeout}))
 
 
-def drop_parked(task_id: str) -> None:
-    """Delete the parked row of ``task_id`` (a revoked job), fixing the counter."""
+def drop_parked(task_id: str, *, unwoken_only: bool = False) -> bool:
+    """Delete the parked row of ``task_id`` (a revoked or cancelled job), fixing the
+    counter; with ``unwoken_only``, only while it is not woken (a woken job's slot is
+    reserved for it and its message is on the way: it is not a waiting job any more).
+    Returns whether a row was deleted."""
     from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
 
     found = (
         ParkedJob.objects.filter(task_id=task_id).values_list("queue_limit_id", "slot_id").first()
     )
     if found is None:
-        return
+        return False
     queue_id, slot_id = found
     waiting_on: models.QuerySet[Any] = (
         QueueLimit.objects.filter(pk=queue_id)
@@ -115,11 +118,26 @@ def drop_parked(task_id: str) -> None:
         # The counter's row first, then the parked row: the order of park and wake.
         list(waiting_on.select_for_update().values_list("pk"))
         job = ParkedJob.objects.select_for_update().filter(task_id=task_id).first()
-        if job is None:
-            return
+        if job is None or (unwoken_only and job.woken_at is not None):
+            return False
         job.delete()
         if job.woken_at is None:
             waiting_on.filter(parked_jobs__gt=0).update(parked_jobs=F("parked_jobs") - 1)
+    return True
+
+
+def parked_of(tenant: str, queue: str | None, task_name: str | None, limit: int) -> list[str]:
+    """Task ids of up to ``limit`` of ``tenant``'s parked jobs not woken, on ``queue`` (or
+    every queue), of ``task_name`` (or every task), oldest first: the jobs a cancel drops
+    (one by one, with :func:`drop_parked`)."""
+    from django_fair_jobs.models import ParkedJob
+
+    rows = ParkedJob.objects.filter(slot__tenant=tenant, woken_at__isnull=True)
+    if queue is not None:
+        rows = rows.filter(slot__queue=queue)
+    if task_name is not None:
+        rows = rows.filter(task_name=task_name)
+    return [str(t) for t in rows.order_by("id").values_list("task_id", flat=True)[:limit]]
 
 
 def reconcile_parked(manager: Any, waiting: models.QuerySet[ParkedJob], key: str) -> int:

@@ -126,6 +126,28 @@ def requeue_stale(task_name: str, older_than: float) -> int:
     )
 
 
+def cancel(tenant: str, queue: str | None, task_name: str | None, limit: int) -> list[str]:
+    """Delete up to ``limit`` of ``tenant``'s planned jobs not promoted (pending, or failed)
+    on ``queue`` (or every queue), of ``task_name`` (or every task), oldest first; returns
+    their task ids. A row a planner run is promoting is left to it: the DELETE re-checks
+    ``promoted_at`` once that run commits."""
+    from django_fair_jobs.models import PlannedJob
+
+    rows = PlannedJob.objects.filter(tenant=tenant, promoted_at__isnull=True)
+    if queue is not None:
+        rows = rows.filter(queue=queue)
+    if task_name is not None:
+        rows = rows.filter(task_name=task_name)
+    picked = dict(rows.order_by("id").values_list("id", "task_id")[:limit])
+    if not picked:
+        return []
+    with transaction.atomic(using=router.db_for_write(PlannedJob)):
+        gone = PlannedJob.objects.filter(pk__in=list(picked), promoted_at__isnull=True)
+        ids = list(gone.values_list("id", flat=True))
+        gone.delete()
+    return [str(picked[pk]) for pk in ids]
+
+
 def latency(task_name: str, stale_after: float | None = None) -> tuple[float | None, int]:
     """The latency of the queues ``task_name``'s jobs go to: the age in seconds
     (database clock) of the oldest job promoted to any of them and not started yet (of

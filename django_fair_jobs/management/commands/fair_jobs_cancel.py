@@ -1,0 +1,53 @@
+"""``manage.py fair_jobs_cancel TENANT``: cancel a tenant's waiting jobs (its flood)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_fair_jobs import backlog
+
+
+class Command(BaseCommand):
+    """Cancel :func:`django_fair_jobs.backlog.cancel` a tenant's waiting jobs."""
+
+    help = (
+        "Cancel every job of TENANT that waits for its turn (in fair dispatch's line, "
+        "parked, or in a planner's virtual queue), on --queue Q or every queue, of --task "
+        "NAME or every task, --batch N rows at a time. Their results become REVOKED and "
+        "the cancel goes into the limit history. Jobs in the broker or running are left "
+        "alone (revoke those). --dry-run prints what would be cancelled."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("tenant", metavar="TENANT")
+        parser.add_argument("--queue", metavar="QUEUE", help="Only this queue's jobs.")
+        parser.add_argument("--task", metavar="NAME", help="Only this task's jobs.")
+        parser.add_argument("--batch", metavar="N", default=str(backlog.BATCH))
+        parser.add_argument("--reason", default="", help="Kept in the history.")
+        parser.add_argument("--dry-run", action="store_true", help="Count, change nothing.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        from django_fair_jobs.management.commands.fair_jobs_limit import _who
+
+        tenant, queue, task = options["tenant"], options["queue"], options["task"]
+        try:
+            batch = int(options["batch"])
+        except ValueError:
+            batch = 0
+        if batch < 1:
+            raise CommandError(f"--batch wants a whole number >= 1; got {options['batch']!r}.")
+        if options["dry_run"]:
+            self.stdout.write(f"Would cancel {backlog.count(tenant, queue=queue, task=task)}")
+            return
+        done = backlog.cancel(
+            tenant, queue=queue, task=task, batch=batch, user=_who(), source="command",
+            reason=options["reason"],
+        )  # fmt: skip
+        self.stdout.write(f"Cancelled {done} in {done.batches} batch(es)")
+        if done.unmarked:
+            self.stderr.write(
+                f"{done.unmarked} of them could not be marked REVOKED in the result backend "
+                "(see the log): their AsyncResult stays PENDING."
+            )

@@ -1,0 +1,176 @@
+"""Cancelling a tenant's backlog: fair dispatch's line, parked jobs and planned jobs, in
+bounded batches, with the counters kept true, results marked REVOKED, the history written;
+from Python, the management command and the admin (with its permission)."""
+
+from __future__ import annotations
+
+import uuid
+from io import StringIO
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import Client
+
+from django_fair_jobs import backlog
+from django_fair_jobs.dispatch.models import (
+    DISPATCHED,
+    SCHEDULED,
+    WAITING,
+    DispatchJob,
+    DispatchTenant,
+)
+from django_fair_jobs.models import LimitChange, ParkedJob, PlannedJob, TenantQueueSlot
+from tests.dispatch.test_rule import PROCESS, published, run_one, set_capacity  # noqa: F401
+from tests.test_admin_console import acquire, login, park, process  # noqa: F401
+from tests.testapp import tasks
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("engine")]
+
+LINES = "/admin/fair_jobs/dispatchtenant/"
+SLOTS = "/admin/fair_jobs/tenantqueueslot/"
+
+
+def line(tenant: str) -> DispatchTenant:
+    return DispatchTenant.objects.get(queue="fair", tenant=tenant)
+
+
+def flood(published: list[int]) -> list[str]:  # noqa: F811
+    """One queue slot: flood's first job is dispatched; 24 wait, 2 are scheduled (a
+    countdown); small has 3 waiting. Returns flood's jobs not dispatched."""
+    set_capacity(1)
+    ids = [tasks.dispatched.delay("flood").id for _ in range(25)]
+    ids += [tasks.dispatched.apply_async(("flood",), countdown=3600).id for _ in range(2)]
+    for _ in range(3):
+        tasks.dispatched.delay("small")
+    assert len(published) == 1
+    return ids[1:]
+
+
+def test_dispatch_line__cancelled_in_batches__counts_true__the_rest_goes_on(
+    published: list[int],  # noqa: F811
+) -> None:
+    waiting = flood(published)
+    done = backlog.cancel("flood", queue="fair", batch=10, user="ops", reason="runaway import")
+    assert (done.dispatch, done.parked, done.planned, done.batches) == (26, 0, 0, 3)
+    assert sorted(done.task_ids) == sorted(waiting)
+    assert not DispatchJob.objects.filter(tenant="flood", state__in=[SCHEDULED, WAITING]).exists()
+    assert DispatchJob.objects.filter(tenant="flood", state=DISPATCHED).count() == 1
+    assert (line("flood").waiting, line("flood").head_id) == (0, None)
+    small = DispatchJob.objects.filter(tenant="small").order_by("id")
+    assert (line("small").waiting, line("small").head_id) == (3, small[0].pk)
+    # The queue goes on: flood's running job ends and the room goes to small.
+    ready = run_one(published[0])
+    assert [DispatchJob.objects.get(pk=r.job_id).tenant for r in ready] == ["small"]
+    (change,) = LimitChange.objects.filter(field="cancelled")
+    assert (change.tenant, change.queue, change.user, change.new_value) == (
+        "flood", "fair", "ops", "26",
+    )  # fmt: skip
+    assert "runaway import" in change.note
+
+
+def test_cancelled_jobs__asyncresult_says_revoked(published: list[int]) -> None:  # noqa: F811
+    waiting = flood(published)
+    backlog.cancel("flood")
+    assert str(AsyncResult(waiting[0]).state) == "REVOKED"
+    assert str(AsyncResult(waiting[-1]).state) == "REVOKED"
+
+
+def test_partly_cancelled_line__head_is_the_oldest_left(published: list[int]) -> None:  # noqa: F811
+    set_capacity(0)
+    for _ in range(3):
+        tasks.dispatched.delay("t")
+    keep = tasks.dispatched_capped.delay("t").id  # another task, same line
+    done = backlog.cancel("t", task=tasks.dispatched.name)
+    assert done.dispatch == 3
+    kept = DispatchJob.objects.get(task_id=keep)
+    assert (line("t").waiting, line("t").head_id) == (1, kept.pk)
+
+
+def test_parked_and_planned__cancelled__counters_true(process: uuid.UUID) -> None:  # noqa: F811
+    acquire(process, "running", tenant="flood")  # its slot is full: the next jobs park
+    for n in range(3):
+        park(f"p{n}", tenant="flood")
+    planned = [tasks.planned.delay("flood").id for _ in range(4)]
+    tasks.planned.delay("other")
+    slot = TenantQueueSlot.objects.get(tenant="flood", queue="q")
+    assert slot.parked_jobs == 3
+    assert backlog.count("flood").total == 7
+    done = backlog.cancel("flood", batch=2)
+    assert (done.parked, done.planned) == (3, 4)
+    assert not ParkedJob.objects.exists()
+    slot.refresh_from_db()
+    assert slot.parked_jobs == 0
+    assert list(PlannedJob.objects.values_list("tenant", flat=True)) == ["other"]
+    assert str(AsyncResult(planned[0]).state) == "REVOKED"
+
+
+def test_nothing_waiting__no_history_line() -> None:
+    done = backlog.cancel("nobody")
+    assert (done.total, done.batches) == (0, 0)
+    assert not LimitChange.objects.exists()
+
+
+def test_bad_batch__clear_error__nothing_cancelled(published: list[int]) -> None:  # noqa: F811
+    flood(published)
+    with pytest.raises(ValueError, match="batch must be a whole number"):
+        backlog.cancel("flood", batch=0)
+    with pytest.raises(CommandError, match="--batch wants a whole number"):
+        call_command("fair_jobs_cancel", "flood", "--batch", "lots")
+    assert line("flood").waiting == 24
+
+
+def test_command__dry_run_counts__then_cancels(published: list[int]) -> None:  # noqa: F811
+    flood(published)
+    out = StringIO()
+    call_command("fair_jobs_cancel", "flood", "--queue", "fair", "--dry-run", stdout=out)
+    assert "Would cancel 26 waiting job(s) of flood on fair" in out.getvalue()
+    assert line("flood").waiting == 24
+    out = StringIO()
+    call_command("fair_jobs_cancel", "flood", "--batch", "100", stdout=out)
+    assert "Cancelled 26 waiting job(s)" in out.getvalue()
+    assert LimitChange.objects.get(field="cancelled").source == "command"
+
+
+def test_admin__action_needs_the_cancel_permission(
+    client: Client,
+    published: list[int],  # noqa: F811
+) -> None:
+    flood(published)
+    login(client, "viewer", perms=("view_dispatchtenant",))
+    page = client.get(LINES)
+    assert page.status_code == 200
+    assert "cancel_backlog" not in page.content.decode()
+    pk = line("flood").pk
+    refused = client.post(LINES, {"action": "cancel_backlog", "_selected_action": [str(pk)]})
+    assert refused.status_code in (200, 302)
+    assert line("flood").waiting == 24  # an action not offered does nothing
+
+    client.logout()
+    login(client, "lead", perms=("view_dispatchtenant", "cancel_backlog"))
+    assert "cancel_backlog" in client.get(LINES).content.decode()
+    client.post(LINES, {"action": "cancel_backlog", "_selected_action": [str(pk)]})
+    assert line("flood").waiting == 0
+    change = LimitChange.objects.get(field="cancelled")
+    assert (change.user, change.source) == ("lead", "admin")
+
+
+def test_admin__slot_rows_action__cancels_that_queue_only(
+    client: Client,
+    process: uuid.UUID,  # noqa: F811
+) -> None:
+    acquire(process, "running", tenant="flood")
+    park("a1", tenant="flood")
+    tasks.planned.delay("flood")  # another queue than the slot's: kept
+    login(client, "lead", perms=("view_tenantqueueslot", "cancel_backlog"))
+    slot: Any = TenantQueueSlot.objects.get(tenant="flood", queue="q")
+    client.post(SLOTS, {"action": "cancel_backlog", "_selected_action": [str(slot.pk)]})
+    assert not ParkedJob.objects.exists()
+    assert PlannedJob.objects.filter(tenant="flood").count() == 1
+
+
+def test_unknown_ids_are_not_touched() -> None:
+    assert backlog.cancel(str(uuid.uuid4())).total == 0
+    assert PROCESS is not None
