@@ -45,8 +45,10 @@ def test_publish__explicit_tenant_wins(sent: list[dict[str, Any]]) -> None:
 
 
 def test_publish__existing_header_kept_on_republish(sent: list[dict[str, Any]]) -> None:
-    tasks.limited3.apply_async(("acme", 0.1), headers={"fair_tenant": "orig", "x": 1})
-    assert sent[0]["headers"] == {"fair_tenant": "orig", "x": 1}
+    tasks.limited3.apply_async(
+        ("acme", 0.1), headers={"fair_tenant": "orig", "x": 1, "fair_enqueued_at": 12.5}
+    )
+    assert sent[0]["headers"] == {"fair_tenant": "orig", "x": 1, "fair_enqueued_at": 12.5}
 
 
 def test_publish__wake_header_only_from_fair_wake_option(sent: list[dict[str, Any]]) -> None:
