@@ -166,6 +166,12 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "None, a callable or the dotted path of one",
     ),
     (
+        "METRICS_TENANTS",
+        "fair_jobs.E017",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LIMIT,
+        "a whole number of tenants >= 0 (default 1000; 0: no per-tenant gauges)",
+    ),
+    (
         "METRICS_TENANT_CLASS",
         "fair_jobs.E017",
         lambda v: v is None or weights_problem(v) is None,

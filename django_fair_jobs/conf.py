@@ -199,6 +199,13 @@ class Settings:
         return value
 
     @property
+    def METRICS_TENANTS(self) -> int:
+        """Most tenants the exporter gives per-tenant gauges (``fair_jobs_tenant_*``), the
+        busiest first; ``fair_jobs_tenants_omitted`` counts the rest. Default 1000."""
+        value: int = self._get("METRICS_TENANTS", 1000, int)
+        return value
+
+    @property
     def METRICS_TENANT_CLASS(self) -> Any:
         """A callable or its dotted path, given a job's tenant (or None) and returning its
         class for the wait histogram's ``tenant_class`` label: a tier or a plan, from a

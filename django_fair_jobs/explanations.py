@@ -177,7 +177,7 @@ def _parked(parked: Any, now: datetime) -> Explanation:
         holders = SlotLease.objects.filter(**{"slot" if kind == "tenant slot" else
                                               "queue_limit": row})  # fmt: skip
         entry: dict[str, Any] = {
-            "position": line.count() + 1,
+            "position": _place(line),
             "held_by": list(holders.values_list("task_id", flat=True)[:_HOLDERS_SHOWN]),
             "running": row.current_jobs,
         }
@@ -268,11 +268,10 @@ def _planned(planned: Any, now: datetime) -> Explanation:
             "from the broker.",
             details,
         )  # fmt: skip
-    ahead = PlannedJob.objects.filter(
+    details["position_in_tenant_queue"] = _place(PlannedJob.objects.filter(
         task_name=planned.task_name, tenant=planned.tenant, promoted_at__isnull=True,
         failed_at__isnull=True, pk__lt=planned.pk,
-    ).count()  # fmt: skip
-    details["position_in_tenant_queue"] = ahead + 1
+    ))  # fmt: skip
     standing = PlannerTenant.objects.filter(
         task_name=planned.task_name, tenant=planned.tenant
     ).first()
@@ -281,7 +280,7 @@ def _planned(planned: Any, now: datetime) -> Explanation:
     if not_before := planned.not_before:
         details["not_before"] = not_before.isoformat()
     summary = (f"Pending in tenant {planned.tenant!r}'s virtual queue of {planned.task_name}, "
-               f"number {ahead + 1}.")  # fmt: skip
+               f"number {details['position_in_tenant_queue']}.")  # fmt: skip
     if details["tenant_paused"]:
         summary += " The tenant's promotion is paused in the admin."
     if backpressure:
@@ -296,8 +295,21 @@ def _planned(planned: Any, now: datetime) -> Explanation:
 
 
 AHEAD_COUNTED = 1000
-"""Jobs of its tenant counted ahead of a waiting dispatched job; past this, the answer is
-"more than 1000", so that explain costs the same wherever the job is in its line."""
+"""Jobs counted ahead of a waiting job in its line (parked, planned or dispatched); past
+this, the answer is "more than 1000", so that explain costs the same wherever the job is
+in its line."""
+
+
+def _ahead(rows: Any) -> int | str:
+    """How many of ``rows`` (the jobs ahead) there are, counted up to :data:`AHEAD_COUNTED`."""
+    count = len(rows.values("pk")[:AHEAD_COUNTED])
+    return count if count < AHEAD_COUNTED else f"more than {count}"
+
+
+def _place(ahead: Any) -> int | str:
+    """The place in line behind ``ahead`` (1: first), or "more than N" past the count."""
+    n = _ahead(ahead)
+    return n + 1 if isinstance(n, int) else n
 
 
 def _dispatched(job: Any, now: datetime) -> Explanation:
@@ -352,11 +364,10 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
             f"in {job.tenant}'s line on {job.queue}.",
             details,
         )  # fmt: skip
-    ahead = DispatchJob.objects.filter(
-        queue=job.queue, tenant=job.tenant, state=job.state, pk__lt=job.pk
-    ).values("pk")[:AHEAD_COUNTED]
-    count = len(ahead)
-    details["ahead_in_its_line"] = count if count < AHEAD_COUNTED else f"more than {count}"
+    details["ahead_in_its_line"] = _ahead(
+        DispatchJob.objects.filter(queue=job.queue, tenant=job.tenant, state=job.state,
+                                   pk__lt=job.pk)
+    )  # fmt: skip
     details["tenant_waiting"] = None if line is None else line.waiting
     cause = (
         f"its tenant is at its cap ({line.in_flight} in flight, cap {line.cap})"

@@ -18,6 +18,7 @@ Two ways to serve it:
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 import weakref
@@ -45,6 +46,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.http import HttpRequest, HttpResponse
 
 from django_fair_jobs import status, waits
+from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.tenants import shorten
 
 logger = logging.getLogger("django_fair_jobs.metrics")
@@ -108,6 +110,8 @@ METRICS: tuple[MetricSpec, ...] = (
            "virtual queue, not yet promoted."),
     _gauge("fair_jobs_tenant_oldest_wait_seconds", T, "Age of the tenant's oldest waiting "
            "job (parked or pending), in seconds."),
+    _gauge("fair_jobs_tenants_omitted", (), "Active tenants left out of the fair_jobs_tenant_"
+           "gauges this scrape (beyond FAIR_JOBS_METRICS_TENANTS, the least busy)."),
     _counter("fair_jobs_tenant_deferrals_total", (*T, *Q), "Jobs of the tenant ever deferred "
              "because its slot on the queue was full."),
     _counter("fair_jobs_reroutes_total", (*T, *K, *Q), "Jobs of the tenant and task ever "
@@ -265,9 +269,19 @@ class FairJobsCollector(Collector):
             labels = [d["mechanism"], d["action"], "true" if d["enforced"] else "false"]
             out.add("fair_jobs_decisions_last_hour", labels, d["n"])
 
-    def _tenants(self, out: _Families, rows: list[dict[str, Any]]) -> None:
+    def _tenants(self, out: _Families, rows_all: list[dict[str, Any]]) -> None:
         from django_fair_jobs.models import RerouteCount, TenantQueueSlot
 
+        rows = rows_all
+        # The busiest tenants' series only (most jobs waiting, then running), at most
+        # FAIR_JOBS_METRICS_TENANTS: past that, the series cost every scrape and Prometheus
+        # more than they tell (see docs/metrics.md, Labels and cardinality).
+        limit = fair_settings.METRICS_TENANTS
+        if len(rows) > limit:
+            rows = heapq.nsmallest(
+                limit, rows, key=lambda r: (-(r["parked"] + r["pending"]), -r["running"])
+            )
+        out.add("fair_jobs_tenants_omitted", [], len(rows_all) - len(rows))
         for row in rows:
             tenant = tenant_label(row["tenant"])
             for slot in row["slots"]:

@@ -476,3 +476,22 @@ def test_docs__list_every_metric() -> None:
     doc = (ROOT / "docs/metrics.md").read_text()
     for spec in METRICS:
         assert f"`{spec.name}`" in doc, spec.name
+
+
+def test_tenant_gauges__the_busiest_tenants_only__the_rest_counted(
+    process: uuid.UUID, settings: Any
+) -> None:
+    settings.FAIR_JOBS_METRICS_TENANTS = 1
+    assert acquire(process, "j1", tenant="calm", limit=1) is not None
+    assert acquire(process, "j2", tenant="busy", limit=1) is not None
+    slot_store.try_park(
+        tenant="busy", queue="q", task_id="j3", task_name="t", limit=1, signature="{}"
+    )
+    samples = scrape()
+    assert value(samples, "fair_jobs_tenant_parked", tenant="busy") == 1
+    assert value(samples, "fair_jobs_tenant_running", tenant="calm", queue="q") is None
+    assert value(samples, "fair_jobs_tenants_omitted") == 1
+    settings.FAIR_JOBS_METRICS_TENANTS = 1000
+    samples = scrape()
+    assert value(samples, "fair_jobs_tenant_running", tenant="calm", queue="q") == 1
+    assert value(samples, "fair_jobs_tenants_omitted") == 0

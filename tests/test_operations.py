@@ -26,6 +26,7 @@ from django_fair_jobs import (
     admission,
     decisions,
     explain,
+    explanations,
     identity,
     maintenance,
     planner,
@@ -191,6 +192,10 @@ def test_explain__parked_behind_a_tenant_slot__reason_place_in_line_and_holders(
     assert "queue_limit" not in second.details
     assert third.details["tenant_slot"]["position"] == 2
     assert "it is number 2 in line" in third.summary
+    # The place is counted up to explanations.AHEAD_COUNTED, so that its cost is flat.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(explanations, "AHEAD_COUNTED", 1)
+        assert explain("j3").details["tenant_slot"]["position"] == "more than 1"
     assert second.details["waiting_seconds"] is not None
     slots.set_tenant_limit("acme", "q", 0)
     paused = explain("j3").details["tenant_slot"]
