@@ -51,6 +51,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BROKER = os.environ.get("FAIR_JOBS_CHAOS_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
 QUEUES = ("chaos", "chaos_slow", "chaos_limited")
 WORKER_TIMEOUT = 3.0
+
+UNGUARDED = frozenset({"chaos_planned"})
+"""Tasks whose job holds nothing while it runs (a planned job without a tenant slot): two
+copies of one of them may run at once where delivery is at least once."""
 HEARTBEAT_INTERVAL = 0.5
 SKEW_DIR = Path(__file__).resolve().parent / "skew"
 LEFTOVERS_SQL = """
@@ -756,11 +760,18 @@ class Cluster:
                 f" with them, {worst[1]} had {worst[0]} at once (limit {worst[2]})"
             )
         # Runs of the frozen node overlap their successors by design (see _stale).
-        copies_at_once = {
+        overlaps = {
             task_id: max_overlap((r.started, self._end(r, tasks[r.task_id])) for r in rs)
             for task_id, rs in by_id.items()
             if not any(id(r) in stale for r in rs)
         }
+        # A planned job without a tenant slot may run twice at once when a connection drops
+        # between its publish and its run's commit (how-it-works: "At least once, and two
+        # runs at once"): noted, not held against the invariant.
+        copies_at_once = {i: n for i, n in overlaps.items() if tasks[i] not in UNGUARDED}
+        for task_id, n in sorted(overlaps.items()):
+            if n > 1 and tasks[task_id] in UNGUARDED:
+                notes.append(f"{tasks[task_id]} {task_id}: {n} copies at once (at least once)")
         self_overlap = max(copies_at_once.values(), default=0)
         return Outcome(
             fault=fault,
