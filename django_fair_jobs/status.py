@@ -115,26 +115,21 @@ def tenants(now: datetime) -> list[dict[str, Any]]:
         )  # fmt: skip
         row["running"] += running
     in_sql = db.is_postgres(router.db_for_read(ParkedJob))
-    parked = (
-        ParkedJob.objects.filter(woken_at__isnull=True, slot__isnull=False)
-        .values("slot__tenant")
-        .annotate(n=Count("pk"), oldest=_oldest("parked_at", in_sql))
-        .values_list("slot__tenant", "n", "oldest")
-    )
-    for tenant, n, oldest in parked:
-        row = entry(tenant)
-        row["parked"] += n
-        _older(row, _seconds(now, oldest))
-    pending = (
-        PlannedJob.objects.filter(promoted_at__isnull=True)
-        .values("tenant")
-        .annotate(n=Count("pk"), oldest=_oldest("enqueued_at", in_sql))
-        .values_list("tenant", "n", "oldest")
-    )
-    for tenant, n, oldest in pending:
-        row = entry(tenant)
-        row["pending"] += n
-        _older(row, _seconds(now, oldest))
+    waiting = (
+        ("parked", "slot__tenant", "parked_at",
+         ParkedJob.objects.filter(woken_at__isnull=True, slot__isnull=False)),
+        ("pending", "tenant", "enqueued_at", PlannedJob.objects.filter(promoted_at__isnull=True)),
+    )  # fmt: skip
+    for key, tenant_field, since, rows in waiting:
+        grouped = (
+            rows.values(tenant_field)
+            .annotate(n=Count("pk"), oldest=_oldest(since, in_sql))
+            .values_list(tenant_field, "n", "oldest")
+        )
+        for tenant, n, oldest in grouped:
+            row = entry(tenant)
+            row[key] += n
+            _older(row, _seconds(now, oldest))
     recent = (
         JobDecision.objects.filter(at__gte=now - timedelta(hours=1))
         .exclude(tenant="")

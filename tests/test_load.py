@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from django_fair_jobs import admin as fair_admin
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.dispatch.models import DispatchTenant
 from django_fair_jobs.models import (
     JobDecision,
     LimitChange,
@@ -81,6 +82,7 @@ def _fill(first: int, n: int) -> None:
     PlannerTenant.objects.bulk_create(
         [PlannerTenant(task_name="load.planned", tenant=t) for t in tenants]
     )
+    DispatchTenant.objects.bulk_create([DispatchTenant(queue="load", tenant=t) for t in tenants])
     JobDecision.objects.bulk_create(
         [JobDecision(task_id=f"park-{t}", task_name="load.task", tenant=t, queue="load",
                      mechanism="slots", action="defer", enforced=False) for t in tenants]

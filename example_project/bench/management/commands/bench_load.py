@@ -167,6 +167,14 @@ FILL = [
     SELECT %(planned_task)s, {TENANT.format("i")}, 0, false, 0
       FROM generate_series(1, %(tenants)s) AS i
     """,
+    # Fair dispatch's lines, one per tenant (their admin page lists them).
+    f"""
+    INSERT INTO fair_jobs_dispatchtenant
+           (queue, tenant, weight, cap, waiting, in_flight, pass_value, head_id,
+            dispatched_total)
+    SELECT %(queue)s, {TENANT.format("i")}, 1, NULL, 0, 0, 0, NULL, 0
+      FROM generate_series(1, %(tenants)s) AS i
+    """,
     # What the operations pages read too: shadow-mode decisions (one per parked job), one
     # limit change per tenant, a few limited queues.
     f"""
