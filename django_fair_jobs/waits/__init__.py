@@ -73,7 +73,9 @@ def tenant_class(tenant: str | None) -> str:
         return ALL
     try:
         cached = _classifier
-        if cached is None or cached[0] is not spec:
+        # != rather than "is not": a dotted path read from the environment is a new string
+        # at every read, and would import the callable again at every start.
+        if cached is None or cached[0] != spec:
             # The same "callable or dotted path" as tenant_weights, checked the same way.
             target: Callable[[str | None], Any] = weights_callable(spec)  # type: ignore[assignment]
             cached = _classifier = (spec, target)
