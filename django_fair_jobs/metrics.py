@@ -18,7 +18,6 @@ Two ways to serve it:
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 import weakref
@@ -250,9 +249,13 @@ class FairJobsCollector(Collector):
         yield from families.by_name.values()
 
     def _fill(self, out: _Families) -> None:
-        snap = status.snapshot()
+        # The busiest tenants' series only (most jobs waiting, then running), at most
+        # FAIR_JOBS_METRICS_TENANTS: past that, the series cost every scrape and Prometheus
+        # more than they tell (see docs/metrics.md, Labels and cardinality).
+        snap = status.snapshot(first=fair_settings.METRICS_TENANTS, rank="backlog")
         now = datetime.fromisoformat(snap["at"])
         out.add("fair_jobs_enforce", [], 1 if snap["enforce"] else 0)
+        out.add("fair_jobs_tenants_omitted", [], snap["tenants_active"] - len(snap["tenants"]))
         self._tenants(out, snap["tenants"])
         self._queues(out, snap["queues"])
         self._dispatch(out)
@@ -269,19 +272,9 @@ class FairJobsCollector(Collector):
             labels = [d["mechanism"], d["action"], "true" if d["enforced"] else "false"]
             out.add("fair_jobs_decisions_last_hour", labels, d["n"])
 
-    def _tenants(self, out: _Families, rows_all: list[dict[str, Any]]) -> None:
+    def _tenants(self, out: _Families, rows: list[dict[str, Any]]) -> None:
         from django_fair_jobs.models import RerouteCount, TenantQueueSlot
 
-        rows = rows_all
-        # The busiest tenants' series only (most jobs waiting, then running), at most
-        # FAIR_JOBS_METRICS_TENANTS: past that, the series cost every scrape and Prometheus
-        # more than they tell (see docs/metrics.md, Labels and cardinality).
-        limit = fair_settings.METRICS_TENANTS
-        if len(rows) > limit:
-            rows = heapq.nsmallest(
-                limit, rows, key=lambda r: (-(r["parked"] + r["pending"]), -r["running"])
-            )
-        out.add("fair_jobs_tenants_omitted", [], len(rows_all) - len(rows))
         for row in rows:
             tenant = tenant_label(row["tenant"])
             for slot in row["slots"]:

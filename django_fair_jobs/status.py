@@ -5,7 +5,8 @@
 
 * ``tenants``: per tenant with something going on (running, parked, pending, a limit
   override, a boost, a reroute in the last hour): its slots per queue (running / limit),
-  jobs parked and pending, the oldest wait, reroutes in the last hour;
+  jobs parked and pending, the oldest wait, reroutes in the last hour (a view asks for
+  the first few in an order, see :data:`RANKS`); ``tenants_active`` counts them all;
 * ``queues``: per limited queue: limits, running in all and by node, parked;
 * ``planners``: per planned task: its last run and its tenants' backlogs;
 * ``nodes``: per worker node: processes, last heartbeat, alive or presumed dead;
@@ -16,11 +17,13 @@
 
 from __future__ import annotations
 
-import functools
+import heapq
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import router
+from django.db.models import Q
 
 from django_fair_jobs import db
 from django_fair_jobs.conf import fair_settings
@@ -47,18 +50,6 @@ def age(now: datetime, then: datetime | None) -> float | None:
     return None if then is None else round(max((now - then).total_seconds(), 0.0), 1)
 
 
-def _tenant_entry(by_tenant: dict[str, dict[str, Any]], tenant: str) -> dict[str, Any]:
-    """``tenant``'s row of :func:`tenants`, made empty on first use."""
-    row = by_tenant.get(tenant)
-    if row is None:  # not setdefault: its default row would be built at every call
-        row = by_tenant[tenant] = {
-            "tenant": tenant, "slots": [], "running": 0, "parked": 0, "pending": 0,
-            "oldest_wait_seconds": None, "reroutes_last_hour": 0,
-            "shadow_decisions_last_hour": 0,
-        }  # fmt: skip
-    return row
-
-
 def _oldest(field: str, in_sql: bool) -> Any:
     """The age of the oldest ``field`` of a group: on PostgreSQL, seconds computed by the
     database (10,000 timestamps cost more to load than to age in SQL); elsewhere the
@@ -80,45 +71,41 @@ def _seconds(now: datetime, oldest: Any) -> float | None:
     return round(max(float(oldest), 0.0), 1)
 
 
-def _older(row: dict[str, Any], seconds: float | None) -> None:
-    """Keep the longer of ``row``'s oldest wait and ``seconds``."""
-    if seconds is not None and (row["oldest_wait_seconds"] or 0) <= seconds:
-        row["oldest_wait_seconds"] = seconds
+RANKS = ("name", "wait", "backlog")
+"""Orders of :func:`tenants`: by name; the longest wait first (the dashboard's); the most
+jobs waiting first (the exporter's). The last two then put the most running first."""
+
+_ACTIVE = (
+    Q(current_jobs__gt=0) | Q(parked_jobs__gt=0) | Q(max_jobs__isnull=False)
+    | Q(boost_until__isnull=False)
+)  # fmt: skip
+"""A tenant queue slot worth showing: running, parked, a limit override or a boost."""
+
+# A tenant's summary, by index: running, parked, pending, its oldest wait in seconds, its
+# reroutes and shadow decisions in the last hour. Plain lists: with 10,000 active tenants,
+# building a full row for each cost more than the queries, and a view shows 100 of them.
+_RUNNING, _PARKED, _PENDING, _OLDEST, _REROUTES, _SHADOW = range(6)
 
 
-def tenants(now: datetime) -> list[dict[str, Any]]:
-    """Per tenant with something going on: slots, parked, pending, oldest wait, reroutes
-    in the last hour. A few grouped queries, whatever the number of jobs."""
-    from django.db.models import Count, Q
+def _summaries(now: datetime) -> dict[str, list[Any]]:
+    """Per tenant with something going on, its summary (see ``_RUNNING``): a few grouped
+    queries, whatever the number of jobs."""
+    from django.db.models import Count, Sum
 
     from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob, TenantQueueSlot
 
-    by_tenant: dict[str, dict[str, Any]] = {}
-    entry = functools.partial(_tenant_entry, by_tenant)
-    active = (
-        Q(current_jobs__gt=0) | Q(parked_jobs__gt=0) | Q(max_jobs__isnull=False)
-        | Q(boost_until__isnull=False)
+    out: dict[str, list[Any]] = {}
+    running = (
+        TenantQueueSlot.objects.filter(_ACTIVE).values("tenant")
+        .annotate(n=Sum("current_jobs")).values_list("tenant", "n")
     )  # fmt: skip
-    # Plain tuples, not model instances: with 10,000 active tenants, building the objects
-    # cost more than the query.
-    slots = TenantQueueSlot.objects.filter(active).order_by("tenant", "queue").values_list(
-        "tenant", "queue", "current_jobs", "max_jobs", "default_max_jobs", "parked_jobs",
-        "deferred_total", "boost_until",
-    )  # fmt: skip
-    for tenant, queue, running, override, default, parked_jobs, deferred, boost in slots:
-        row = entry(tenant)
-        row["slots"].append(
-            {"queue": queue, "running": running,
-             "limit": default if override is None else override, "override": override,
-             "parked": parked_jobs, "deferred_total": deferred,
-             "boosted_until": None if boost is None else boost.isoformat()}
-        )  # fmt: skip
-        row["running"] += running
+    for tenant, n in running:
+        out[tenant] = [n, 0, 0, None, 0, 0]
     in_sql = db.is_postgres(router.db_for_read(ParkedJob))
     waiting = (
-        ("parked", "slot__tenant", "parked_at",
+        (_PARKED, "slot__tenant", "parked_at",
          ParkedJob.objects.filter(woken_at__isnull=True, slot__isnull=False)),
-        ("pending", "tenant", "enqueued_at", PlannedJob.objects.filter(promoted_at__isnull=True)),
+        (_PENDING, "tenant", "enqueued_at", PlannedJob.objects.filter(promoted_at__isnull=True)),
     )  # fmt: skip
     for key, tenant_field, since, rows in waiting:
         grouped = (
@@ -127,22 +114,86 @@ def tenants(now: datetime) -> list[dict[str, Any]]:
             .values_list(tenant_field, "n", "oldest")
         )
         for tenant, n, oldest in grouped:
-            row = entry(tenant)
+            row = out.get(tenant) or out.setdefault(tenant, [0, 0, 0, None, 0, 0])
             row[key] += n
-            _older(row, _seconds(now, oldest))
+            seconds = _seconds(now, oldest)
+            if seconds is not None and (row[_OLDEST] or 0) <= seconds:
+                row[_OLDEST] = seconds
     recent = (
         JobDecision.objects.filter(at__gte=now - timedelta(hours=1))
         .exclude(tenant="")
         .values("tenant", "mechanism", "enforced")
         .annotate(n=Count("pk"))
+        .values_list("tenant", "mechanism", "enforced", "n")
     )
-    for d in recent:
-        row = entry(d["tenant"])
-        if d["enforced"] and d["mechanism"] == "reroute":
-            row["reroutes_last_hour"] += d["n"]
-        elif not d["enforced"]:
-            row["shadow_decisions_last_hour"] += d["n"]
-    return [by_tenant[t] for t in sorted(by_tenant)]
+    for tenant, mechanism, enforced, n in recent:
+        row = out.get(tenant) or out.setdefault(tenant, [0, 0, 0, None, 0, 0])
+        if enforced and mechanism == "reroute":
+            row[_REROUTES] += n
+        elif not enforced:
+            row[_SHADOW] += n
+    return out
+
+
+def _ranked(summaries: dict[str, list[Any]], first: int | None, rank: str) -> list[str]:
+    """The tenants of ``summaries`` in the order ``rank`` names, the first ``first``."""
+    if rank == "name":
+        return sorted(summaries)[:first]
+    if rank == "wait":
+
+        def key(t: str) -> tuple[float, int, str]:
+            s = summaries[t]
+            return (-(s[_OLDEST] or 0), -s[_RUNNING], t)
+
+    elif rank == "backlog":
+
+        def key(t: str) -> tuple[float, int, str]:
+            s = summaries[t]
+            return (-(s[_PARKED] + s[_PENDING]), -s[_RUNNING], t)
+
+    else:
+        raise ValueError(f"rank must be one of {', '.join(RANKS)}, not {rank!r}")
+    if first is None:
+        return sorted(summaries, key=key)
+    return heapq.nsmallest(first, summaries, key=key)
+
+
+def _rows(summaries: dict[str, list[Any]], chosen: list[str]) -> list[dict[str, Any]]:
+    """The full rows of the ``chosen`` tenants, in their order: each one's slots too."""
+    from django_fair_jobs.models import TenantQueueSlot
+
+    slots = TenantQueueSlot.objects.filter(_ACTIVE)
+    if len(chosen) < len(summaries):  # a page of the busiest: read only their slots
+        slots = slots.filter(tenant__in=chosen)
+    by_tenant: dict[str, list[dict[str, Any]]] = {}
+    columns = slots.order_by("tenant", "queue").values_list(
+        "tenant", "queue", "current_jobs", "max_jobs", "default_max_jobs", "parked_jobs",
+        "deferred_total", "boost_until",
+    )  # fmt: skip
+    for tenant, queue, running, override, default, parked, deferred, boost in columns:
+        by_tenant.setdefault(tenant, []).append(
+            {"queue": queue, "running": running,
+             "limit": default if override is None else override, "override": override,
+             "parked": parked, "deferred_total": deferred,
+             "boosted_until": None if boost is None else boost.isoformat()}
+        )  # fmt: skip
+    out = []
+    for tenant in chosen:
+        s = summaries[tenant]
+        out.append(
+            {"tenant": tenant, "slots": by_tenant.get(tenant, []), "running": s[_RUNNING],
+             "parked": s[_PARKED], "pending": s[_PENDING], "oldest_wait_seconds": s[_OLDEST],
+             "reroutes_last_hour": s[_REROUTES], "shadow_decisions_last_hour": s[_SHADOW]}
+        )  # fmt: skip
+    return out
+
+
+def tenants(now: datetime, first: int | None = None, rank: str = "name") -> list[dict[str, Any]]:
+    """Per tenant with something going on: slots, parked, pending, oldest wait, reroutes
+    in the last hour. The first ``first`` (default: all) in the order ``rank`` names (one
+    of :data:`RANKS`); only those tenants' rows are built."""
+    summaries = _summaries(now)
+    return _rows(summaries, _ranked(summaries, first, rank))
 
 
 def nodes(now: datetime) -> list[dict[str, Any]]:
@@ -203,30 +254,41 @@ def fairness(tenant_rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Jain's index of the current waits of the small tenants (at most
     :data:`SMALL_BACKLOG` jobs waiting) among those running or waiting: each tenant's
     wait is the age of its oldest waiting job, 0 if it has none waiting."""
+    return _fairness(
+        (t["running"], t["parked"] + t["pending"], t["oldest_wait_seconds"]) for t in tenant_rows
+    )
+
+
+def _fairness(tenants: Iterable[tuple[int, int, float | None]]) -> dict[str, Any]:
+    """:func:`fairness` of (running, waiting, oldest wait) per tenant."""
     small = [
-        float(t["oldest_wait_seconds"] or 0.0)
-        for t in tenant_rows
-        if (t["running"] or t["parked"] or t["pending"])
-        and t["parked"] + t["pending"] <= SMALL_BACKLOG
+        float(oldest or 0.0)
+        for running, waiting, oldest in tenants
+        if (running or waiting) and waiting <= SMALL_BACKLOG
     ]
     return {"jain_index": jain_index(small), "small_tenants": len(small)}
 
 
-def snapshot() -> dict[str, Any]:
-    """Everything the dashboard shows, as JSON-ready data (see the module docstring)."""
+def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
+    """Everything the dashboard shows, as JSON-ready data (see the module docstring): the
+    tenants as :func:`tenants` gives them for ``first`` and ``rank``, and how many are
+    active in all (``tenants_active``); the fairness index is over every tenant."""
     from django_fair_jobs.planner import status as planner_status
     from django_fair_jobs.queue_limits import queue_status
 
     now = db.database_now()
-    tenant_rows = tenants(now)
+    summaries = _summaries(now)
     return {
         "at": now.isoformat(),
         "enforce": bool(fair_settings.ENFORCE),
-        "tenants": tenant_rows,
+        "tenants": _rows(summaries, _ranked(summaries, first, rank)),
+        "tenants_active": len(summaries),
         "queues": queue_status(),
         "planners": planner_status(),
         "nodes": nodes(now),
-        "fairness": fairness(tenant_rows),
+        "fairness": _fairness(
+            (s[_RUNNING], s[_PARKED] + s[_PENDING], s[_OLDEST]) for s in summaries.values()
+        ),
         "totals": totals(now),
     }
 

@@ -143,6 +143,24 @@ def test_dashboard__tenants_queues_nodes_and_refresh(ops: Client, process: uuid.
         assert '<meta http-equiv="refresh" content="30">' in ops.get(DASHBOARD).content.decode()
 
 
+def test_dashboard__longest_waits_first__the_rest_counted(
+    ops: Client, process: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("django_fair_jobs.admin.history.DASHBOARD_TENANTS", 2)
+    for tenant, age_s in (("calm", None), ("late", 200), ("later", 500)):
+        acquire(process, f"{tenant}-run", tenant=tenant)
+        if age_s is not None:
+            park(f"{tenant}-wait", tenant=tenant)
+            ParkedJob.objects.filter(task_id=f"{tenant}-wait").update(
+                parked_at=database_now() - timedelta(seconds=age_s)
+            )
+    page = ops.get(DASHBOARD)
+    assert [t["tenant"] for t in page.context["tenants"]] == ["later", "late"]
+    html = page.content.decode()
+    assert 'data-tenant="calm"' not in html
+    assert 'id="fair-tenants-hidden">1 more tenant(s) wait less' in html
+
+
 def test_dashboard__shadow_banner(ops: Client) -> None:
     with override_settings(FAIR_JOBS_ENFORCE=False):
         html = ops.get(DASHBOARD).content.decode()

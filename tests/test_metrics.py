@@ -347,7 +347,7 @@ def test_collector__reads_the_rows_at_every_scrape(process: uuid.UUID) -> None:
 
 
 def test_collector__database_error__answers_up_0(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken() -> dict[str, Any]:
+    def broken(**options: Any) -> dict[str, Any]:
         raise OperationalError("database is gone")
 
     monkeypatch.setattr("django_fair_jobs.status.snapshot", broken)

@@ -722,6 +722,34 @@ def test_status__nothing_going_on() -> None:
     assert "tenants: none active" in text and "nodes: no worker has registered" in text
 
 
+def test_status__first_tenants_in_rank_order__fairness_and_count_over_all(
+    process: uuid.UUID,
+) -> None:
+    acquire(process, "r1", tenant="runner", limit=2)
+    acquire(process, "r2", tenant="runner", limit=2)
+    for tenant, n, age_s in (("old", 1, 300), ("deep", 4, 30)):
+        acquire(process, f"{tenant}-run", tenant=tenant)
+        for i in range(n):
+            park(f"{tenant}-{i}", tenant=tenant)
+        ParkedJob.objects.filter(slot__tenant=tenant).update(
+            parked_at=database_now() - timedelta(seconds=age_s)
+        )
+    everyone = status.snapshot()
+    assert [t["tenant"] for t in everyone["tenants"]] == ["deep", "old", "runner"]
+    by_wait = status.snapshot(first=2, rank="wait")
+    assert [t["tenant"] for t in by_wait["tenants"]] == ["old", "deep"]
+    assert by_wait["tenants"][0]["slots"][0]["queue"] == "q"
+    by_backlog = status.snapshot(first=1, rank="backlog")
+    assert [t["tenant"] for t in by_backlog["tenants"]] == ["deep"]
+    assert by_backlog["tenants"][0]["parked"] == 4
+    # The count and the index are over every active tenant, not the page shown.
+    assert everyone["tenants_active"] == by_wait["tenants_active"] == 3
+    assert by_backlog["fairness"] == everyone["fairness"] == status.fairness(everyone["tenants"])
+    assert everyone["fairness"]["small_tenants"] == 3
+    with pytest.raises(ValueError, match="rank must be one of name, wait, backlog"):
+        status.snapshot(rank="size")
+
+
 # -- health check ----------------------------------------------------------------------------
 
 
