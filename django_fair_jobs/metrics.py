@@ -101,8 +101,8 @@ METRICS: tuple[MetricSpec, ...] = (
            "(FAIR_JOBS_ENFORCE = False: decisions are recorded, not applied)."),
     _gauge("fair_jobs_tenant_running", (*T, *Q), "Jobs of the tenant running on the queue "
            "(slots held)."),
-    _gauge("fair_jobs_tenant_limit", (*T, *Q), "Jobs the tenant may run at once on the queue "
-           "(the override, else the task's limit; 0: paused)."),
+    _gauge("fair_jobs_tenant_max_jobs", (*T, *Q), "Jobs the tenant may run at once on the "
+           "queue (the override, else the task's fair_max_jobs; 0: paused)."),
     _gauge("fair_jobs_tenant_parked", T, "Jobs of the tenant parked, waiting for one of its "
            "slots or for a place in a limited queue."),
     _gauge("fair_jobs_tenant_pending", T, "Jobs of the tenant held in a fair planner's "
@@ -118,10 +118,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("fair_jobs_queue_running", Q, "Jobs running from the stored queue, cluster-wide."),
     _gauge("fair_jobs_queue_node_running", (*Q, *N), "Jobs running from the queue on the "
            "worker node."),
-    _gauge("fair_jobs_queue_limit", Q, "The queue's cluster-wide limit (0: paused); absent "
-           "when it has none."),
-    _gauge("fair_jobs_queue_limit_per_worker", Q, "The queue's limit per worker node "
-           "(0: paused); absent when it has none."),
+    _gauge("fair_jobs_queue_max_jobs", Q, "The queue's cluster-wide max_jobs (0: paused); "
+           "absent when it has none."),
+    _gauge("fair_jobs_queue_max_jobs_per_worker", Q, "The queue's max_jobs_per_worker on "
+           "each worker node (0: paused); absent when it has none."),
     _gauge("fair_jobs_queue_paused", Q, "1 if either of the queue's limits is 0, else 0."),
     _gauge("fair_jobs_queue_parked", Q, "Jobs parked in the queue's line."),
     _gauge("fair_jobs_queue_oldest_parked_seconds", Q, "Age of the oldest job parked in the "
@@ -173,8 +173,23 @@ METRICS: tuple[MetricSpec, ...] = (
            "over (running or waiting, at most 10 jobs waiting)."),
     _gauge("fair_jobs_decisions_last_hour", ("mechanism", "action", "enforced"),
            "Decisions recorded in the last hour; enforced=\"false\": shadow mode."),
+    # The old names of renamed gauges, exposed beside the new ones for one release.
+    _gauge("fair_jobs_tenant_limit", (*T, *Q), "Deprecated: renamed "
+           "fair_jobs_tenant_max_jobs (same samples); removed in the next release."),
+    _gauge("fair_jobs_queue_limit", Q, "Deprecated: renamed fair_jobs_queue_max_jobs "
+           "(same samples); removed in the next release."),
+    _gauge("fair_jobs_queue_limit_per_worker", Q, "Deprecated: renamed "
+           "fair_jobs_queue_max_jobs_per_worker (same samples); removed in the next release."),
 )  # fmt: skip
 """Every metric the exporter exposes, in the order of the exposition."""
+
+DEPRECATED_METRICS = {
+    "fair_jobs_tenant_max_jobs": "fair_jobs_tenant_limit",
+    "fair_jobs_queue_max_jobs": "fair_jobs_queue_limit",
+    "fair_jobs_queue_max_jobs_per_worker": "fair_jobs_queue_limit_per_worker",
+}
+"""Renamed gauges (one name per concept: ``max_jobs``): new name -> old name. The old name
+gets the same samples for one release, so that dashboards and alerts can move over."""
 
 
 def tenant_label(tenant: str) -> str:
@@ -189,22 +204,31 @@ class _Families:
     """The families of one scrape, by name, filled sample by sample."""
 
     def __init__(self) -> None:
-        self.by_name: dict[str, Family] = {spec.name: spec.family() for spec in METRICS}
+        self.by_name: dict[str, Family] = {}
+        self._samples: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        self._histograms: dict[str, HistogramMetricFamily] = {}
+        for spec in METRICS:
+            family = self.by_name[spec.name] = spec.family()
+            if isinstance(family, HistogramMetricFamily):
+                self._histograms[spec.name] = family
+            else:
+                self._samples[spec.name] = family
 
     def add(self, name: str, labels: Iterable[str], value: float | None) -> None:
-        """Add one sample; a None value adds nothing."""
+        """Add one sample of a gauge or a counter (and of its deprecated old name, see
+        :data:`DEPRECATED_METRICS`); a None value adds nothing."""
         if value is not None:
-            family = self.by_name[name]
-            assert not isinstance(family, HistogramMetricFamily), name
-            family.add_metric(list(labels), float(value))
+            labels = list(labels)
+            self._samples[name].add_metric(labels, float(value))
+            if name in DEPRECATED_METRICS:
+                self._samples[DEPRECATED_METRICS[name]].add_metric(labels, float(value))
 
     def add_histogram(
         self, name: str, labels: Iterable[str], counts: list[int], total: float
     ) -> None:
         """Add one histogram series: ``counts`` per bucket of :data:`waits.BUCKETS` (not
         cumulative) and the observations' sum."""
-        family = self.by_name[name]
-        assert isinstance(family, HistogramMetricFamily), name
+        family = self._histograms[name]
         cumulative, running = [], 0
         for bound, count in zip(waits.BUCKETS, counts, strict=True):
             running += count
@@ -279,7 +303,7 @@ class FairJobsCollector(Collector):
             tenant = tenant_label(row["tenant"])
             for slot in row["slots"]:
                 out.add("fair_jobs_tenant_running", [tenant, slot["queue"]], slot["running"])
-                out.add("fair_jobs_tenant_limit", [tenant, slot["queue"]], slot["limit"])
+                out.add("fair_jobs_tenant_max_jobs", [tenant, slot["queue"]], slot["limit"])
             out.add("fair_jobs_tenant_parked", [tenant], row["parked"])
             out.add("fair_jobs_tenant_pending", [tenant], row["pending"])
             out.add("fair_jobs_tenant_oldest_wait_seconds", [tenant], row["oldest_wait_seconds"])
@@ -304,8 +328,8 @@ class FairJobsCollector(Collector):
             out.add("fair_jobs_queue_running", [name], q["running"])
             for node, n in q["running_by_node"].items():
                 out.add("fair_jobs_queue_node_running", [name, node], n)
-            out.add("fair_jobs_queue_limit", [name], q["max_jobs"])
-            out.add("fair_jobs_queue_limit_per_worker", [name], q["max_jobs_per_worker"])
+            out.add("fair_jobs_queue_max_jobs", [name], q["max_jobs"])
+            out.add("fair_jobs_queue_max_jobs_per_worker", [name], q["max_jobs_per_worker"])
             out.add("fair_jobs_queue_paused", [name], 1 if q["paused"] else 0)
             out.add("fair_jobs_queue_parked", [name], q["parked"])
             out.add("fair_jobs_queue_oldest_parked_seconds", [name], q["oldest_parked_seconds"])

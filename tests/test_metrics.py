@@ -23,7 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from django_fair_jobs import identity, metrics
 from django_fair_jobs.db import database_now
-from django_fair_jobs.metrics import METRICS, FairJobsCollector, metrics_view, tenant_label
+from django_fair_jobs.metrics import (
+    DEPRECATED_METRICS,
+    METRICS,
+    FairJobsCollector,
+    metrics_view,
+    tenant_label,
+)
 from django_fair_jobs.models import (
     JobDecision,
     Maintenance,
@@ -103,9 +109,9 @@ def test_tenant_running_and_limit__per_slot(process: uuid.UUID) -> None:
     assert acquire(process, "j3", tenant="beta", limit=1) is not None
     samples = scrape()
     assert value(samples, "fair_jobs_tenant_running", tenant="acme", queue="q") == 2
-    assert value(samples, "fair_jobs_tenant_limit", tenant="acme", queue="q") == 3
+    assert value(samples, "fair_jobs_tenant_max_jobs", tenant="acme", queue="q") == 3
     assert value(samples, "fair_jobs_tenant_running", tenant="beta", queue="q") == 1
-    assert value(samples, "fair_jobs_tenant_limit", tenant="beta", queue="q") == 1
+    assert value(samples, "fair_jobs_tenant_max_jobs", tenant="beta", queue="q") == 1
     assert value(samples, "fair_jobs_tenant_parked", tenant="acme") == 0
     assert value(samples, "fair_jobs_up") == 1
 
@@ -182,17 +188,34 @@ def test_queue_limits__running_limit_paused_parked_deferrals(process: uuid.UUID)
     assert held.status == "held"
     QueueLimit.objects.filter(queue="q").update(deferred_total=4)
     samples = scrape()
-    assert value(samples, "fair_jobs_queue_limit", queue="q") == 2
-    assert value(samples, "fair_jobs_queue_limit_per_worker", queue="q") is None
+    assert value(samples, "fair_jobs_queue_max_jobs", queue="q") == 2
+    assert value(samples, "fair_jobs_queue_max_jobs_per_worker", queue="q") is None
     assert value(samples, "fair_jobs_queue_running", queue="q") == 1
     assert value(samples, "fair_jobs_queue_node_running", queue="q", node="n@h") == 1
     assert value(samples, "fair_jobs_queue_paused", queue="q") == 0
     assert value(samples, "fair_jobs_queue_parked", queue="q") == 0
     assert value(samples, "fair_jobs_queue_oldest_parked_seconds", queue="q") is None
     assert value(samples, "fair_jobs_queue_deferrals_total", queue="q") == 4
-    assert value(samples, "fair_jobs_queue_limit", queue="stopped") is None
-    assert value(samples, "fair_jobs_queue_limit_per_worker", queue="stopped") == 0
+    assert value(samples, "fair_jobs_queue_max_jobs", queue="stopped") is None
+    assert value(samples, "fair_jobs_queue_max_jobs_per_worker", queue="stopped") == 0
     assert value(samples, "fair_jobs_queue_paused", queue="stopped") == 1
+
+
+def test_renamed_gauges__old_names_carry_the_same_samples_for_one_release(
+    process: uuid.UUID,
+) -> None:
+    assert acquire(process, "j1", tenant="acme", limit=3) is not None
+    set_limits("q", max_jobs=2, max_jobs_per_worker=1)
+    samples = scrape()
+    assert DEPRECATED_METRICS  # one entry per renamed gauge
+    for new, old in DEPRECATED_METRICS.items():
+        current = named(samples, new)
+        assert current, new
+        assert named(samples, old) == current, old
+    assert value(samples, "fair_jobs_tenant_limit", tenant="acme", queue="q") == 3
+    help_of = {spec.name: spec.help for spec in METRICS}
+    for old in DEPRECATED_METRICS.values():
+        assert help_of[old].startswith("Deprecated: renamed "), old
 
 
 def test_queue_line__parked_and_oldest(process: uuid.UUID) -> None:
@@ -446,7 +469,7 @@ def test_view__staff_member_required(client: Client, process: uuid.UUID) -> None
     assert response.status_code == 200
     assert response["Content-Type"] == CONTENT_TYPE_LATEST
     samples = parse(response.content.decode())
-    assert value(samples, "fair_jobs_tenant_limit", tenant="acme", queue="q") == 1
+    assert value(samples, "fair_jobs_tenant_max_jobs", tenant="acme", queue="q") == 1
 
 
 @override_settings(ROOT_URLCONF=__name__)
