@@ -16,22 +16,27 @@ A job the library knows about is in exactly one of these places, looked up in th
 * only decisions: **rerouted** (a rule sent it to a slower queue), or **shadow** (shadow
   mode recorded what a rule would have done);
 * the result backend's end state: **finished** (SUCCESS, FAILURE or REVOKED);
-* nothing: **unknown** (in the broker without being held back, ended without a result,
-  or not a job of ours).
+* the broker, where it can be read without taking messages (Redis): **queued**, with its
+  queue and the messages ahead of it (the oldest :data:`broker.SEARCHED` are searched);
+* nothing: **unknown** (in the broker where it cannot be searched or too far back, taken
+  by a worker that has not started it, ended without a result, or not a job of ours).
 
 Every age is read on the database clock.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django_fair_jobs import db, planner
+from django_fair_jobs import broker, db, planner
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.planner import store as planner_store
 from django_fair_jobs.status import age
+
+logger = logging.getLogger("django_fair_jobs.explanations")
 
 _HOLDERS_SHOWN = 20
 """Holders listed for a parked job; the count is always given in full."""
@@ -394,7 +399,7 @@ def _undecided(task_id: str, decisions: list[dict[str, Any]]) -> Explanation:
             f"Rerouted to {d.get('to_queue')} by rule {d.get('rule')}: {d.get('count')} "
             f"enqueues in {d.get('per')} s, above {d.get('threshold')}. Nothing holds it "
             "now: it is on the broker, running without a slot, or finished.",
-            dict(d),
+            {**d, **_broker_details(_in_broker(task_id, d.get("to_queue")))},
         )  # fmt: skip
     if decisions:
         return Explanation(
@@ -408,13 +413,55 @@ def _undecided(task_id: str, decisions: list[dict[str, Any]]) -> Explanation:
             task_id, "finished",
             f"It has ended: the result backend says {state}.", {"result_state": state},
         )  # fmt: skip
+    search = _in_broker(task_id)
+    if search is not None and search.queue is not None:
+        return Explanation(
+            task_id, "queued",
+            f"It waits in the broker on queue {search.queue}, {search.ahead} message(s) "
+            "ahead of it: no worker has taken it yet. Tenant slots and queue limits hold a "
+            "job back only once a worker takes it.",
+            _broker_details(search),
+        )  # fmt: skip
     return Explanation(
         task_id, "unknown",
         "django-fair-jobs holds nothing for this id, and the result backend knows no end of "
         "it: it waits in the broker unheld (tenant slots and queue limits record a job only "
         "once it is held back; fair dispatch records every job), ended without a stored "
         "result, or the id is wrong.",
+        _broker_details(search),
     )  # fmt: skip
+
+
+def _in_broker(task_id: str, first: str | None = None) -> broker.Search | None:
+    """Search the broker for ``task_id`` in every queue the app declares or the library's
+    rows name (``first`` first), or None if the broker cannot be reached."""
+    from celery import current_app
+
+    from django_fair_jobs.dispatch.models import DispatchQueue
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+
+    named = [first] if first else []
+    named += list(current_app.amqp.queues)
+    for model in (TenantQueueSlot, QueueLimit, DispatchQueue):
+        named += model.objects.order_by().values_list("queue", flat=True).distinct()
+    try:
+        return broker.find(current_app, task_id, list(dict.fromkeys(named)))
+    except Exception:  # the broker is down or refuses: explain answers from the rows alone
+        logger.warning("Could not search the broker for job %s", task_id, exc_info=True)
+        return None
+
+
+def _broker_details(search: broker.Search | None) -> dict[str, Any]:
+    """What a broker search found, for an explanation's details."""
+    if search is None:
+        return {"broker": "not reachable"}
+    if not search.searchable:
+        return {"broker": f"{search.transport}: not searched (it cannot be read without "
+                          "taking messages)"}  # fmt: skip
+    if search.queue is None:
+        return {"broker": f"not found in the oldest {search.read} message(s) of "
+                          f"{', '.join(search.queues) or 'no queue'}"}  # fmt: skip
+    return {"queue": search.queue, "ahead": search.ahead}
 
 
 def _result_state(task_id: str) -> str | None:

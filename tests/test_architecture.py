@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "headers": 0,
     "validation": 0,
     "routing": 0,
+    "broker": 0,
     "db": 0,
     "sql": 0,
     # L1: tenants, the schema, the one place a job is re-sent.

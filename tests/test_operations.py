@@ -14,7 +14,9 @@ from io import StringIO
 from typing import Any
 
 import pytest
+import redis
 from celery import signals
+from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import override_settings
@@ -24,6 +26,7 @@ from kombu.utils.json import dumps
 from django_fair_jobs import (
     Explanation,
     admission,
+    broker,
     decisions,
     explain,
     explanations,
@@ -332,14 +335,17 @@ def test_explain__pending_promoted_and_backpressure() -> None:
     assert paused.details["tenant_paused"] is True and "paused" in paused.summary
 
 
-def test_explain__rerouted__rule_queue_and_count() -> None:
+def test_explain__rerouted__rule_queue_and_count(broker_env: dict[str, str]) -> None:
     results = [tasks.rerouted.delay("acme") for _ in range(3)]
-    assert explain(results[0].id).state == "unknown"  # within its rule: nothing held it
+    # Within its rule nothing held it: it is found in the broker.
+    first = explain(results[0].id)
+    assert (first.state, first.details) == ("queued", {"queue": "fair", "ahead": 0})
     found = explain(results[2].id)
     assert found.state == "rerouted"
     assert found.details["to_queue"] == "fair_slow"
     assert found.details["count"] == 3
     assert (found.details["threshold"], found.details["per"], found.details["rule"]) == (2, 60, 1)
+    assert (found.details["queue"], found.details["ahead"]) == ("fair_slow", 0)
     (decision,) = found.decisions
     assert (decision["mechanism"], decision["action"], decision["enforced"]) == (
         "reroute", "rerouted", True,
@@ -347,10 +353,58 @@ def test_explain__rerouted__rule_queue_and_count() -> None:
     assert decision["tenant"] == "acme" and decision["queue"] == "fair"
 
 
-def test_explain__unknown() -> None:
+def test_explain__unknown(broker_env: dict[str, str]) -> None:
     found = explain("no-such-job")
-    assert (found.state, found.details, found.decisions) == ("unknown", {}, [])
+    assert (found.state, found.decisions) == ("unknown", [])
+    assert found.details["broker"].startswith("not found in the oldest 0 message(s) of ")
     assert "holds nothing" in found.summary
+
+
+def test_explain__slots_job_in_the_broker__queue_and_messages_ahead(
+    broker_env: dict[str, str],
+) -> None:
+    jobs = [tasks.limited3.delay(f"t{i}") for i in range(3)]
+    found = explain(jobs[2].id)
+    assert (found.state, found.details) == ("queued", {"queue": "fair", "ahead": 2})
+    assert "on queue fair, 2 message(s) ahead" in found.summary
+    assert explain(jobs[0].id).details["ahead"] == 0
+    # Priorities: kombu's Redis transport delivers every message of priority 0 (the
+    # default) before one of priority 9.
+    urgent = tasks.limited3.apply_async(("t9",), priority=0)
+    late = tasks.limited3.apply_async(("t8",), priority=9)
+    assert explain(urgent.id).details == {"queue": "fair", "ahead": 3}
+    assert explain(late.id).details == {"queue": "fair", "ahead": 4}
+
+
+def test_broker_search__bounded__and_a_broker_that_cannot_be_read() -> None:
+    from celery import Celery
+
+    from tests.celery_app import app
+
+    redis.Redis.from_url(settings.CELERY_BROKER_URL).flushdb()
+    ids = [tasks.limited3.delay(f"t{i}").id for i in range(3)]
+    within = broker.find(app, ids[1], ["default", "fair"], limit=2)
+    assert (within.searchable, within.queue, within.ahead, within.read) == (True, "fair", 1, 2)
+    beyond = broker.find(app, ids[2], ["default", "fair"], limit=2)
+    assert (beyond.queue, beyond.read) == (None, 2)
+    memory = Celery("memory", broker="memory://")
+    assert broker.find(memory, ids[0], ["fair"]) == broker.Search(False, "memory", ("fair",))
+    found = explain_with(memory, ids[0])
+    assert found.state == "unknown"
+    assert found.details["broker"] == (
+        "memory: not searched (it cannot be read without taking messages)"
+    )
+
+
+def explain_with(app: Any, task_id: str) -> Any:
+    """Explain ``task_id`` with ``app`` as the current app."""
+    app.set_current()
+    try:
+        return explain(task_id)
+    finally:
+        from tests.celery_app import app as tests_app
+
+        tests_app.set_current()
 
 
 def test_explain__ended__the_result_backends_state() -> None:

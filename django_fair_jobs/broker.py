@@ -1,0 +1,82 @@
+"""What the broker holds, where it can be asked cheaply (layer 0: imports nothing of the
+package): a bounded search of a Redis broker's queues for one job, for explain.
+
+kombu's Redis transport keeps each queue as a list (one more list per priority step),
+pushed on the left and consumed from the right, so the oldest messages are at the right
+end and can be read without taking them. Other transports (RabbitMQ, SQS, the SQLAlchemy
+transport) cannot be searched without consuming messages: :func:`find` says so instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kombu.utils.json import loads
+
+SEARCHED = 10_000
+"""Messages read at most in one search, the oldest of each queue first: a job further back
+in a longer queue is not found (the answer says how many were read)."""
+
+
+@dataclass(frozen=True)
+class Search:
+    """The answer of :func:`find`: whether the broker could be searched (``transport``
+    names it), the queues and the number of messages read, and where the job is:
+    ``queue`` and ``ahead`` (messages that the queue delivers before it), or None."""
+
+    searchable: bool
+    transport: str
+    queues: tuple[str, ...]
+    read: int = 0
+    queue: str | None = None
+    ahead: int | None = None
+
+
+def find(app: Any, task_id: str, queues: list[str], limit: int = SEARCHED) -> Search:
+    """Look for job ``task_id`` among the oldest messages of ``queues`` in ``app``'s
+    broker, reading at most ``limit`` messages in all. Read-only: nothing is taken."""
+    with app.connection_for_read() as conn:
+        transport = str(conn.transport.driver_type)
+        if transport != "redis":
+            return Search(False, transport, tuple(queues))
+        channel = conn.default_channel
+        # Every priority list of every queue, in delivery order: priority 0 first.
+        keys = [(q, channel._q_for_pri(q, pri)) for q in queues for pri in channel.priority_steps]
+        with channel.client.pipeline() as pipe:
+            for _, key in keys:
+                pipe.llen(key)
+            lengths = pipe.execute()
+        return _search(channel.client, task_id, queues, keys, lengths, limit)
+
+
+def _search(
+    client: Any, task_id: str, queues: list[str], keys: list[tuple[str, str]],
+    lengths: list[int], limit: int,
+) -> Search:  # fmt: skip
+    """:func:`find` over the lists ``keys`` of ``lengths`` messages."""
+    needle, budget, read = task_id.encode(), limit, 0
+    before: dict[str, int] = {}  # per queue: messages of its higher priorities
+    for (queue, key), length in zip(keys, lengths, strict=True):
+        if length == 0 or budget <= 0:
+            before[queue] = before.get(queue, 0) + length
+            continue
+        oldest = client.lrange(key, -min(length, budget), -1)
+        budget -= len(oldest)
+        read += len(oldest)
+        for i, raw in enumerate(oldest):
+            if needle in raw and _id_of(raw) == task_id:
+                # Consumed from the right: the messages to its right go first.
+                ahead = before.get(queue, 0) + len(oldest) - 1 - i
+                return Search(True, "redis", tuple(queues), read, queue, ahead)
+        before[queue] = before.get(queue, 0) + length
+    return Search(True, "redis", tuple(queues), read)
+
+
+def _id_of(raw: bytes) -> str | None:
+    """The task id of a kombu Redis message (Celery's message protocol 2), or None."""
+    try:
+        message = loads(raw)
+        return str(message["headers"]["id"])
+    except (ValueError, KeyError, TypeError):
+        return None
