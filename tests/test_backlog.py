@@ -151,10 +151,21 @@ def test_admin__action_needs_the_cancel_permission(
     client.logout()
     login(client, "lead", perms=("view_dispatchtenant", "cancel_backlog"))
     assert "cancel_backlog" in client.get(LINES).content.decode()
-    client.post(LINES, {"action": "cancel_backlog", "_selected_action": [str(pk)]})
+    # First a confirmation page that counts what would go; nothing is cancelled yet.
+    asked = client.post(LINES, {"action": "cancel_backlog", "_selected_action": [str(pk)]})
+    assert asked.status_code == 200
+    html = asked.content.decode()
+    assert 'id="fair-cancel"' in html and 'data-tenant="flood"' in html
+    assert 'id="fair-cancel-total">26 waiting job(s) now' in html
+    assert '<input type="hidden" name="post" value="yes">' in html
+    assert line("flood").waiting == 24
+    confirmed = {"action": "cancel_backlog", "_selected_action": [str(pk)], "post": "yes",
+                 "reason": "runaway import"}  # fmt: skip
+    assert client.post(LINES, confirmed).status_code == 302
     assert line("flood").waiting == 0
     change = LimitChange.objects.get(field="cancelled")
     assert (change.user, change.source) == ("lead", "admin")
+    assert change.note.endswith(": runaway import")
 
 
 def test_admin__slot_rows_action__cancels_that_queue_only(
@@ -166,7 +177,10 @@ def test_admin__slot_rows_action__cancels_that_queue_only(
     tasks.planned.delay("flood")  # another queue than the slot's: kept
     login(client, "lead", perms=("view_tenantqueueslot", "cancel_backlog"))
     slot: Any = TenantQueueSlot.objects.get(tenant="flood", queue="q")
-    client.post(SLOTS, {"action": "cancel_backlog", "_selected_action": [str(slot.pk)]})
+    chosen = {"action": "cancel_backlog", "_selected_action": [str(slot.pk)]}
+    assert "1 waiting job(s) now" in client.post(SLOTS, chosen).content.decode()
+    assert ParkedJob.objects.count() == 1
+    client.post(SLOTS, {**chosen, "post": "yes"})
     assert not ParkedJob.objects.exists()
     assert PlannedJob.objects.filter(tenant="flood").count() == 1
 

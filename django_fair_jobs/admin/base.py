@@ -12,6 +12,7 @@ from django.core.paginator import Paginator
 from django.core.validators import MaxValueValidator
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
 
 from django_fair_jobs.conf import MAX_LIMIT
 from django_fair_jobs.models import (
@@ -73,26 +74,61 @@ class _BoundedLimits:
         return field
 
 
+CANCEL_COUNTED = 100
+"""Selected rows whose waiting jobs the cancel's confirmation page counts one by one."""
+
+
 class _CancelsBacklog:
     """The admin action that cancels the selected rows' tenants' waiting jobs (on the
     row's queue, or of the row's task): see :mod:`django_fair_jobs.backlog`. It needs the
-    ``fair_jobs.cancel_backlog`` permission."""
+    ``fair_jobs.cancel_backlog`` permission, and asks for confirmation first, as Django's
+    delete action does: a page says what would be cancelled and takes an optional reason
+    for the history."""
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         """Whether the user may cancel tenants' backlogs."""
         return bool(request.user.has_perm("fair_jobs.cancel_backlog"))
 
     def _cancel_rows(self, request: HttpRequest, rows: list[tuple[str, str | None, str | None]]
-                     ) -> None:  # fmt: skip
+                     ) -> TemplateResponse | None:  # fmt: skip
         from django_fair_jobs import backlog
 
-        user = _user(request)
-        done = [backlog.cancel(t, queue=q, task=k, user=user, source="admin") for t, q, k in rows]
+        if request.POST.get("post") != "yes":
+            return self._confirm_cancel(request, rows)
+        user, reason = _user(request), request.POST.get("reason", "").strip()[:200]
+        done = [
+            backlog.cancel(t, queue=q, task=k, user=user, source="admin", reason=reason)
+            for t, q, k in rows
+        ]
         self.message_user(  # type: ignore[attr-defined]
             request,
             f"Cancelled {sum(d.total for d in done)} waiting job(s) of {len(done)} "
             "tenant(s); their results are REVOKED. Jobs in the broker or running go on.",
         )
+        return None
+
+    def _confirm_cancel(
+        self, request: HttpRequest, rows: list[tuple[str, str | None, str | None]]
+    ) -> TemplateResponse:
+        """The page that says what the cancel would drop and asks to go on."""
+        from django.contrib.admin import helpers
+
+        from django_fair_jobs import backlog
+
+        counted = [backlog.count(t, queue=q, task=k) for t, q, k in rows[:CANCEL_COUNTED]]
+        context = {
+            **self.admin_site.each_context(request),  # type: ignore[attr-defined]
+            "title": "Cancel waiting jobs?",
+            "opts": self.model._meta,  # type: ignore[attr-defined]
+            "counted": counted,
+            "total": sum(c.total for c in counted),
+            "not_counted": max(len(rows) - CANCEL_COUNTED, 0),
+            "action": request.POST.get("action", ""),
+            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+            "select_across": request.POST.get("select_across") == "1",
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/fair_jobs/cancel_backlog.html", context)
 
 
 class _ReadOnly:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
 
 from django_fair_jobs.admin.base import (
     EstimatedCountPaginator,
@@ -35,5 +36,7 @@ class DispatchTenantAdmin(_CancelsBacklog, _ReadOnly, admin.ModelAdmin):  # type
         description="Cancel the selected tenants' waiting jobs on their queue",
         permissions=["cancel"],
     )
-    def cancel_backlog(self, request: HttpRequest, queryset: QuerySet[DispatchTenant]) -> None:
-        self._cancel_rows(request, [(r.tenant, r.queue, None) for r in queryset])
+    def cancel_backlog(
+        self, request: HttpRequest, queryset: QuerySet[DispatchTenant]
+    ) -> TemplateResponse | None:
+        return self._cancel_rows(request, [(r.tenant, r.queue, None) for r in queryset])

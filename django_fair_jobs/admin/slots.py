@@ -9,6 +9,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
 
 from django_fair_jobs import db
 from django_fair_jobs.admin.base import (
@@ -207,8 +208,10 @@ class TenantQueueSlotAdmin(_CancelsBacklog, _BoundedLimits, _SlotAdmin):
         description="Cancel the selected tenants' waiting jobs on their queue",
         permissions=["cancel"],
     )
-    def cancel_backlog(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
-        self._cancel_rows(request, [(r.tenant, r.queue, None) for r in queryset])
+    def cancel_backlog(
+        self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]
+    ) -> TemplateResponse | None:
+        return self._cancel_rows(request, [(r.tenant, r.queue, None) for r in queryset])
 
     @admin.action(description="Reap the leases of dead workers now", permissions=["change"])
     def reap_dead_workers(self, request: HttpRequest, queryset: QuerySet[TenantQueueSlot]) -> None:
