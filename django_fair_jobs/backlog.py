@@ -66,10 +66,9 @@ def _batch_of(cancelled: Cancelled, tenant: str, queue: str | None, task: str | 
         found = dispatch.cancel(line, tenant, task, batch)
         cancelled.dispatch += len(found)
         ids += found
-    for task_id in lease_store.parked_of(tenant, queue, task, batch):
-        if lease_store.drop_parked(task_id, unwoken_only=True):
-            cancelled.parked += 1
-            ids.append(task_id)
+    found = lease_store.drop_parked_of(tenant, queue, task, batch)
+    cancelled.parked += len(found)
+    ids += found
     found = planner_store.cancel(tenant, queue, task, batch)
     cancelled.planned += len(found)
     return ids + found

@@ -12,9 +12,13 @@ import pytest
 from celery.result import AsyncResult
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 
 from django_fair_jobs import backlog
+from django_fair_jobs.db import database_now
+from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.dispatch.models import (
     DISPATCHED,
     SCHEDULED,
@@ -105,6 +109,29 @@ def test_parked_and_planned__cancelled__counters_true(process: uuid.UUID) -> Non
     assert slot.parked_jobs == 0
     assert list(PlannedJob.objects.values_list("tenant", flat=True)) == ["other"]
     assert str(AsyncResult(planned[0]).state) == "REVOKED"
+
+
+def test_parked_jobs__dropped_per_line_not_per_job__woken_ones_stay(
+    process: uuid.UUID,  # noqa: F811
+) -> None:
+    def statements_to_drop(n: int) -> int:
+        ParkedJob.objects.all().delete()
+        TenantQueueSlot.objects.filter(tenant="flood").update(parked_jobs=0)
+        for i in range(n):
+            park(f"p{n}-{i}", tenant="flood")
+        with CaptureQueriesContext(connection) as queries:
+            dropped = lease_store.drop_parked_of("flood", "q", None, 1000)
+        assert len(dropped) == n
+        return len(queries.captured_queries)
+
+    acquire(process, "running", tenant="flood")
+    assert statements_to_drop(3) == statements_to_drop(30)
+    park("woken", tenant="flood")
+    park("waits", tenant="flood")
+    ParkedJob.objects.filter(task_id="woken").update(woken_at=database_now())
+    assert lease_store.drop_parked_of("flood", None, None, 1000) == ["waits"]
+    assert list(ParkedJob.objects.values_list("task_id", flat=True)) == ["woken"]
+    assert TenantQueueSlot.objects.get(tenant="flood", queue="q").parked_jobs == 1
 
 
 def test_nothing_waiting__no_history_line() -> None:

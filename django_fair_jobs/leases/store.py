@@ -96,11 +96,9 @@ def requeue_lost_wakes(*, timeout: float) -> int:
     return len(db.run(alias, "requeue_lost_wakes", {"timeout": timeout}))
 
 
-def drop_parked(task_id: str, *, unwoken_only: bool = False) -> bool:
-    """Delete the parked row of ``task_id`` (a revoked or cancelled job), fixing the
-    counter; with ``unwoken_only``, only while it is not woken (a woken job's slot is
-    reserved for it and its message is on the way: it is not a waiting job any more).
-    Returns whether a row was deleted."""
+def drop_parked(task_id: str) -> bool:
+    """Delete the parked row of ``task_id`` (a revoked job), fixing the counter. Returns
+    whether a row was deleted."""
     from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
 
     found = (
@@ -118,7 +116,7 @@ def drop_parked(task_id: str, *, unwoken_only: bool = False) -> bool:
         # The counter's row first, then the parked row: the order of park and wake.
         list(waiting_on.select_for_update().values_list("pk"))
         job = ParkedJob.objects.select_for_update().filter(task_id=task_id).first()
-        if job is None or (unwoken_only and job.woken_at is not None):
+        if job is None:
             return False
         job.delete()
         if job.woken_at is None:
@@ -126,18 +124,43 @@ def drop_parked(task_id: str, *, unwoken_only: bool = False) -> bool:
     return True
 
 
-def parked_of(tenant: str, queue: str | None, task_name: str | None, limit: int) -> list[str]:
-    """Task ids of up to ``limit`` of ``tenant``'s parked jobs not woken, on ``queue`` (or
-    every queue), of ``task_name`` (or every task), oldest first: the jobs a cancel drops
-    (one by one, with :func:`drop_parked`)."""
-    from django_fair_jobs.models import ParkedJob
+def drop_parked_of(tenant: str, queue: str | None, task_name: str | None, limit: int) -> list[str]:
+    """Delete up to ``limit`` of ``tenant``'s parked jobs not woken (a cancel), on ``queue``
+    (or every queue), of ``task_name`` (or every task), oldest first, fixing the counters;
+    returns their task ids. One short transaction per line they wait in (a tenant slot,
+    or a limited queue): its counter's row first, then its parked rows, the order of park
+    and wake. A woken job is not waiting any more (its slot is reserved for it and its
+    message is on the way): it stays."""
+    from django.db.models.functions import Greatest
+
+    from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
 
     rows = ParkedJob.objects.filter(slot__tenant=tenant, woken_at__isnull=True)
     if queue is not None:
         rows = rows.filter(slot__queue=queue)
     if task_name is not None:
         rows = rows.filter(task_name=task_name)
-    return [str(t) for t in rows.order_by("id").values_list("task_id", flat=True)[:limit]]
+    lines = list(rows.order_by().values_list("queue_limit_id", "slot_id").distinct())
+    dropped: list[str] = []
+    for queue_id, slot_id in sorted(lines, key=lambda line: (line[0] or 0, line[1] or 0)):
+        if len(dropped) >= limit:
+            break
+        waiting_on: models.QuerySet[Any] = (
+            QueueLimit.objects.filter(pk=queue_id)
+            if queue_id is not None
+            else TenantQueueSlot.objects.filter(pk=slot_id or 0)
+        )
+        with transaction.atomic(using=router.db_for_write(ParkedJob)):
+            list(waiting_on.select_for_update().values_list("pk"))
+            taken = list(
+                rows.filter(queue_limit_id=queue_id, slot_id=slot_id)
+                .select_for_update(of=("self",)).order_by("id")
+                .values_list("id", "task_id")[: limit - len(dropped)]
+            )  # fmt: skip
+            ParkedJob.objects.filter(id__in=[pk for pk, _ in taken]).delete()
+            waiting_on.update(parked_jobs=Greatest(F("parked_jobs") - len(taken), 0))
+        dropped += [str(task_id) for _, task_id in taken]
+    return dropped
 
 
 def reconcile_parked(manager: Any, waiting: models.QuerySet[ParkedJob], key: str) -> int:

@@ -29,7 +29,7 @@ class Command(BaseCommand):
         parser.add_argument("--dry-run", action="store_true", help="Count, change nothing.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        from django_fair_jobs.management.commands.fair_jobs_limit import _who
+        from django_fair_jobs.management import command_user
 
         tenant, queue, task = options["tenant"], options["queue"], options["task"]
         try:
@@ -42,7 +42,7 @@ class Command(BaseCommand):
             self.stdout.write(f"Would cancel {backlog.count(tenant, queue=queue, task=task)}")
             return
         done = backlog.cancel(
-            tenant, queue=queue, task=task, batch=batch, user=_who(), source="command",
+            tenant, queue=queue, task=task, batch=batch, user=command_user(), source="command",
             reason=options["reason"],
         )  # fmt: skip
         self.stdout.write(f"Cancelled {done} in {done.batches} batch(es)")

@@ -9,6 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_fair_jobs import db
+from django_fair_jobs.management import command_user
 from django_fair_jobs.queue_limits import LimitError
 
 
@@ -27,15 +28,6 @@ def _limit(text: str, of: str = "queue") -> int:
             f"A limit must be a whole number >= 0 (0 pauses the {of}); got {text!r}. {remove}"
         )
     return value
-
-
-def _who() -> str:
-    import getpass
-
-    try:
-        return getpass.getuser()
-    except Exception:  # no login name in some containers: the history says "command"
-        return ""
 
 
 class Command(BaseCommand):
@@ -105,14 +97,18 @@ class Command(BaseCommand):
         if options["reset"]:
             if changes:
                 raise CommandError("--reset cannot be combined with other changes.")
-            rows = queue_limits.reset([queue] if queue else None, user=_who(), source="command")
+            rows = queue_limits.reset(
+                [queue] if queue else None, user=command_user(), source="command"
+            )
         elif changes:
             if not queue:
                 raise CommandError(
                     "Name the QUEUE to change, e.g. fair_jobs_limit webhooks --max-jobs 2."
                 )
             try:
-                rows = [queue_limits.set_limits(queue, **changes, user=_who(), source="command")]
+                rows = [
+                    queue_limits.set_limits(queue, **changes, user=command_user(), source="command")
+                ]
             except LimitError as exc:
                 raise CommandError(str(exc)) from None
         else:
@@ -166,11 +162,18 @@ class Command(BaseCommand):
                 else:
                     raise CommandError("--boost needs --for SECONDS or --until ISO-TIME.")
                 row = slots.boost(
-                    tenant, queue, _limit(boost, "tenant"), until, user=_who(), source="command"
+                    tenant,
+                    queue,
+                    _limit(boost, "tenant"),
+                    until,
+                    user=command_user(),
+                    source="command",
                 )
             elif raw_max is not None:
                 value = None if raw_max == "default" else _limit(raw_max, "tenant")
-                row = slots.set_tenant_limit(tenant, queue, value, user=_who(), source="command")
+                row = slots.set_tenant_limit(
+                    tenant, queue, value, user=command_user(), source="command"
+                )
             else:
                 found = TenantQueueSlot.objects.filter(tenant=tenant, queue=queue).first()
                 if found is None:
