@@ -18,7 +18,6 @@ from django.test.utils import CaptureQueriesContext
 
 from django_fair_jobs import backlog
 from django_fair_jobs.db import database_now
-from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.dispatch.models import (
     DISPATCHED,
     SCHEDULED,
@@ -26,6 +25,7 @@ from django_fair_jobs.dispatch.models import (
     DispatchJob,
     DispatchTenant,
 )
+from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.models import LimitChange, ParkedJob, PlannedJob, TenantQueueSlot
 from tests.dispatch.test_rule import PROCESS, published, run_one, set_capacity  # noqa: F401
 from tests.test_admin_console import acquire, login, park, process  # noqa: F401
