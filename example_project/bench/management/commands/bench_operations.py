@@ -161,3 +161,6 @@ class Command(BaseCommand):
             TenantQueueSlot.objects.all().delete()
             DispatchJob.objects.all().delete()
             DispatchTenant.objects.all().delete()
+            from bench.runner import vacuum_library_tables
+
+            vacuum_library_tables()  # the fairness benchmark shares this database
