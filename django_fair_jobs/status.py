@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -81,44 +82,61 @@ _ACTIVE = (
 )  # fmt: skip
 """A tenant queue slot worth showing: running, parked, a limit override or a boost."""
 
-# A tenant's summary, by index: running, parked, pending, its oldest wait in seconds, its
-# reroutes and shadow decisions in the last hour. Plain lists: with 10,000 active tenants,
-# building a full row for each cost more than the queries, and a view shows 100 of them.
-_RUNNING, _PARKED, _PENDING, _OLDEST, _REROUTES, _SHADOW = range(6)
+
+@dataclass
+class _Summaries:
+    """Per tenant with something going on, one figure per dict: jobs running, parked and
+    pending, the oldest wait in seconds, reroutes and shadow decisions in the last hour.
+    Dicts of plain values rather than a row per tenant: with 10,000 active tenants, 10,000
+    rows kept alive cost the garbage collector's passes over them more than the queries
+    cost, and a view shows 100 of them."""
+
+    running: dict[str, int] = field(default_factory=dict)
+    parked: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)
+    oldest: dict[str, float] = field(default_factory=dict)
+    reroutes: dict[str, int] = field(default_factory=dict)
+    shadow: dict[str, int] = field(default_factory=dict)
+
+    def names(self) -> set[str]:
+        """Every tenant with a figure."""
+        return set().union(self.running, self.parked, self.pending, self.reroutes, self.shadow)
+
+    def waiting(self, tenant: str) -> int:
+        """The tenant's jobs parked and pending."""
+        return self.parked.get(tenant, 0) + self.pending.get(tenant, 0)
 
 
-def _summaries(now: datetime) -> dict[str, list[Any]]:
-    """Per tenant with something going on, its summary (see ``_RUNNING``): a few grouped
-    queries, whatever the number of jobs."""
+def _summaries(now: datetime) -> _Summaries:
+    """The figures of :class:`_Summaries`: a few grouped queries, whatever the number of
+    jobs."""
     from django.db.models import Count, Sum
 
     from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob, TenantQueueSlot
 
-    out: dict[str, list[Any]] = {}
-    running = (
+    out = _Summaries()
+    out.running.update(
         TenantQueueSlot.objects.filter(_ACTIVE).values("tenant")
         .annotate(n=Sum("current_jobs")).values_list("tenant", "n")
     )  # fmt: skip
-    for tenant, n in running:
-        out[tenant] = [n, 0, 0, None, 0, 0]
     in_sql = db.is_postgres(router.db_for_read(ParkedJob))
     waiting = (
-        (_PARKED, "slot__tenant", "parked_at",
+        (out.parked, "slot__tenant", "parked_at",
          ParkedJob.objects.filter(woken_at__isnull=True, slot__isnull=False)),
-        (_PENDING, "tenant", "enqueued_at", PlannedJob.objects.filter(promoted_at__isnull=True)),
+        (out.pending, "tenant", "enqueued_at",
+         PlannedJob.objects.filter(promoted_at__isnull=True)),
     )  # fmt: skip
-    for key, tenant_field, since, rows in waiting:
+    for counts, tenant_field, since, rows in waiting:
         grouped = (
             rows.values(tenant_field)
             .annotate(n=Count("pk"), oldest=_oldest(since, in_sql))
             .values_list(tenant_field, "n", "oldest")
         )
         for tenant, n, oldest in grouped:
-            row = out.get(tenant) or out.setdefault(tenant, [0, 0, 0, None, 0, 0])
-            row[key] += n
+            counts[tenant] = n
             seconds = _seconds(now, oldest)
-            if seconds is not None and (row[_OLDEST] or 0) <= seconds:
-                row[_OLDEST] = seconds
+            if seconds is not None and out.oldest.get(tenant, 0) <= seconds:
+                out.oldest[tenant] = seconds
     recent = (
         JobDecision.objects.filter(at__gte=now - timedelta(hours=1))
         .exclude(tenant="")
@@ -127,43 +145,43 @@ def _summaries(now: datetime) -> dict[str, list[Any]]:
         .values_list("tenant", "mechanism", "enforced", "n")
     )
     for tenant, mechanism, enforced, n in recent:
-        row = out.get(tenant) or out.setdefault(tenant, [0, 0, 0, None, 0, 0])
         if enforced and mechanism == "reroute":
-            row[_REROUTES] += n
+            out.reroutes[tenant] = out.reroutes.get(tenant, 0) + n
         elif not enforced:
-            row[_SHADOW] += n
+            out.shadow[tenant] = out.shadow.get(tenant, 0) + n
     return out
 
 
-def _ranked(summaries: dict[str, list[Any]], first: int | None, rank: str) -> list[str]:
+def _ranked(summaries: _Summaries, first: int | None, rank: str) -> list[str]:
     """The tenants of ``summaries`` in the order ``rank`` names, the first ``first``."""
+    names, running = summaries.names(), summaries.running
     if rank == "name":
-        return sorted(summaries)[:first]
+        return sorted(names)[:first]
     if rank == "wait":
+        oldest = summaries.oldest
 
         def key(t: str) -> tuple[float, int, str]:
-            s = summaries[t]
-            return (-(s[_OLDEST] or 0), -s[_RUNNING], t)
+            return (-oldest.get(t, 0), -running.get(t, 0), t)
 
     elif rank == "backlog":
 
         def key(t: str) -> tuple[float, int, str]:
-            s = summaries[t]
-            return (-(s[_PARKED] + s[_PENDING]), -s[_RUNNING], t)
+            return (-summaries.waiting(t), -running.get(t, 0), t)
 
     else:
         raise ValueError(f"rank must be one of {', '.join(RANKS)}, not {rank!r}")
     if first is None:
-        return sorted(summaries, key=key)
-    return heapq.nsmallest(first, summaries, key=key)
+        return sorted(names, key=key)
+    return heapq.nsmallest(first, names, key=key)
 
 
-def _rows(summaries: dict[str, list[Any]], chosen: list[str]) -> list[dict[str, Any]]:
-    """The full rows of the ``chosen`` tenants, in their order: each one's slots too."""
+def _rows(summaries: _Summaries, chosen: list[str], active: int) -> list[dict[str, Any]]:
+    """The full rows of the ``chosen`` tenants (of ``active`` in all), in their order:
+    each one's slots too."""
     from django_fair_jobs.models import TenantQueueSlot
 
     slots = TenantQueueSlot.objects.filter(_ACTIVE)
-    if len(chosen) < len(summaries):  # a page of the busiest: read only their slots
+    if len(chosen) < active:  # a page of the busiest: read only their slots
         slots = slots.filter(tenant__in=chosen)
     by_tenant: dict[str, list[dict[str, Any]]] = {}
     columns = slots.order_by("tenant", "queue").values_list(
@@ -177,15 +195,14 @@ def _rows(summaries: dict[str, list[Any]], chosen: list[str]) -> list[dict[str, 
              "parked": parked, "deferred_total": deferred,
              "boosted_until": None if boost is None else boost.isoformat()}
         )  # fmt: skip
-    out = []
-    for tenant in chosen:
-        s = summaries[tenant]
-        out.append(
-            {"tenant": tenant, "slots": by_tenant.get(tenant, []), "running": s[_RUNNING],
-             "parked": s[_PARKED], "pending": s[_PENDING], "oldest_wait_seconds": s[_OLDEST],
-             "reroutes_last_hour": s[_REROUTES], "shadow_decisions_last_hour": s[_SHADOW]}
-        )  # fmt: skip
-    return out
+    s = summaries
+    return [
+        {"tenant": t, "slots": by_tenant.get(t, []), "running": s.running.get(t, 0),
+         "parked": s.parked.get(t, 0), "pending": s.pending.get(t, 0),
+         "oldest_wait_seconds": s.oldest.get(t), "reroutes_last_hour": s.reroutes.get(t, 0),
+         "shadow_decisions_last_hour": s.shadow.get(t, 0)}
+        for t in chosen
+    ]  # fmt: skip
 
 
 def tenants(now: datetime, first: int | None = None, rank: str = "name") -> list[dict[str, Any]]:
@@ -193,7 +210,8 @@ def tenants(now: datetime, first: int | None = None, rank: str = "name") -> list
     in the last hour. The first ``first`` (default: all) in the order ``rank`` names (one
     of :data:`RANKS`); only those tenants' rows are built."""
     summaries = _summaries(now)
-    return _rows(summaries, _ranked(summaries, first, rank))
+    chosen = _ranked(summaries, first, rank)
+    return _rows(summaries, chosen, len(summaries.names()))
 
 
 def nodes(now: datetime) -> list[dict[str, Any]]:
@@ -278,16 +296,18 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
 
     now = db.database_now()
     summaries = _summaries(now)
+    names = summaries.names()
     return {
         "at": now.isoformat(),
         "enforce": bool(fair_settings.ENFORCE),
-        "tenants": _rows(summaries, _ranked(summaries, first, rank)),
-        "tenants_active": len(summaries),
+        "tenants": _rows(summaries, _ranked(summaries, first, rank), len(names)),
+        "tenants_active": len(names),
         "queues": queue_status(),
         "planners": planner_status(),
         "nodes": nodes(now),
         "fairness": _fairness(
-            (s[_RUNNING], s[_PARKED] + s[_PENDING], s[_OLDEST]) for s in summaries.values()
+            (summaries.running.get(t, 0), summaries.waiting(t), summaries.oldest.get(t))
+            for t in names
         ),
         "totals": totals(now),
     }
