@@ -8,7 +8,8 @@
   jobs parked and pending, the oldest wait, reroutes in the last hour (a view asks for
   the first few in an order, see :data:`RANKS`); ``tenants_active`` counts them all;
 * ``queues``: per limited queue: limits, running in all and by node, parked;
-* ``planners``: per planned task: its last run and its tenants' backlogs;
+* ``planners``: per planned task: its last run and its tenants' backlogs (the ``first``
+  waiting longest, when a view asks for a few; ``tenants_total`` counts them all);
 * ``nodes``: per worker node: processes, last heartbeat, alive or presumed dead;
 * ``fairness``: Jain's index of the small tenants' current waits;
 * ``totals``: counters since the start (reaped leases, planner runs, deferrals) and the
@@ -303,7 +304,7 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
         "tenants": _rows(summaries, _ranked(summaries, first, rank), len(names)),
         "tenants_active": len(names),
         "queues": queue_status(),
-        "planners": planner_status(),
+        "planners": planner_status(first=first),
         "nodes": nodes(now),
         "fairness": _fairness(
             (summaries.running.get(t, 0), summaries.waiting(t), summaries.oldest.get(t))

@@ -161,6 +161,17 @@ def test_dashboard__longest_waits_first__the_rest_counted(
     assert 'id="fair-tenants-hidden">1 more tenant(s) wait less' in html
 
 
+def test_dashboard__a_planners_tenants_bounded_like_the_tenants(
+    ops: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("django_fair_jobs.admin.history.DASHBOARD_TENANTS", 1)
+    for tenant in ("a", "b", "c"):
+        tasks.planned.delay(tenant)
+    html = ops.get(DASHBOARD).content.decode()
+    assert "; 3 tenants in all, the longest waits shown" in html
+    assert html.count("(paused)") == 0 and ": 1 (" in html
+
+
 def test_dashboard__shadow_banner(ops: Client) -> None:
     with override_settings(FAIR_JOBS_ENFORCE=False):
         html = ops.get(DASHBOARD).content.decode()

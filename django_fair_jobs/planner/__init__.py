@@ -466,12 +466,14 @@ def start_thread(stop: threading.Event) -> None:
     _thread.start()
 
 
-def status(app: Celery | None = None) -> list[dict[str, Any]]:
+def status(app: Celery | None = None, first: int | None = None) -> list[dict[str, Any]]:
     """Per planned task: its last run (when, promoted, latency, skipped for backpressure)
     and per tenant with planned jobs: jobs pending, age of the oldest (database clock),
     jobs failed for good (their publish failed :data:`PUBLISH_ATTEMPTS` times), promoted
-    in all, and whether promotion is paused."""
-    from django.db.models import Count, Min, Q
+    in all, and whether promotion is paused. With ``first``, only the ``first`` tenants
+    waiting longest (then with the most pending) of each task, and ``tenants_total``
+    counts them all."""
+    from django.db.models import Count, F, Min, Q
 
     from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
 
@@ -479,22 +481,26 @@ def status(app: Celery | None = None) -> list[dict[str, Any]]:
     out = []
     for task in planned_tasks(app):
         run_row = PlannerRun.objects.filter(task_name=task.name).first()
-        standing = {t.tenant: t for t in PlannerTenant.objects.filter(task_name=task.name)}
         waiting = Q(promoted_at__isnull=True, failed_at__isnull=True)
         failed = Q(failed_at__isnull=False)
-        rows = (
-            PlannedJob.objects.filter(task_name=task.name)
-            .values("tenant")
-            .annotate(
-                pending=Count("pk", filter=waiting),
-                oldest=Min("enqueued_at", filter=waiting),
-                in_flight=Count("pk", filter=Q(promoted_at__isnull=False)),
-                failed=Count("pk", filter=failed),
-            )
-            .order_by("tenant")
+        grouped = PlannedJob.objects.filter(task_name=task.name).values("tenant")
+        rows = grouped.annotate(
+            pending=Count("pk", filter=waiting),
+            oldest=Min("enqueued_at", filter=waiting),
+            in_flight=Count("pk", filter=Q(promoted_at__isnull=False)),
+            failed=Count("pk", filter=failed),
         )
+        if first is None:
+            shown, total = list(rows.order_by("tenant")), None
+        else:
+            ranked = rows.order_by(F("oldest").asc(nulls_last=True), "-pending", "tenant")
+            shown, total = list(ranked[:first]), grouped.order_by().distinct().count()
+        standings = PlannerTenant.objects.filter(task_name=task.name)
+        if total is not None:  # a page of them: read only their standing
+            standings = standings.filter(tenant__in=[r["tenant"] for r in shown])
+        standing = {t.tenant: t for t in standings}
         tenants = []
-        for row in rows:
+        for row in shown:
             known = standing.get(row["tenant"])
             oldest = row["oldest"]
             tenants.append(
@@ -520,6 +526,7 @@ def status(app: Celery | None = None) -> list[dict[str, Any]]:
                 "last_latency_seconds": None if run_row is None else run_row.last_latency,
                 "last_skipped_for_backpressure": bool(run_row and run_row.last_skipped),
                 "tenants": tenants,
+                "tenants_total": len(tenants) if total is None else total,
             }
         )
     return out

@@ -282,6 +282,25 @@ def test_command_and_status(capsys: pytest.CaptureFixture[str]) -> None:
     assert PlannerRun.objects.get().last_promoted == 2
 
 
+def test_status__first_tenants__longest_waits__the_rest_counted() -> None:
+    from django_fair_jobs.db import database_now
+
+    for tenant, n, age_s in (("calm", 1, 10), ("deep", 3, 60), ("old", 1, 600)):
+        for _ in range(n):
+            tasks.planned.delay(tenant)
+        PlannedJob.objects.filter(tenant=tenant).update(
+            enqueued_at=database_now() - timedelta(seconds=age_s)
+        )
+    PlannerTenant.objects.create(task_name=tasks.planned.name, tenant="old", paused=True)
+    (page,) = [p for p in planner.status(first=2) if p["task"] == tasks.planned.name]
+    assert [t["tenant"] for t in page["tenants"]] == ["old", "deep"]
+    assert page["tenants"][0]["paused"] is True and page["tenants"][1]["pending"] == 3
+    assert page["tenants_total"] == 3
+    (whole,) = [p for p in planner.status() if p["task"] == tasks.planned.name]
+    assert [t["tenant"] for t in whole["tenants"]] == ["calm", "deep", "old"]
+    assert whole["tenants_total"] == 3 and whole["tenants"][2]["paused"] is True
+
+
 def test_allocate__publishes_in_the_order_the_draw_served() -> None:
     # The greedy tenant was served last (its pass is one step past the virtual time): the
     # newcomer, entering at the virtual time, is served first and its jobs go out first.
