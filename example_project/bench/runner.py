@@ -349,6 +349,11 @@ def run_mode(
                 WorkerNode(f"bench{i + 1}-{mode.name}-{run}", consumed, pool, concurrency,
                            log_dir / f"{mode.name}-node{i + 1}.log", env)
             )  # fmt: skip
+            if i == 0:
+                # The first node declares the run's queues before the others start: kombu's
+                # SQLAlchemy transport (the demo's broker) inserts a queue's row on its first
+                # declaration, and two nodes declaring it at once fail on the unique name.
+                workers[0].wait_ready()
         for w in workers:
             w.wait_ready()
         before = statements.count()
