@@ -96,22 +96,27 @@ def requeue_lost_wakes(*, timeout: float) -> int:
     return len(db.run(alias, "requeue_lost_wakes", {"timeout": timeout}))
 
 
+def _counter_of(queue_id: int | None, slot_id: int | None) -> models.QuerySet[Any]:
+    """The row that counts a parked job of these ids: its limited queue's, else its
+    tenant slot's."""
+    from django_fair_jobs.models import QueueLimit, TenantQueueSlot
+
+    if queue_id is not None:
+        return QueueLimit.objects.filter(pk=queue_id)
+    return TenantQueueSlot.objects.filter(pk=slot_id or 0)
+
+
 def drop_parked(task_id: str) -> bool:
     """Delete the parked row of ``task_id`` (a revoked job), fixing the counter. Returns
     whether a row was deleted."""
-    from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
+    from django_fair_jobs.models import ParkedJob
 
     found = (
         ParkedJob.objects.filter(task_id=task_id).values_list("queue_limit_id", "slot_id").first()
     )
     if found is None:
         return False
-    queue_id, slot_id = found
-    waiting_on: models.QuerySet[Any] = (
-        QueueLimit.objects.filter(pk=queue_id)
-        if queue_id is not None
-        else TenantQueueSlot.objects.filter(pk=slot_id or 0)
-    )
+    waiting_on = _counter_of(*found)
     with transaction.atomic(using=router.db_for_write(ParkedJob)):
         # The counter's row first, then the parked row: the order of park and wake.
         list(waiting_on.select_for_update().values_list("pk"))
@@ -133,7 +138,7 @@ def drop_parked_of(tenant: str, queue: str | None, task_name: str | None, limit:
     message is on the way): it stays."""
     from django.db.models.functions import Greatest
 
-    from django_fair_jobs.models import ParkedJob, QueueLimit, TenantQueueSlot
+    from django_fair_jobs.models import ParkedJob
 
     rows = ParkedJob.objects.filter(slot__tenant=tenant, woken_at__isnull=True)
     if queue is not None:
@@ -145,11 +150,7 @@ def drop_parked_of(tenant: str, queue: str | None, task_name: str | None, limit:
     for queue_id, slot_id in sorted(lines, key=lambda line: (line[0] or 0, line[1] or 0)):
         if len(dropped) >= limit:
             break
-        waiting_on: models.QuerySet[Any] = (
-            QueueLimit.objects.filter(pk=queue_id)
-            if queue_id is not None
-            else TenantQueueSlot.objects.filter(pk=slot_id or 0)
-        )
+        waiting_on = _counter_of(queue_id, slot_id)
         with transaction.atomic(using=router.db_for_write(ParkedJob)):
             list(waiting_on.select_for_update().values_list("pk"))
             taken = list(

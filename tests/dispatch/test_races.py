@@ -30,65 +30,39 @@ def test_refresh_capacity__the_queue_row_inserted_meanwhile_by_an_enqueue__no_er
     identity.register_process(
         process_id=uuid.uuid4(), node="n@h", hostname="h", pid=1, queues=["race"], concurrency=2
     )
-    import psycopg
-
-    params = connection.get_connection_params()
-    connect_params = {k: v for k, v in params.items() if k != "cursor_factory"}
-    enqueue = psycopg.connect(**connect_params)
+    enqueue = _session()
     enqueue.execute(
         "INSERT INTO fair_jobs_dispatchqueue"
         " (queue, capacity, slack, in_flight, virtual_time, dispatched_total, updated_at)"
         " VALUES ('race', 0, 0, 0, 0, 0, now()) ON CONFLICT (queue) DO NOTHING"
     )  # uncommitted: its transaction is open, as an enqueue's is mid-statement
-    errors: list[BaseException] = []
-
-    def refresh() -> None:
-        try:
-            dispatch.refresh_capacity(slack_per_node=0, timeout=60)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=refresh)
-    thread.start()
+    thread, out = _in_thread(lambda: dispatch.refresh_capacity(slack_per_node=0, timeout=60))
     try:
-        # Autocommit: inside one transaction pg_stat_activity keeps its first snapshot.
-        with psycopg.connect(autocommit=True, **connect_params) as look:
-            # Until the refresh waits on the enqueue's row (or ends at once, an error).
-            waiting = (
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
-            )
-            wait_for(
-                lambda: not thread.is_alive() or look.execute(waiting).fetchone() != (0,),
-                20,
-                "the refresh to wait on the enqueue's row",
-            )
+        _wait_until_blocked(thread, "the refresh to wait on the enqueue's row")
     finally:
         enqueue.commit()
         enqueue.close()
         thread.join(20)
-    assert errors == []
+    (outcome,) = out
+    assert not isinstance(outcome, BaseException), outcome
     assert DispatchQueue.objects.get(queue="race").capacity == 2
 
 
-def _session() -> Any:
-    """A second PostgreSQL session of its own (not Django's), in a transaction."""
+def _session(autocommit: bool = False) -> Any:
+    """A second PostgreSQL session of its own (not Django's), in a transaction unless
+    ``autocommit``."""
     import psycopg
 
     params = connection.get_connection_params()
-    return psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"})
+    return psycopg.connect(
+        autocommit=autocommit, **{k: v for k, v in params.items() if k != "cursor_factory"}
+    )
 
 
 def _wait_until_blocked(thread: threading.Thread, what: str) -> None:
     """Until a session of this database waits on a row lock (or ``thread`` has ended)."""
-    import psycopg
-
-    params = connection.get_connection_params()
-    with psycopg.connect(
-        autocommit=True, **{k: v for k, v in params.items() if k != "cursor_factory"}
-    ) as look:
+    # Autocommit: inside one transaction pg_stat_activity keeps its first snapshot.
+    with _session(autocommit=True) as look:
         waiting = (
             "SELECT count(*) FROM pg_stat_activity"
             " WHERE wait_event_type = 'Lock' AND datname = current_database()"
