@@ -40,13 +40,14 @@ def find(app: Any, task_id: str, queues: list[str], limit: int = SEARCHED) -> Se
         transport = str(conn.transport.driver_type)
         if transport != "redis":
             return Search(False, transport, tuple(queues))
+        # One try: explain answers from the rows when the broker is down, without waiting
+        # for the app's connection retries.
+        conn.ensure_connection(max_retries=0)
         channel = conn.default_channel
         # Every priority list of every queue, in delivery order: priority 0 first.
         keys = [(q, channel._q_for_pri(q, pri)) for q in queues for pri in channel.priority_steps]
-        with channel.client.pipeline() as pipe:
-            for _, key in keys:
-                pipe.llen(key)
-            lengths = pipe.execute()
+        # One LLEN per list: a few queues of four priorities, each a loopback round trip.
+        lengths = [int(channel.client.llen(key)) for _, key in keys]
         return _search(channel.client, task_id, queues, keys, lengths, limit)
 
 

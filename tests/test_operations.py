@@ -376,7 +376,9 @@ def test_explain__slots_job_in_the_broker__queue_and_messages_ahead(
     assert explain(late.id).details == {"queue": "fair", "ahead": 4}
 
 
-def test_broker_search__bounded__and_a_broker_that_cannot_be_read() -> None:
+def test_broker_search__bounded__and_a_broker_that_cannot_be_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from celery import Celery
 
     from tests.celery_app import app
@@ -387,6 +389,8 @@ def test_broker_search__bounded__and_a_broker_that_cannot_be_read() -> None:
     assert (within.searchable, within.queue, within.ahead, within.read) == (True, "fair", 1, 2)
     beyond = broker.find(app, ids[2], ["default", "fair"], limit=2)
     assert (beyond.queue, beyond.read) == (None, 2)
+    # The environment's CELERY_BROKER_URL would win over the app's own broker.
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
     memory = Celery("memory", broker="memory://")
     assert broker.find(memory, ids[0], ["fair"]) == broker.Search(False, "memory", ("fair",))
     found = explain_with(memory, ids[0])
@@ -394,6 +398,15 @@ def test_broker_search__bounded__and_a_broker_that_cannot_be_read() -> None:
     assert found.details["broker"] == (
         "memory: not searched (it cannot be read without taking messages)"
     )
+
+
+def test_explain__broker_down__answers_from_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery import Celery
+
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)  # it would win over the app's
+    down = Celery("down", broker="redis://127.0.0.1:1/0")  # nothing listens on port 1
+    found = explain_with(down, "no-such-job")
+    assert (found.state, found.details) == ("unknown", {"broker": "not reachable"})
 
 
 def explain_with(app: Any, task_id: str) -> Any:
