@@ -153,9 +153,10 @@ def _summaries(now: datetime) -> _Summaries:
     return out
 
 
-def _ranked(summaries: _Summaries, first: int | None, rank: str) -> list[str]:
-    """The tenants of ``summaries`` in the order ``rank`` names, the first ``first``."""
-    names, running = summaries.names(), summaries.running
+def _ranked(summaries: _Summaries, names: set[str], first: int | None, rank: str) -> list[str]:
+    """The tenants ``names`` of ``summaries`` in the order ``rank`` names, the first
+    ``first``."""
+    running = summaries.running
     if rank == "name":
         return sorted(names)[:first]
     if rank == "wait":
@@ -211,8 +212,8 @@ def tenants(now: datetime, first: int | None = None, rank: str = "name") -> list
     in the last hour. The first ``first`` (default: all) in the order ``rank`` names (one
     of :data:`RANKS`); only those tenants' rows are built."""
     summaries = _summaries(now)
-    chosen = _ranked(summaries, first, rank)
-    return _rows(summaries, chosen, len(summaries.names()))
+    names = summaries.names()
+    return _rows(summaries, _ranked(summaries, names, first, rank), len(names))
 
 
 def nodes(now: datetime) -> list[dict[str, Any]]:
@@ -301,7 +302,7 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
     return {
         "at": now.isoformat(),
         "enforce": bool(fair_settings.ENFORCE),
-        "tenants": _rows(summaries, _ranked(summaries, first, rank), len(names)),
+        "tenants": _rows(summaries, _ranked(summaries, names, first, rank), len(names)),
         "tenants_active": len(names),
         "queues": queue_status(),
         "planners": planner_status(first=first),
