@@ -322,11 +322,9 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
         DISPATCHED,
         RUNNING,
         SCHEDULED,
-        DispatchJob,
         DispatchQueue,
         DispatchTenant,
     )
-    from django_fair_jobs.models import WorkerProcess
 
     line = DispatchTenant.objects.filter(queue=job.queue, tenant=job.tenant).first()
     queue = DispatchQueue.objects.filter(queue=job.queue).first()
@@ -342,25 +340,9 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
         "queue_capacity": None if queue is None else queue.capacity + queue.slack,
     }
     if job.state == RUNNING:
-        process = WorkerProcess.objects.filter(pk=job.process_id).first()
-        where = "an unknown worker" if process is None else process.node
-        details["node"] = None if process is None else process.node
-        details["running_seconds"] = age(now, job.started_at) if job.started_at else None
-        return Explanation(job.task_id, "running", f"Running on {where} (fair dispatch).",
-                           details)  # fmt: skip
+        return _dispatched_running(job, now, details)
     if job.state == DISPATCHED:
-        details["dispatched_seconds"] = age(now, job.dispatched_at) if job.dispatched_at else None
-        summary = (
-            f"In the broker: dispatched to queue {job.queue} "
-            f"{details['dispatched_seconds']} s ago and not started yet; it is among the "
-            "jobs that fill the queue's free worker processes, so it starts when one takes it."
-        )
-        if (details["dispatched_seconds"] or 0) > fair_settings.DISPATCH_LOST_AFTER:
-            summary += (
-                " It has waited longer than FAIR_JOBS_DISPATCH_LOST_AFTER: if its message was "
-                "lost (a purged queue), the next maintenance pass publishes it again."
-            )
-        return Explanation(job.task_id, "dispatched", summary, details)
+        return _dispatched_in_broker(job, now, details)
     if job.state == SCHEDULED:
         details["due_at"] = job.not_before.isoformat() if job.not_before else None
         return Explanation(
@@ -369,6 +351,41 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
             f"in {job.tenant}'s line on {job.queue}.",
             details,
         )  # fmt: skip
+    return _dispatch_waiting(job, line, queue, details)
+
+
+def _dispatched_running(job: Any, now: datetime, details: dict[str, Any]) -> Explanation:
+    """A fair-dispatch job a worker process has started: where, and for how long."""
+    from django_fair_jobs.models import WorkerProcess
+
+    process = WorkerProcess.objects.filter(pk=job.process_id).first()
+    where = "an unknown worker" if process is None else process.node
+    details["node"] = None if process is None else process.node
+    details["running_seconds"] = age(now, job.started_at) if job.started_at else None
+    return Explanation(job.task_id, "running", f"Running on {where} (fair dispatch).", details)
+
+
+def _dispatched_in_broker(job: Any, now: datetime, details: dict[str, Any]) -> Explanation:
+    """A fair-dispatch job published to its queue and not started yet."""
+    details["dispatched_seconds"] = age(now, job.dispatched_at) if job.dispatched_at else None
+    summary = (
+        f"In the broker: dispatched to queue {job.queue} "
+        f"{details['dispatched_seconds']} s ago and not started yet; it is among the "
+        "jobs that fill the queue's free worker processes, so it starts when one takes it."
+    )
+    if (details["dispatched_seconds"] or 0) > fair_settings.DISPATCH_LOST_AFTER:
+        summary += (
+            " It has waited longer than FAIR_JOBS_DISPATCH_LOST_AFTER: if its message was "
+            "lost (a purged queue), the next maintenance pass publishes it again."
+        )
+    return Explanation(job.task_id, "dispatched", summary, details)
+
+
+def _dispatch_waiting(job: Any, line: Any, queue: Any, details: dict[str, Any]) -> Explanation:
+    """A fair-dispatch job in its tenant's line: the jobs ahead of it and why it has not
+    gone yet (tenant at its cap, every worker busy, or no worker on the queue)."""
+    from django_fair_jobs.dispatch.models import DispatchJob
+
     details["ahead_in_its_line"] = _ahead(
         DispatchJob.objects.filter(queue=job.queue, tenant=job.tenant, state=job.state,
                                    pk__lt=job.pk)

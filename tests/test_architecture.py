@@ -514,3 +514,69 @@ def test_store_contract__the_orm_store_has_the_postgresql_stores_functions(room:
         and f"{room} import store_orm" in path.read_text()
     ]
     assert not callers, callers
+
+
+MAX_MODULE_LINES = 600
+"""No module of the package is longer than this (migrations aside)."""
+
+MAX_FUNCTION_LINES = 60
+"""No function is longer than this, its docstring and SQL strings not counted."""
+
+_SQL = re.compile(r"^\s*(SELECT|WITH|UPDATE|INSERT|DELETE)\b", re.IGNORECASE)
+
+
+def function_lengths(source: str) -> dict[str, int]:
+    """Each function's length in lines (``name:line`` -> lines), its docstring and the SQL
+    string constants in it not counted."""
+    lengths: dict[str, int] = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        assert node.end_lineno is not None
+        uncounted = 0
+        docstring = ast.get_docstring(node, clean=False)
+        first = node.body[0]
+        if docstring is not None and isinstance(first, ast.Expr):
+            assert first.end_lineno is not None
+            uncounted += first.end_lineno - first.lineno + 1
+        for sub in ast.walk(node):
+            if (
+                isinstance(sub, ast.Constant)
+                and isinstance(sub.value, str)
+                and _SQL.match(sub.value)
+                and sub.end_lineno is not None
+            ):
+                uncounted += sub.end_lineno - sub.lineno + 1
+        lengths[f"{node.name}:{node.lineno}"] = node.end_lineno - node.lineno + 1 - uncounted
+    return lengths
+
+
+def _package_sources() -> Iterable[tuple[str, str]]:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "migrations" not in path.parts:
+            yield str(path.relative_to(PACKAGE)), path.read_text()
+
+
+def test_no_module_over_600_lines() -> None:
+    long = {name: n for name, source in _package_sources()
+            if (n := len(source.splitlines())) > MAX_MODULE_LINES}  # fmt: skip
+    assert not long, f"split these modules (at most {MAX_MODULE_LINES} lines): {long}"
+
+
+def test_no_function_over_60_lines__docstrings_and_sql_aside() -> None:
+    long = {
+        f"{name}:{function}": n
+        for name, source in _package_sources()
+        for function, n in function_lengths(source).items()
+        if n > MAX_FUNCTION_LINES
+    }
+    assert not long, f"split these functions (at most {MAX_FUNCTION_LINES} lines): {long}"
+
+
+def test_function_lengths__count_code__not_the_docstring_or_sql() -> None:
+    body = "    x = 1\n" * 5
+    source = (
+        'def f():\n    """Doc.\n\n    More.\n    """\n' + body
+        + 'def g():\n    q = """\n        SELECT 1\n        FROM t\n    """\n' + body
+    )  # fmt: skip
+    assert function_lengths(source) == {"f:1": 6, "g:11": 6}

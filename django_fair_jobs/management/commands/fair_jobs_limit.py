@@ -4,6 +4,7 @@ boosts) at runtime; every change goes into the limit history."""
 from __future__ import annotations
 
 import argparse
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -123,8 +124,6 @@ class Command(BaseCommand):
             )
 
     def _tenant(self, queue: str | None, options: dict[str, Any]) -> None:
-        from datetime import datetime, timedelta
-
         from django_fair_jobs import slots
         from django_fair_jobs.models import TenantQueueSlot
 
@@ -149,23 +148,11 @@ class Command(BaseCommand):
             if boost is not None:
                 if raw_max is not None:
                     raise CommandError("--boost cannot be combined with --max-jobs.")
-                if options["boost_for"] is not None:
-                    until = db.database_now() + timedelta(seconds=options["boost_for"])
-                elif options["boost_until"]:
-                    try:
-                        until = datetime.fromisoformat(options["boost_until"])
-                    except ValueError:
-                        raise CommandError(
-                            f"--until wants an ISO time like 2026-11-22T18:00+00:00; got "
-                            f"{options['boost_until']!r}."
-                        ) from None
-                else:
-                    raise CommandError("--boost needs --for SECONDS or --until ISO-TIME.")
                 row = slots.boost(
                     tenant,
                     queue,
                     _limit(boost, "tenant"),
-                    until,
+                    _boost_end(options),
                     user=command_user(),
                     source="command",
                 )
@@ -185,6 +172,22 @@ class Command(BaseCommand):
         boosted = "" if row.boost_until is None else f" (boosted until {row.boost_until})"
         override = "the task's default" if row.max_jobs is None else _show(row.max_jobs)
         self.stdout.write(f"{tenant} on {queue}: max_jobs {override}{boosted}")
+
+
+def _boost_end(options: dict[str, Any]) -> datetime:
+    """When a ``--boost`` ends: ``--for SECONDS`` from now (the database's clock) or
+    ``--until ISO-TIME``."""
+    if options["boost_for"] is not None:
+        return db.database_now() + timedelta(seconds=options["boost_for"])
+    if not options["boost_until"]:
+        raise CommandError("--boost needs --for SECONDS or --until ISO-TIME.")
+    try:
+        return datetime.fromisoformat(options["boost_until"])
+    except ValueError:
+        raise CommandError(
+            f"--until wants an ISO time like 2026-11-22T18:00+00:00; got "
+            f"{options['boost_until']!r}."
+        ) from None
 
 
 def _show(limit: int | None) -> str:
