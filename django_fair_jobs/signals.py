@@ -32,13 +32,59 @@ from django_fair_jobs.conf import fair_settings
 logger = logging.getLogger("django_fair_jobs.signals")
 
 
+UNSUPPORTED_POOLS = ("gevent", "eventlet")
+"""Worker pools the library refuses at start: its heartbeat, maintenance and planner
+threads and its database calls are not made for their monkey-patched, single-threaded
+hubs, and are not tested there. ``prefork`` (the default), ``threads`` and ``solo`` are."""
+
+UNFLAGGED_REDELIVERY = ("sqs", "azurestoragequeues", "azureservicebus", "gcpubsub")
+"""Transports that deliver a job again after a visibility timeout or lock expiry without
+marking the delivery redelivered. A woken parked job whose worker died would come back
+looking like a stale second copy, and be dropped, so the library refuses them at start."""
+
+
+def refuse_unsupported(worker: Any) -> None:
+    """Stop a worker at start-up on a pool or a broker transport the library does not
+    support (:data:`UNSUPPORTED_POOLS`, :data:`UNFLAGGED_REDELIVERY`), saying what to use.
+
+    ``SystemExit``, as :func:`~django_fair_jobs.checks.fail_fast_on_bad_settings` uses,
+    because Celery's signal dispatch logs and swallows ordinary exceptions."""
+    pool = getattr(worker, "pool_cls", None)
+    pool_name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+    refused = [name for name in UNSUPPORTED_POOLS if name in str(pool_name).lower()]
+    if refused:
+        raise SystemExit(
+            f"django-fair-jobs: the {refused[0]} pool is not supported (its heartbeat, "
+            "maintenance and planner threads and its database calls are not made for a "
+            "monkey-patched hub). Start the worker with -P prefork (the default) or, for "
+            "jobs that wait on I/O, -P threads --concurrency N."
+        )
+    conninfo = getattr(worker, "_conninfo", None)
+    transport = getattr(conninfo, "transport_cls", None)
+    transport_name = (
+        transport if isinstance(transport, str) else getattr(transport, "__module__", "")
+    )
+    unflagged = [
+        name for name in UNFLAGGED_REDELIVERY if str(transport_name).lower().endswith(name)
+    ]
+    if unflagged:
+        raise SystemExit(
+            f"django-fair-jobs: the {unflagged[0]} broker transport is not supported: it "
+            "delivers a job again after its worker died without marking the delivery "
+            "redelivered, and a woken parked job would then be dropped as a stale copy. "
+            "Use RabbitMQ (amqp://) or Redis (redis://, rediss://, sentinel://)."
+        )
+
+
 @worker_init.connect
 def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
-    # Refuse to start on invalid settings instead of misbehaving at the first job. Then,
-    # in the main process before the pool forks: the node's identity, the settings' queue
-    # limits for queues that have none stored, and the plain-task hook if asked for.
+    # Refuse to start on an unsupported pool or transport, or on invalid settings, instead
+    # of misbehaving at the first job. Then, in the main process before the pool forks: the
+    # node's identity, the settings' queue limits for queues that have none stored, and the
+    # plain-task hook if asked for.
     from django.db import connections
 
+    refuse_unsupported(sender)
     checks.fail_fast_on_bad_settings()
     identity.start_node(getattr(sender, "hostname", None))
     try:
