@@ -31,6 +31,8 @@ Ids are stable:
   cannot be checked, and a worker could not start either).
 * ``fair_jobs.E019`` a ``FAIR_JOBS_DISPATCH_*`` setting is invalid, or a task's
   ``fair_dispatch`` option is (unknown key, ``tenant_weights`` not a callable).
+* ``fair_jobs.E020`` ``FAIR_JOBS_TENANT_RESOLVER`` does not import, is not callable, or
+  cannot be called as ``resolver(task, args, kwargs)``.
 * ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
   (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
   worker consumes it.
@@ -66,6 +68,7 @@ from django.apps import AppConfig
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
+from django_fair_jobs import tenants
 from django_fair_jobs.conf import (
     MAX_LIMIT,
     OLD_SETTING_NAMES,
@@ -228,6 +231,7 @@ def check_settings(
             )
         else:
             values[name] = value
+    errors.extend(_tenant_resolver_errors())
     interval, timeout = values.get("HEARTBEAT_INTERVAL"), values.get("WORKER_TIMEOUT")
     if interval is not None and timeout is not None and interval * 2 > timeout:
         errors.append(
@@ -240,6 +244,15 @@ def check_settings(
             )
         )
     return errors
+
+
+def _tenant_resolver_errors() -> list[checks.CheckMessage]:
+    """``fair_jobs.E020``: the resolver is imported as a publish would, and the error says
+    what failed (the import, the callable, its signature), not only the value."""
+    problem = tenants.resolver_problem(fair_settings.TENANT_RESOLVER)
+    if problem is None:
+        return []
+    return [checks.Error(problem, hint=tenants.RESOLVER_FIX, id="fair_jobs.E020")]
 
 
 def _known_queues(app: Any) -> set[str]:

@@ -150,6 +150,15 @@ class Settings:
         return value
 
     @property
+    def TENANT_RESOLVER(self) -> Any:
+        """A callable or its dotted path, called at publish as
+        ``resolver(task, args, kwargs)`` when neither ``fair_tenant=`` nor the task's
+        ``fair_tenant()`` gives the job a tenant, and returning its tenant or None: a tenant
+        from the publisher's context (a contextvar set by middleware, the django-tenants
+        schema: ``"django_fair_jobs.tenants.schema_name"``). Default None."""
+        return self._get("TENANT_RESOLVER", None, str)
+
+    @property
     def REROUTE_MAX_WINDOW(self) -> int:
         """Longest rerouting window in seconds: a rule's ``per`` may not exceed it, a rule
         without ``per`` uses it, and enqueue counts older than it are pruned (with the rows

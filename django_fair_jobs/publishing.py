@@ -13,6 +13,7 @@ for it, as it waits for the broker in plain Celery's ``delay()``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import threading
 import time
@@ -25,11 +26,11 @@ from celery.utils import uuid
 from django.db import close_old_connections
 from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, dispatch, planner, reroute, validation
+from django_fair_jobs import decisions, dispatch, planner, reroute, tenants, validation
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.db import after_commit
 from django_fair_jobs.errors import FairArgumentsError, TaskIdError
-from django_fair_jobs.tenants import normalize_tenant, warn_missing_tenant
+from django_fair_jobs.tenants import warn_missing_tenant
 
 if TYPE_CHECKING:
     from celery import Task
@@ -79,7 +80,10 @@ def off_event_loop(call: Callable[[], T]) -> T:
     either way return its result or raise its exception."""
     if not in_event_loop():
         return call()
-    return _publisher_pool().submit(_as_a_request, call).result()
+    # In the caller's context, as asgiref's sync_to_async runs a call: a tenant resolver
+    # reads contextvars the caller's middleware set.
+    context = contextvars.copy_context()
+    return _publisher_pool().submit(context.run, _as_a_request, call).result()
 
 
 def hold_for_dispatch(
@@ -230,13 +234,10 @@ def _mark(task: Any, args: Any, kwargs: Any, options: dict[str, Any]) -> tuple[d
     # so that the wait histogram measures from the enqueue.
     headers.setdefault(fair_headers.ENQUEUED_AT, time.time())
     explicit = options.pop("fair_tenant", None)
-    if explicit is not None:
-        headers[fair_headers.TENANT] = normalize_tenant(explicit)
-    elif fair_headers.TENANT not in headers:
-        headers[fair_headers.TENANT] = normalize_tenant(
-            task.fair_tenant(*(args or ()), **(kwargs or {}))
-        )
-    return headers, dispatched
+    if explicit is not None or fair_headers.TENANT not in headers:
+        headers[fair_headers.TENANT] = tenants.publish_tenant(task, args, kwargs, explicit)
+    # tenant-schemas-celery's schema, taken here: a held job is published later, elsewhere.
+    return tenants.with_schema_header(task.app, headers), dispatched
 
 
 def _with_links(

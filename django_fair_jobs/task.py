@@ -24,6 +24,7 @@ from django_fair_jobs import (
     planner,
     publishing,
     reroute,
+    tenants,
 )
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import MAX_LIMIT, ON_LIMIT_CHOICES, fair_settings
@@ -37,7 +38,6 @@ from django_fair_jobs.errors import (
     TaskIdError as TaskIdError,
 )
 from django_fair_jobs.reroute import Rule, RuleError
-from django_fair_jobs.tenants import normalize_tenant
 
 SHADOW_PLANNED = publishing.SHADOW_PLANNED
 """The old name of :data:`django_fair_jobs.publishing.SHADOW_PLANNED` (one release)."""
@@ -332,7 +332,10 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             # Shadow mode: nothing waits in a virtual queue or line; each job is published
             # (and its would-be hold recorded) as apply_async does. So is an eager call.
             return [self.apply_async(args, kwargs, **options) for args, kwargs in items]
-        return planner.bulk_enqueue(self, self.fair_tenant, items, options)
+        options["headers"] = tenants.with_schema_header(self.app, options.get("headers") or {})
+        return planner.bulk_enqueue(
+            self, lambda *a, **k: tenants.publish_tenant(self, a, k), items, options
+        )
 
     def _fair_dispatch_item(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], options: dict[str, Any]
@@ -343,12 +346,9 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         item = dict(options)
         headers = dict(item.get("headers") or {})
         headers.pop(fair_headers.DISPATCH, None)
-        explicit = item.pop("fair_tenant", None)
-        tenant = normalize_tenant(
-            explicit if explicit is not None else self.fair_tenant(*args, **kwargs)
-        )
+        tenant = tenants.publish_tenant(self, args, kwargs, item.pop("fair_tenant", None))
         headers[fair_headers.TENANT] = tenant
-        item["headers"] = headers
+        item["headers"] = tenants.with_schema_header(self.app, headers)
         return tenant, args, kwargs, item
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

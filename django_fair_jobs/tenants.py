@@ -1,12 +1,21 @@
-"""Tenant identity: normalization, validation, and the rate-limited "no tenant" warning."""
+"""Tenant identity: normalization, validation, the rate-limited "no tenant" warning, and
+the tenant of a job at publish (``fair_tenant=``, ``fair_tenant()``, then
+``FAIR_JOBS_TENANT_RESOLVER``), with the resolver for django-tenants (:func:`schema_name`)."""
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
 
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import fair_settings
@@ -124,8 +133,9 @@ def warn_missing_tenant(task_name: str, *, published: bool = False) -> bool:
         else "ran without a tenant, so without tenant fairness"
     )
     logger.warning(
-        "Task %s %s. Pass fair_tenant= when publishing it or define fair_tenant() on the "
-        "task class. (Logged at most once every %s s per task.)",
+        "Task %s %s. Pass fair_tenant= when publishing it, define fair_tenant() on the "
+        "task class or set FAIR_JOBS_TENANT_RESOLVER. (Logged at most once every %s s per "
+        "task.)",
         task_name,
         what,
         fair_settings.TENANT_WARNING_INTERVAL,
@@ -164,3 +174,126 @@ def request_tenant(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if value is not None:
         return worker_tenant(value, task.name)
     return worker_tenant(task.fair_tenant(*args, **kwargs), task.name)
+
+
+Resolver = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+"""A ``FAIR_JOBS_TENANT_RESOLVER``: ``resolver(task, args, kwargs)`` -> a tenant or None."""
+
+RESOLVER_FIX = (
+    "Set FAIR_JOBS_TENANT_RESOLVER to the dotted path of a callable "
+    "resolver(task, args, kwargs) that returns a tenant or None (for django-tenants: "
+    '"django_fair_jobs.tenants.schema_name"), or remove the setting.'
+)
+"""How to fix a bad ``FAIR_JOBS_TENANT_RESOLVER``: the hint of check ``fair_jobs.E020``."""
+
+_resolver: tuple[Any, Resolver] | None = None
+
+
+def load_resolver(spec: Any) -> Resolver:
+    """``spec`` (a callable or its dotted path) as a resolver; raises
+    ``ImproperlyConfigured`` saying what is wrong when it does not import, is not callable
+    or cannot be called as ``resolver(task, args, kwargs)``."""
+    name = f"FAIR_JOBS_TENANT_RESOLVER = {spec!r}"
+    try:
+        target = import_string(spec) if isinstance(spec, str) else spec
+    except ImportError as exc:
+        raise ImproperlyConfigured(f"{name} cannot be imported: {exc}.") from None
+    if not callable(target):
+        raise ImproperlyConfigured(f"{name} is not callable.")
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return target  # type: ignore[no-any-return]  # a builtin without a signature
+    try:
+        signature.bind(None, (), {})
+    except TypeError:
+        raise ImproperlyConfigured(
+            f"{name} takes {signature}; it is called as resolver(task, args, kwargs)."
+        ) from None
+    return target  # type: ignore[no-any-return]
+
+
+def resolver_problem(spec: Any) -> str | None:
+    """What is wrong with ``FAIR_JOBS_TENANT_RESOLVER`` = ``spec`` (None: nothing, or it is
+    not set)."""
+    if spec is None:
+        return None
+    try:
+        load_resolver(spec)
+    except ImproperlyConfigured as exc:
+        return str(exc)
+    return None
+
+
+def resolver() -> Resolver | None:
+    """The ``FAIR_JOBS_TENANT_RESOLVER`` callable, or None when it is not set. Imported
+    once per value of the setting; a bad value raises ``ImproperlyConfigured`` (check
+    ``fair_jobs.E020`` reports it at start-up)."""
+    global _resolver
+    spec = fair_settings.TENANT_RESOLVER
+    if spec is None:
+        return None
+    cached = _resolver
+    # != rather than "is not": a dotted path read from the environment is a new string at
+    # every read, and would import the callable again at every publish.
+    if cached is None or cached[0] != spec:
+        cached = _resolver = (spec, load_resolver(spec))
+    return cached[1]
+
+
+def publish_tenant(task: Any, args: Any, kwargs: Any, explicit: Any = None) -> str | None:
+    """The tenant a job is published with, normalized (:func:`normalize_tenant`): the
+    ``fair_tenant=`` option when one is given (``""`` publishes without a tenant), else
+    ``task.fair_tenant(*args, **kwargs)``, else, when that gives none,
+    ``FAIR_JOBS_TENANT_RESOLVER(task, args, kwargs)``. It runs in the publisher, where the
+    context the resolver reads is; the tenant then travels in the job's header."""
+    if explicit is not None:
+        return normalize_tenant(explicit)
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    tenant = normalize_tenant(task.fair_tenant(*args, **kwargs))
+    if tenant is not None:
+        return tenant
+    resolve = resolver()
+    if resolve is None:
+        return None
+    try:
+        return normalize_tenant(resolve(task, args, kwargs))
+    except TenantError as exc:
+        raise TenantError(
+            f"FAIR_JOBS_TENANT_RESOLVER gave {task.name} a bad tenant: {exc}"
+        ) from None
+
+
+def schema_name(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """A ``FAIR_JOBS_TENANT_RESOLVER`` for django-tenants: the schema the publisher's
+    default database connection is set to (``connection.schema_name``, set by
+    django-tenants' middleware for a request, by ``tenant_context()`` or
+    ``schema_context()``, and by tenant-schemas-celery for a job), or None in the public
+    schema (``PUBLIC_SCHEMA_NAME``) or on a database without schemas."""
+    from django.db import connection
+
+    schema = getattr(connection, "schema_name", None)
+    if not schema or schema == getattr(django_settings, "PUBLIC_SCHEMA_NAME", "public"):
+        return None
+    return str(schema)
+
+
+SCHEMA_HEADER = "_schema_name"
+"""The header tenant-schemas-celery's worker reads a job's schema from."""
+
+
+def with_schema_header(app: Any, headers: dict[str, Any]) -> dict[str, Any]:
+    """``headers`` with tenant-schemas-celery's schema header when ``app`` is its
+    ``CeleryApp``: the schema this publish runs in, unless the headers carry one already.
+
+    Its ``send_task`` adds the header when a message goes to the broker; a job that waits
+    in a row (dispatched, planned) goes there later, from a worker process in whatever
+    schema that process is in, so the header must be taken now, at the first publish, and
+    stored with the job."""
+    # Only where the project imported it: this module never imports tenant-schemas-celery.
+    module = sys.modules.get("tenant_schemas_celery.app")
+    if module is None or not isinstance(app, module.CeleryApp) or SCHEMA_HEADER in headers:
+        return headers
+    from django.db import connection
+
+    return {**headers, SCHEMA_HEADER: getattr(connection, "schema_name", None)}

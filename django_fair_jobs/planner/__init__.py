@@ -134,7 +134,8 @@ def _row(
     if tenant is None:
         raise PlanError(
             f"{task.name}: the job's tenant is None, so it cannot be planned. Return a tenant "
-            "from fair_tenant(), pass fair_tenant=, or set FAIR_JOBS_PLANNER_DEFAULT_TENANT."
+            "from fair_tenant(), pass fair_tenant=, set FAIR_JOBS_TENANT_RESOLVER or set "
+            "FAIR_JOBS_PLANNER_DEFAULT_TENANT."
         )
     options = dict(options)
     task_id = str(options.pop("task_id", None) or uuid.uuid4())

@@ -1,0 +1,1 @@
+"""The shared app holding the tenant model and its domains (``SHARED_APPS``)."""

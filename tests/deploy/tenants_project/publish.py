@@ -1,0 +1,36 @@
+"""Create two tenants and publish one job of each task from each tenant's schema, and one
+from the public schema, where the resolver gives no tenant.
+
+Run as ``python -m tests.deploy.tenants_project.publish`` with the project's settings;
+prints one line per publish."""
+
+from __future__ import annotations
+
+import tests.deploy.tenants_project.celery_app  # noqa: F401  # django.setup(), the app
+
+TENANTS = ("tenant_a", "tenant_b")
+
+
+def main() -> None:
+    """Publish, then say what the public schema's publish did."""
+    from django_tenants.utils import tenant_context  # type: ignore[import-untyped]
+
+    from django_fair_jobs.dispatch import DispatchError
+    from tests.deploy.tenants_project.customers.models import Client, Domain
+    from tests.deploy.tenants_project.notes.tasks import ALL, dispatched_fair_first
+
+    Client.objects.get_or_create(schema_name="public", name="public")
+    for schema in TENANTS:
+        client = Client.objects.create(schema_name=schema, name=schema)
+        Domain.objects.create(domain=f"{schema}.example.com", tenant=client, is_primary=True)
+        with tenant_context(client):
+            for task in ALL:
+                print(schema, task.name, task.delay(schema).id, flush=True)
+    try:
+        dispatched_fair_first.delay("public")
+    except DispatchError as exc:
+        print("public refused:", exc, flush=True)
+
+
+if __name__ == "__main__":
+    main()
