@@ -15,3 +15,5 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["tests.testapp"])
 # The chaos suite's workload (tests/chaos/).
 app.autodiscover_tasks(["tests.testapp"], related_name="chaos_tasks")
+# Canvas and autoretry (tests/deploy/test_canvas.py).
+app.autodiscover_tasks(["tests.testapp"], related_name="canvas_tasks")

@@ -43,6 +43,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_fair_jobs",
     "tests.testapp",
+    # Celery beat's DatabaseScheduler, as projects schedule django_fair_jobs.plan with it.
+    "django_celery_beat",
 ]
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
