@@ -10,7 +10,7 @@
 # its own PostgreSQL server (the server binaries must be installed) and needs RabbitMQ on
 # 127.0.0.1:5672 (FAIR_JOBS_CHAOS_BROKER). The whole of it: bash scripts/chaos.sh.
 # Installs Debian's chromium and chromium-driver (apt-get) if missing, for the admin's
-# browser test (tests/test_browser.py).
+# browser test (tests/test_browser.py), and pgbouncer for tests/deploy/test_pgbouncer.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/venv.sh dev
@@ -54,6 +54,20 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
         || { echo "Could not install chromium and chromium-driver (needed by" \
                   "tests/test_browser.py); install them: apt-get install chromium" \
                   "chromium-driver" >&2; exit 1; }
+fi
+
+# Debian's pgbouncer, for the deployment test behind PgBouncer (tests/deploy/test_pgbouncer.py);
+# the tests start their own PgBouncer processes, not the package's service.
+if [ ! -x /usr/sbin/pgbouncer ] && ! command -v pgbouncer >/dev/null; then
+    SUDO=
+    if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then
+        SUDO=sudo
+    fi
+    echo "Installing pgbouncer for the PgBouncer deployment test..."
+    $SUDO apt-get install -y -q pgbouncer \
+        || { $SUDO apt-get update -q && $SUDO apt-get install -y -q pgbouncer; } \
+        || { echo "Could not install pgbouncer (needed by tests/deploy/test_pgbouncer.py);" \
+                  "install it: apt-get install pgbouncer" >&2; exit 1; }
 fi
 
 SQLITE_DIR=$(mktemp -d)

@@ -1,0 +1,221 @@
+"""Behind PgBouncer in transaction pooling mode: real worker processes whose every statement
+goes through a real PgBouncer (Debian's, 1.18) that hands each transaction whichever server
+connection is free, with fewer server connections than clients."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+from django.db import DatabaseError, connection
+
+from django_fair_jobs.dispatch.models import DispatchJob, DispatchTenant
+from django_fair_jobs.models import ParkedJob, PlannedJob, SlotLease, TenantQueueSlot
+from django_fair_jobs.slots import store as slot_store
+from tests.conftest import Worker, wait_for
+from tests.deploy.pgbouncer import PgBouncer
+from tests.test_workers import assert_all_released, finished_runs, max_overlap, wait_finished
+from tests.testapp import tasks
+from tests.testapp.models import JobRun
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.workers,
+    pytest.mark.skipif(
+        connection.vendor != "postgresql", reason="PgBouncer is a proxy for PostgreSQL"
+    ),
+]
+
+KEEP_CONNECTIONS = {
+    "CONN_MAX_AGE": "600",
+    "CONN_HEALTH_CHECKS": "true",
+    "CELERY_DB_REUSE_MAX": "1000",
+}
+"""Worker connections kept open, as the how-to recommends: a restart of PgBouncer then cuts
+connections that the workers go on using."""
+
+
+@pytest.fixture
+def pgbouncer(tmp_path: Path) -> Iterator[PgBouncer]:
+    """A PgBouncer in transaction pooling mode in front of the test database's server,
+    stopped at the end of the test (request it before ``start_worker``, so that the
+    workers stop first)."""
+    server = connection.settings_dict
+    bouncer = PgBouncer(
+        tmp_path / "pgbouncer", server.get("HOST") or "127.0.0.1", int(server.get("PORT") or 5432)
+    )
+    bouncer.start()
+    yield bouncer
+    bouncer.stop()
+
+
+def through(bouncer: PgBouncer, options: dict[str, Any] | None = None) -> dict[str, str]:
+    """The environment of a worker process whose connections go through ``bouncer``, with
+    the psycopg ``options`` and the connections kept open."""
+    return {
+        "DJANGO_SETTINGS_MODULE": "tests.deploy.pgbouncer_settings",
+        "DATABASE_URL": bouncer.url(connection.settings_dict["NAME"]),
+        "FAIR_JOBS_TEST_DB_OPTIONS": json.dumps(options or {}),
+        **KEEP_CONNECTIONS,
+    }
+
+
+@contextlib.contextmanager
+def publishing_through(bouncer: PgBouncer, options: dict[str, Any]) -> Iterator[None]:
+    """This process's own connection (what publishes and what the test reads) goes through
+    ``bouncer`` with ``options`` until the block ends."""
+    saved = dict(connection.settings_dict)
+    connection.close()
+    connection.settings_dict.update(HOST="127.0.0.1", PORT=bouncer.port, OPTIONS=options)
+    try:
+        yield
+    finally:
+        connection.close()
+        connection.settings_dict.clear()
+        connection.settings_dict.update(saved)
+
+
+def assert_each_ran_once(tenant: str, ids: list[str]) -> None:
+    """Every job of ``tenant`` in ``ids`` ran, and none twice."""
+    per_task = Counter(JobRun.objects.filter(tenant=tenant).values_list("task_id", flat=True))
+    assert set(per_task) == set(ids)
+    assert max(per_task.values()) == 1, "a job ran twice"
+
+
+def test_tenant_slots__two_nodes__limit_held__jobs_park_and_are_woken(
+    pgbouncer: PgBouncer, start_worker: Callable[..., Worker]
+) -> None:
+    # Django's default OPTIONS (client-side binding), the configuration the how-to gives.
+    env = through(pgbouncer)
+    start_worker("a", pool="threads", concurrency=8, extra_env=env)
+    start_worker("b", pool="threads", concurrency=8, extra_env=env)
+    ids = [tasks.limited3.delay("hot", 0.03).id for _ in range(60)]
+    wait_finished(ids)
+    assert_each_ran_once("hot", ids)
+    assert max_overlap(finished_runs("hot")) <= 3
+    assert_all_released("hot")
+    # Jobs over the limit were parked, then woken: every one of them ran.
+    assert TenantQueueSlot.objects.get(tenant="hot").deferred_total > 0
+    assert pgbouncer.transactions(connection.settings_dict["NAME"]) > len(ids)
+
+
+def test_planner_and_fair_dispatch__server_side_binding__every_job_runs_once(
+    pgbouncer: PgBouncer, start_worker: Callable[..., Worker]
+) -> None:
+    # The how-to's server-side binding, on the workers and on the publisher: Django keeps
+    # psycopg's prepared statements off unless OPTIONS set prepare_threshold.
+    options = {"server_side_binding": True}
+    env = through(pgbouncer, options)
+    start_worker("a", pool="threads", concurrency=4, extra_env=env)
+    start_worker("b", pool="threads", concurrency=4, extra_env=env)
+    with publishing_through(pgbouncer, options):
+        planned = [
+            r.id for r in tasks.planned.bulk_enqueue([((f"p{i % 3}",), {}) for i in range(15)])
+        ]
+        capped = [tasks.dispatched_capped.delay("cap", 0.05).id for _ in range(12)]
+        other = [tasks.dispatched.delay(f"d{i % 3}").id for i in range(9)]
+        wait_finished(planned + capped + other)
+        wait_for(lambda: not PlannedJob.objects.exists(), 20, "planned rows to be gone")
+        wait_for(
+            lambda: (
+                not DispatchJob.objects.exists()
+                and not DispatchTenant.objects.filter(in_flight__gt=0).exists()
+            ),
+            20,
+            "dispatch rows and counters to settle",
+        )
+        assert max_overlap(finished_runs("cap")) <= 2
+        assert JobRun.objects.count() == len(planned + capped + other)
+        assert_each_ran_once("cap", capped)
+
+
+def cut_in_its_own_statement(task_id: str) -> bool:
+    """The job ran and failed in one of its own statements (the test task's writes), cut
+    by the restart: what any task does without the library, not a job the library lost."""
+    result: AsyncResult[Any] = AsyncResult(task_id)
+    return result.state == "FAILURE" and "OperationalError" in str(result.traceback)
+
+
+@pytest.mark.chaos_full
+def test_restart_mid_run__nothing_lost__limit_held(
+    pgbouncer: PgBouncer, start_worker: Callable[..., Worker]
+) -> None:
+    # Known to fail about one run in two (bash scripts/chaos.sh runs it): a restart commits
+    # the statement in flight and cuts its reply, and two such replies are not handled yet.
+    # A woken job whose claim committed is postponed still marked woken and then dropped as
+    # a stale copy (lost); a job whose park committed is postponed as a fresh copy that runs
+    # again after the woken one (twice). tests/slots/test_lost_replies.py reproduces both.
+    env = {**through(pgbouncer), "FAIR_JOBS_WORKER_TIMEOUT": "10"}  # the outage is shorter
+    start_worker("a", pool="threads", concurrency=4, extra_env=env)
+    start_worker("b", pool="threads", concurrency=4, extra_env=env)
+    ids = [tasks.limited3.delay("r", 0.1).id for _ in range(40)]
+    wait_for(
+        lambda: (
+            JobRun.objects.filter(tenant="r", finished_at__isnull=False).count() >= 5
+            and ParkedJob.objects.filter(slot__tenant="r").exists()
+            and SlotLease.objects.filter(slot__tenant="r").exists()
+        ),
+        60,
+        "jobs to run, hold slots and wait parked",
+    )
+    pgbouncer.restart()  # every connection of both workers is cut mid-run
+
+    def unresolved() -> list[str]:
+        finished = set(
+            JobRun.objects.filter(task_id__in=ids, finished_at__isnull=False).values_list(
+                "task_id", flat=True
+            )
+        )
+        return [i for i in ids if i not in finished and not cut_in_its_own_statement(i)]
+
+    # Postponed jobs come back after fair_retry_countdown (60 s by default).
+    wait_for(lambda: not unresolved(), 150, "every job to run")
+    per_task = Counter(JobRun.objects.filter(tenant="r").values_list("task_id", flat=True))
+    assert max(per_task.values()) == 1, "a job ran twice"
+    assert max_overlap(finished_runs("r")) <= 3
+    assert_all_released("r")
+
+
+@pytest.mark.parametrize("prepare_threshold", [None, 0], ids=["django_default", "prepared"])
+def test_server_side_binding__prepared_statements__break_only_when_turned_on(
+    pgbouncer: PgBouncer, in_process_worker: uuid.UUID, prepare_threshold: int | None
+) -> None:
+    # psycopg prepares a statement on its session after prepare_threshold runs; PgBouncer
+    # 1.18 hands the next transaction another server connection, which lacks it or holds
+    # another client's statement of the same name. Django leaves the threshold at None.
+    options = {"server_side_binding": True, "prepare_threshold": prepare_threshold}
+    errors: list[DatabaseError] = []
+
+    def acquire_and_release(tenant: str) -> None:
+        try:
+            for _ in range(10):
+                acquired = slot_store.try_acquire(
+                    tenant=tenant, queue="fair", task_id=str(uuid.uuid4()), limit=1,
+                    process_id=in_process_worker, timeout=60,
+                )  # fmt: skip
+                assert acquired.grant is not None, acquired
+                slot_store.release(acquired.grant)
+        except DatabaseError as exc:
+            errors.append(exc)
+        finally:
+            connection.close()  # this thread's own client connection
+
+    with publishing_through(pgbouncer, options):
+        threads = [threading.Thread(target=acquire_and_release, args=(f"t{i}",)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    if prepare_threshold is None:
+        assert errors == []
+    else:
+        assert errors, "PgBouncer 1.18 kept psycopg's prepared statements apart"
+        assert all("prepared statement" in str(exc) for exc in errors), errors
