@@ -77,9 +77,12 @@ def postpone(
     *,
     countdown: float,
     reason: str,
+    fresh: bool = False,
 ) -> None:
     """Re-publish the current job unchanged (same task id, same ``retries``) to come back
-    after ``countdown`` seconds. Needs only the broker, not the database."""
+    after ``countdown`` seconds. Needs only the broker, not the database. ``fresh``: the
+    copy comes back unmarked even if this one was woken (its claim is known to have taken
+    its parked row, so as a woken copy it would be dropped as stale)."""
     request = task.request
     logger.warning(
         "%s[%s]: %s; re-published to run in %.1f s", task.name, request.id, reason, countdown
@@ -87,7 +90,8 @@ def postpone(
     # A woken copy stays marked as one, so that it still cannot run after another copy. A
     # redelivery is a fresh start (see is_woken) and must come back as one: unmarked.
     headers = dict(request.headers or {})
-    wake = headers.pop(fair_headers.WAKE, None) if fair_headers.is_woken(task.request) else None
+    woken = fair_headers.is_woken(task.request) and not fresh
+    wake = headers.pop(fair_headers.WAKE, None) if woken else None
     headers.pop(fair_headers.WAKE, None)
     sig = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
     send(sig, task, wake)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task as CeleryTask
 from celery.exceptions import Ignore
-from django.db import DatabaseError, DataError
+from django.db import DatabaseError, DataError, close_old_connections
 from kombu.exceptions import EncodeError
 from kombu.utils.json import dumps
 
@@ -215,6 +216,13 @@ leave the job to the sweep. Each "room" means the slot changed hands, so this is
 reached under extreme churn."""
 
 
+REPLY_RETRY_DELAYS = (0.25, 1.0)
+"""Seconds to wait before each new try of a job's admission after a database error (a
+restart of the database or of PgBouncer cuts the statement's reply, often after it
+committed). While the database answers again within these, the rows say what happened and
+the job is admitted as if nothing was cut; past them it goes back through the broker."""
+
+
 def enter(
     task: Task[Any, Any],
     *,
@@ -237,52 +245,97 @@ def enter(
     queue is at its limit), postponed (a duplicate delivery, or the database is
     unreachable), or dropped (a stale copy of a woken job). No path loses the job.
     """
-    request = task.request
     woken = fair_headers.is_woken(task.request)
-    task_id = str(request.id)
-    try:
+    for delay in (*REPLY_RETRY_DELAYS, None):
+        try:
+            # A lease this job took from an acquire whose reply was cut is given back
+            # first; a woken copy whose claim it was took its parked row with it, so it
+            # comes back as a fresh start rather than be dropped as a stale copy.
+            if _drop_own_lease(task) and woken:
+                woken = False
+            return _admit(
+                task, woken=woken, tenant=tenant, queue=queue, limit=limit,
+                on_limit=on_limit, retry_countdown=retry_countdown, args=args, kwargs=kwargs,
+            )  # fmt: skip
+        except DataError:
+            # A value the database refuses is refused again at every attempt: postponing
+            # the job would repeat forever, so it fails here, with the database's reason.
+            logger.exception("%s[%s]: the database refused the job's slot", task.name,
+                             task.request.id)  # fmt: skip
+            raise
+        except DatabaseError as exc:
+            _uncertain_acquire(task)
+            if delay is not None:
+                close_old_connections()  # the cut connection; the next try opens another
+                time.sleep(delay)
+                continue
+            # Without the database no slot can be taken; failing the task would lose the
+            # job (its message is acknowledged), so it goes back through the broker, which
+            # needs no database. If it was parked before the error, the copy that starts
+            # first deletes the parked row, so it still runs once.
+            messages.postpone(
+                task, args, kwargs, countdown=retry_countdown, fresh=not woken,
+                reason=f"database unavailable ({exc.__class__.__name__}: {exc})".strip(),
+            )  # fmt: skip
+    return None
+
+
+def _uncertain_acquire(task: Task[Any, Any]) -> None:
+    """Note that the current job's acquire may have committed with its reply lost: its
+    lease is given back later (:func:`_drop_own_lease`, or the heartbeat's
+    :func:`~django_fair_jobs.admission.ends.retry_pending_releases`). A process that never
+    registered cannot have taken one."""
+    holder = identity.registered_process_id()
+    if holder is not None:
         with ends._holds_lock:
-            lost = [pid for (uncertain_id, pid) in ends._uncertain if uncertain_id == task_id]
-        for process_id in lost:  # this job's own lease from a lost reply would refuse it
-            ends._drop_uncertain([task_id], process_id)
-        acquired = acquire(
-            tenant=tenant, queue=queue, task_id=task_id, limit=limit,
-            node=request.hostname, woken=woken,
-        )  # fmt: skip
-        if acquired.grant is not None:
-            with ends._holds_lock:
-                ends._running.add(task_id)
-            return acquired.grant
-        if acquired.status not in ("full", "queue_full"):
-            refuse(task, acquired.status, args, kwargs, woken=woken)
-            return None
-        if not decisions.enforcing():
-            return shadow_grant(task, acquired.status, tenant=tenant, queue=queue, limit=limit)
-        return defer(
-            task, tenant=tenant, queue=queue, limit=limit, on_limit=on_limit,
-            retry_countdown=retry_countdown, args=args, kwargs=kwargs, woken=woken,
-        )  # fmt: skip
-    except DataError:
-        # A value the database refuses is refused again at every attempt: postponing the
-        # job would repeat forever, so it fails here, with the database's reason.
-        logger.exception("%s[%s]: the database refused the job's slot", task.name, request.id)
-        raise
-    except DatabaseError as exc:
-        # The acquire may have committed with its reply lost: give its lease back later.
-        # A process that never registered cannot have taken one.
-        holder = identity.registered_process_id()
-        if holder is not None:
-            with ends._holds_lock:
-                ends._uncertain.add((task_id, holder))
-        # Without the database no slot can be taken; failing the task would lose the job
-        # (its message is acknowledged), so it goes back through the broker, which needs no
-        # database. If it was parked before the error, the copy that starts first deletes
-        # the parked row, so it still runs once.
-        messages.postpone(
-            task, args, kwargs, countdown=retry_countdown,
-            reason=f"database unavailable ({exc.__class__.__name__}: {exc})".strip(),
-        )  # fmt: skip
+            ends._uncertain.add((str(task.request.id), holder))
+
+
+def _drop_own_lease(task: Task[Any, Any]) -> bool:
+    """Give back the leases this process may hold for the current job from acquires whose
+    reply was lost (see :func:`_uncertain_acquire`); True if one had committed."""
+    task_id = str(task.request.id)
+    with ends._holds_lock:
+        lost = [pid for (uncertain_id, pid) in ends._uncertain if uncertain_id == task_id]
+    dropped = False
+    for process_id in lost:  # this job's own lease from a lost reply would refuse it
+        dropped = ends._drop_uncertain([task_id], process_id) or dropped
+    return dropped
+
+
+def _admit(
+    task: Task[Any, Any],
+    *,
+    woken: bool,
+    tenant: str | None,
+    queue: str,
+    limit: int,
+    on_limit: str,
+    retry_countdown: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Grant | None:
+    """One try of :func:`enter`: acquire, then run, refuse, record (shadow mode) or defer
+    the job. Raises ``DatabaseError``."""
+    request = task.request
+    task_id = str(request.id)
+    acquired = acquire(
+        tenant=tenant, queue=queue, task_id=task_id, limit=limit,
+        node=request.hostname, woken=woken,
+    )  # fmt: skip
+    if acquired.grant is not None:
+        with ends._holds_lock:
+            ends._running.add(task_id)
+        return acquired.grant
+    if acquired.status not in ("full", "queue_full"):
+        refuse(task, acquired.status, args, kwargs, woken=woken)
         return None
+    if not decisions.enforcing():
+        return shadow_grant(task, acquired.status, tenant=tenant, queue=queue, limit=limit)
+    return defer(
+        task, tenant=tenant, queue=queue, limit=limit, on_limit=on_limit,
+        retry_countdown=retry_countdown, args=args, kwargs=kwargs, woken=woken,
+    )  # fmt: skip
 
 
 def shadow_grant(

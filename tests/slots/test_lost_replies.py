@@ -1,8 +1,8 @@
-"""Two lost replies the slot protocol does not handle yet, seen through a PgBouncer restart
-(tests/deploy/test_pgbouncer.py): the statement commits and its reply is cut. Both tests
-fail on today's code, every time; they are strict expected failures, so that the fix must
-remove the marks. Until then a restart of the database or of PgBouncer at that instant can
-lose a woken job or run a parked one twice."""
+"""Lost replies on the slot protocol, seen through a PgBouncer restart
+(tests/deploy/test_pgbouncer.py): the statement commits and its reply is cut. The next try
+of the job's admission reads what the rows say happened: a lease its cut acquire took is
+given back (a woken copy then starts afresh, its parked row being gone), and a job whose park
+committed is found parked, with no second copy in the broker."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import uuid
 from typing import Any
 
 import pytest
+import redis
 from celery.exceptions import Ignore
 from django.db import OperationalError
 
 from django_fair_jobs import admission, headers, slots
+from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.models import ParkedJob, SlotLease
 from django_fair_jobs.slots import store as slot_store
 from tests.conftest import run_as_worker
@@ -35,63 +37,94 @@ def _park_and_wake(pid: uuid.UUID) -> None:
     slots.wake(holder.slot_id, limit=1)  # reserves the slot for "j", publishes its copy
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: the postponed copy stays marked woken and is dropped as stale",
-)
-def test_woken_claim_committed_reply_lost__the_job_still_runs(
+def _cut_once(target: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make ``target.name`` commit and then lose its reply, once: a restart of the database
+    or of PgBouncer cuts the connection after the statement committed. Returns the list
+    that counts the calls."""
+    real = getattr(target, name)
+    calls: list[int] = []
+
+    def commit_then_lose_the_reply(**kwargs: Any) -> Any:
+        calls.append(1)
+        answer = real(**kwargs)
+        if len(calls) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return answer
+
+    monkeypatch.setattr(target, name, commit_then_lose_the_reply)
+    return calls
+
+
+def test_woken_claim_committed_reply_lost__the_job_runs_in_the_same_delivery(
     in_process_worker: uuid.UUID, broker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _park_and_wake(in_process_worker)
     woken = {headers.WAKE: ParkedJob.objects.get(task_id="j").wake_count}
-    real_acquire = admission.acquire
-
-    def commit_then_lose_the_reply(**kwargs: Any) -> Any:
-        real_acquire(**kwargs)
-        raise OperationalError("server closed the connection unexpectedly")
-
-    monkeypatch.setattr(admission, "acquire", commit_then_lose_the_reply)
-    with pytest.raises(Ignore):  # postponed through the broker, still marked woken
-        run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken)
-    monkeypatch.setattr(admission, "acquire", real_acquire)
-    admission.retry_pending_releases()  # the heartbeat
-    # The postponed copy comes back: it must run.
+    calls = _cut_once(admission, "acquire", monkeypatch)
+    # The claim committed (its parked row is gone) and its reply was cut: the next try
+    # gives the lease back and admits the job as a fresh start, not as a stale copy.
     assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken) == "acme:done"
+    assert len(calls) == 2
+    assert not ParkedJob.objects.filter(task_id="j").exists()
+    assert not SlotLease.objects.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: the postponed fresh copy runs again after the woken copy ran",
-)
-def test_park_committed_reply_lost__the_job_runs_once(
-    in_process_worker: uuid.UUID, broker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+def test_park_committed_reply_lost__the_job_is_parked_once__runs_once(
+    in_process_worker: uuid.UUID,
+    broker_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     holder = slot_store.try_acquire(
-        tenant="acme",
-        queue="fair",
-        task_id="holder",
-        limit=1,
-        process_id=in_process_worker,
+        tenant="acme", queue="fair", task_id="holder", limit=1, process_id=in_process_worker,
         timeout=60,
-    ).grant
+    ).grant  # fmt: skip
     assert holder is not None
-    real_park = slot_store.try_park
-
-    def commit_then_lose_the_reply(**kwargs: Any) -> Any:
-        real_park(**kwargs)
-        raise OperationalError("server closed the connection unexpectedly")
-
-    monkeypatch.setattr(slot_store, "try_park", commit_then_lose_the_reply)
-    with pytest.raises(Ignore):  # postponed through the broker as a fresh copy
+    _cut_once(slot_store, "try_park", monkeypatch)
+    # The park committed and its reply was cut: the next try finds the job parked, and the
+    # delivery ends without a second copy in the broker.
+    with pytest.raises(Ignore):
         run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers={})
-    monkeypatch.setattr(slot_store, "try_park", real_park)
-    assert ParkedJob.objects.filter(task_id="j").exists()  # the park committed
+    assert ParkedJob.objects.filter(task_id="j").count() == 1
     slot_store.release(holder)
     assert holder.slot_id is not None
     slots.wake(holder.slot_id, limit=1)
     woken = {headers.WAKE: ParkedJob.objects.get(task_id="j").wake_count}
     assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken) == "acme:done"
     assert not SlotLease.objects.exists()
-    # The postponed fresh copy comes back after the woken one ran: it must not run again.
-    with pytest.raises(Ignore):
-        run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers={})
+    assert not ParkedJob.objects.exists()
+    # The broker holds the wake's copy (run above by hand) and no other copy of the job
+    # that would run it again (the suite's broker is Redis: a queue is a list).
+    from django.conf import settings
+
+    assert redis.Redis.from_url(settings.CELERY_BROKER_URL).llen("fair") == 1
+
+
+def test_woken_claim_committed__database_gone_past_the_tries__its_copy_runs_here_later(
+    in_process_worker: uuid.UUID, broker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _park_and_wake(in_process_worker)
+    woken = {headers.WAKE: ParkedJob.objects.get(task_id="j").wake_count}
+    real_acquire, real_drop = admission.acquire, lease_store.drop_held_by
+    calls: list[int] = []
+
+    def committed_then_unreachable(**kwargs: Any) -> Any:
+        if not calls:
+            real_acquire(**kwargs)  # the claim commits; every reply and later try fails
+        calls.append(1)
+        raise OperationalError("server closed the connection unexpectedly")
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        raise OperationalError("could not connect to server")
+
+    monkeypatch.setattr(admission, "acquire", committed_then_unreachable)
+    monkeypatch.setattr(lease_store, "drop_held_by", unreachable)
+    with pytest.raises(Ignore):  # postponed through the broker, still marked woken
+        run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken)
+    assert len(calls) == 1 + len(admission.REPLY_RETRY_DELAYS)  # every try failed
+    monkeypatch.setattr(admission, "acquire", real_acquire)
+    monkeypatch.setattr(lease_store, "drop_held_by", real_drop)
+    # Its copy comes back to this process before the heartbeat gave the lease back: the
+    # lease shows the claim committed, so the copy starts afresh instead of being dropped.
+    assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken) == "acme:done"
+    assert not SlotLease.objects.exists()
