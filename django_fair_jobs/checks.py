@@ -154,6 +154,12 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("PLANNER_LATENCY_THRESHOLD", "fair_jobs.E016", lambda v: _number(v, 0, False), "seconds >= 0"),
     ("PLANNER_LOCK_TTL", "fair_jobs.E016", lambda v: _number(v, 0, True), "seconds > 0"),
     (
+        "PLANNER_THREADS",
+        "fair_jobs.E016",
+        lambda v: isinstance(v, bool),
+        "True or False (False: planners run only from the django_fair_jobs.plan task)",
+    ),
+    (
         "PLANNER_QUEUE",
         "fair_jobs.E016",
         lambda v: isinstance(v, str) and bool(v),

@@ -230,6 +230,14 @@ class Settings:
         return value
 
     @property
+    def PLANNER_THREADS(self) -> bool:
+        """False: worker processes start no planner thread, and the planners run only when
+        the ``django_fair_jobs.plan`` task runs (scheduled by Celery beat or
+        django-celery-beat). Default True."""
+        value: bool = self._get("PLANNER_THREADS", True, _boolean)
+        return value
+
+    @property
     def PLANNER_LOCK_TTL(self) -> float:
         """Default ``planner_lock_ttl`` (seconds) of a ``fair_plan``: a planner run holds its
         task's lock at most this long. Default 60."""

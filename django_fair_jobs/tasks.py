@@ -1,5 +1,6 @@
-"""Celery tasks of django-fair-jobs, for projects that prefer to drive the planners from
-Celery beat (or django-celery-beat) rather than from the workers' planner threads."""
+"""Celery tasks of django-fair-jobs, for projects that drive the planners from Celery beat
+(or django-celery-beat), alone with ``FAIR_JOBS_PLANNER_THREADS = False`` or beside the
+workers' planner threads."""
 
 from __future__ import annotations
 

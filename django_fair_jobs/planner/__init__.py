@@ -443,10 +443,13 @@ _thread: threading.Thread | None = None
 
 
 def start_thread(stop: threading.Event) -> None:
-    """Start this process's planner thread (if the app has planned tasks): it tries every
-    due planner at a quarter of the shortest interval, between 0.2 s and the heartbeat
-    interval; the planner lock lets one process in the cluster run each."""
+    """Start this process's planner thread (if the app has planned tasks and
+    ``FAIR_JOBS_PLANNER_THREADS`` is on): it tries every due planner at a quarter of the
+    shortest interval, between 0.2 s and the heartbeat interval; the planner lock lets one
+    process in the cluster run each."""
     global _thread
+    if not fair_settings.PLANNER_THREADS:
+        return  # the planners run from the django_fair_jobs.plan task (Celery beat)
     tasks = planned_tasks()
     if not tasks or (_thread is not None and _thread.is_alive()):
         return

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,11 +20,9 @@ from tests.testapp.models import JobRun
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.workers]
 
-SLOW_THREADS = {"FAIR_JOBS_HEARTBEAT_INTERVAL": "30", "FAIR_JOBS_WORKER_TIMEOUT": "90"}
-"""Worker settings under which a worker process's own planner thread first looks for a
-due planner 30 s after the process starts (its period is the shorter of a quarter of the
-shortest ``enqueue_interval`` and the heartbeat interval): within this test, only beat's
-``django_fair_jobs.plan`` can promote."""
+NO_PLANNER_THREADS = {"FAIR_JOBS_PLANNER_THREADS": "false"}
+"""Worker processes start no planner thread: only beat's ``django_fair_jobs.plan`` can
+promote, as in a project that drives its planners from beat alone."""
 
 
 @pytest.fixture
@@ -44,7 +43,7 @@ def start(
         proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "tests.testapp.beat_app", *args],
             cwd=ROOT,
-            env={**env, **SLOW_THREADS, "DJANGO_SETTINGS_MODULE": "tests.testapp.beat_settings"},
+            env={**env, **NO_PLANNER_THREADS},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -102,3 +101,23 @@ def test_beat_database_scheduler__plan_task_promotes_waiting_jobs__a_worker_runs
     assert (run.runs_total, run.last_promoted) == (1, 3)
     assert JobRun.objects.count() == 3
     wait_for(lambda: not PlannedJob.objects.exists(), 30, "the planned rows to go at start")
+
+
+@pytest.mark.parametrize("threads", [True, False])
+def test_planner_threads_setting__a_worker_process_starts_its_planner_thread_or_none(
+    threads: bool, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from django_fair_jobs import planner
+
+    settings.FAIR_JOBS_PLANNER_THREADS = threads
+    monkeypatch.setattr(planner, "_thread", None)
+    stop = threading.Event()
+    try:
+        planner.start_thread(stop)  # the suite's app has planned tasks
+        assert (planner._thread is not None) is threads
+    finally:
+        stop.set()
+        if planner._thread is not None:
+            planner._thread.join(10)
