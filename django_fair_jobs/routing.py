@@ -55,28 +55,68 @@ def request_queue(task: Task[Any, Any]) -> str:
 
 
 _consumed: dict[tuple[int, str], str] = {}
-""":func:`consumed_queue`'s answers by app and routing key: a worker's queues do not change
-while it runs, and the answer is on every job's path."""
+""":func:`consumed_queue`'s answers by the worker's queues and routing key: a worker's
+queues seldom change while it runs, and the answer is on every job's path. Emptied when
+it reaches :data:`CONSUMED_KEPT` keys (a topic exchange's keys may name entities)."""
+
+CONSUMED_KEPT = 1024
+"""Most answers :data:`_consumed` keeps."""
 
 
 def consumed_queue(app: Any, routing_key: str) -> str:
     """The name of the queue a delivery under ``routing_key`` came from.
 
     A delivery names its routing key, not its queue. With Celery's default routing the two
-    are the same; a queue declared with a routing key of its own (a topic exchange, as
-    native delayed delivery on quorum queues needs) is found among the queues this worker
-    consumes by that key, after the delay prefix is stripped
-    (:func:`queue_from_routing_key`). A key no consumed queue is bound under is taken as
-    the queue's name."""
-    # Keyed after the prefix is stripped: countdowns give up to 2**28 prefixes.
+    are the same. Otherwise the queue is found among the queues this worker consumes: the
+    only one, or the one bound under that key (exactly, or by a topic exchange's pattern
+    with ``*`` and ``#``), after native delayed delivery's prefix is stripped
+    (:func:`queue_from_routing_key`). A key that names no such queue, or more than one, is
+    taken as the queue's name."""
     key = queue_from_routing_key(routing_key)
-    found = _consumed.get((id(app), key))
+    queues = app.amqp.queues
+    # A worker started with -Q selected the queues it consumes (Celery keeps them in
+    # _consume_from; its public consume_from falls back to every queue); elsewhere, every
+    # queue the app knows.
+    worker_queues = getattr(queues, "_consume_from", None)
+    consumed = worker_queues or queues
+    cached = (id(consumed), key)
+    found = _consumed.get(cached)
     if found is not None:
         return found
-    queues = app.amqp.queues
-    # In a worker, consume_from holds the queues it consumes (-Q); elsewhere every queue.
-    consumed = getattr(queues, "consume_from", None) or queues
-    bound = [name for name, queue in consumed.items() if queue.routing_key == key]
-    found = bound[0] if len(bound) == 1 and key not in consumed else key
-    _consumed[(id(app), key)] = found
+    if worker_queues and len(worker_queues) == 1:  # every delivery comes from it
+        found = next(iter(worker_queues))
+    elif key in consumed:
+        found = key
+    else:
+        bound = [name for name, queue in consumed.items() if _binds(queue, key)]
+        found = bound[0] if len(bound) == 1 else key
+    if len(_consumed) >= CONSUMED_KEPT:
+        _consumed.clear()
+    _consumed[cached] = found
     return found
+
+
+def _binds(queue: Any, key: str) -> bool:
+    """True if ``queue`` is bound under ``key``: its routing key is ``key``, or, on a topic
+    exchange, a pattern that matches it (``*`` one word, ``#`` zero or more)."""
+    binding = str(queue.routing_key or "")
+    if binding == key:
+        return True
+    if getattr(queue.exchange, "type", None) != "topic" or not binding:
+        return False
+    return _topic_matches(binding.split("."), key.split("."))
+
+
+def _topic_matches(pattern: list[str], words: list[str]) -> bool:
+    """True if the words of a routing key match the words of a topic binding key."""
+    # reachable[j]: the pattern so far can have consumed the first j words of the key.
+    reachable = [True] + [False] * len(words)
+    for token in pattern:
+        if token == "#":
+            for j in range(1, len(words) + 1):
+                reachable[j] = reachable[j] or reachable[j - 1]
+        else:
+            reachable = [False] + [
+                reachable[j] and (token == "*" or token == words[j]) for j in range(len(words))
+            ]
+    return reachable[-1]

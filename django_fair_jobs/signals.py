@@ -28,6 +28,7 @@ from django_fair_jobs import (
     queue_limits,
 )
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.messages import is_fair
 
 logger = logging.getLogger("django_fair_jobs.signals")
 
@@ -59,21 +60,36 @@ def refuse_unsupported(worker: Any) -> None:
             "monkey-patched hub). Start the worker with -P prefork (the default) or, for "
             "jobs that wait on I/O, -P threads --concurrency N."
         )
-    conninfo = getattr(worker, "_conninfo", None)
-    transport = getattr(conninfo, "transport_cls", None)
-    transport_name = (
-        transport if isinstance(transport, str) else getattr(transport, "__module__", "")
-    )
-    unflagged = [
-        name for name in UNFLAGGED_REDELIVERY if str(transport_name).lower().endswith(name)
-    ]
-    if unflagged:
+    unflagged = _transport_module(worker) in UNFLAGGED_REDELIVERY
+    if unflagged and _parks(getattr(worker, "app", None)):
         raise SystemExit(
-            f"django-fair-jobs: the {unflagged[0]} broker transport is not supported: it "
-            "delivers a job again after its worker died without marking the delivery "
-            "redelivered, and a woken parked job would then be dropped as a stale copy. "
-            "Use RabbitMQ (amqp://) or Redis (redis://, rediss://, sentinel://)."
+            f"django-fair-jobs: the {_transport_module(worker)} broker transport is not "
+            "supported: it delivers a job again after its worker died without marking the "
+            "delivery redelivered, and a woken parked job would then be dropped as a stale "
+            "copy. Use RabbitMQ (amqp://) or Redis (redis://, rediss://, sentinel://)."
         )
+
+
+def _transport_module(worker: Any) -> str:
+    """The last part of the module of the worker's broker transport, lower case
+    (``"sqs"`` for ``sqs://`` or ``kombu.transport.SQS:Transport``), read from the broker
+    URL without importing the transport."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    transport = getattr(getattr(worker, "_conninfo", None), "transport_cls", None)
+    if isinstance(transport, str):
+        path = TRANSPORT_ALIASES.get(transport, transport)
+    else:
+        path = getattr(transport, "__module__", "")
+    return str(path).split(":")[0].rsplit(".", 1)[-1].lower()
+
+
+def _parks(app: Any) -> bool:
+    """True unless ``app`` is known to have no job the library can park: a fair task, or
+    plain tasks under queue limits (``FAIR_JOBS_LIMIT_PLAIN_TASKS``)."""
+    if app is None or fair_settings.LIMIT_PLAIN_TASKS:
+        return True
+    return any(is_fair(task) for task in app.tasks.values())
 
 
 @worker_init.connect

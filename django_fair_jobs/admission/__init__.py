@@ -248,10 +248,10 @@ def enter(
     woken = fair_headers.is_woken(task.request)
     for delay in (*REPLY_RETRY_DELAYS, None):
         try:
-            # A lease this job took from an acquire whose reply was cut is given back
+            # A lease this job took from an acquire whose reply was cut is released
             # first; a woken copy whose claim it was took its parked row with it, so it
             # comes back as a fresh start rather than be dropped as a stale copy.
-            if _drop_own_lease(task) and woken:
+            if _drop_own_lease(task):
                 woken = False
             return _admit(
                 task, woken=woken, tenant=tenant, queue=queue, limit=limit,
@@ -264,15 +264,16 @@ def enter(
                              task.request.id)  # fmt: skip
             raise
         except DatabaseError as exc:
-            _uncertain_acquire(task)
+            _uncertain_acquire(task, woken=woken)
             if delay is not None:
                 close_old_connections()  # the cut connection; the next try opens another
                 time.sleep(delay)
                 continue
             # Without the database no slot can be taken; failing the task would lose the
             # job (its message is acknowledged), so it goes back through the broker, which
-            # needs no database. If it was parked before the error, the copy that starts
-            # first deletes the parked row, so it still runs once.
+            # needs no database. If its park committed before the error, the parked row is
+            # woken as well: should this copy start first it deletes the row and the job
+            # runs once, but should the woken copy run first, this one runs it again.
             messages.postpone(
                 task, args, kwargs, countdown=retry_countdown, fresh=not woken,
                 reason=f"database unavailable ({exc.__class__.__name__}: {exc})".strip(),
@@ -280,27 +281,32 @@ def enter(
     return None
 
 
-def _uncertain_acquire(task: Task[Any, Any]) -> None:
+def _uncertain_acquire(task: Task[Any, Any], *, woken: bool) -> None:
     """Note that the current job's acquire may have committed with its reply lost: its
-    lease is given back later (:func:`_drop_own_lease`, or the heartbeat's
-    :func:`~django_fair_jobs.admission.ends.retry_pending_releases`). A process that never
-    registered cannot have taken one."""
+    lease is released later (:func:`_drop_own_lease`, or the heartbeat's
+    :func:`~django_fair_jobs.admission.ends.retry_pending_releases`), and, for a ``woken``
+    copy's claim, its next copy here starts afresh. A process that never registered
+    cannot have taken a lease."""
     holder = identity.registered_process_id()
     if holder is not None:
+        task_id = str(task.request.id)
         with ends._holds_lock:
-            ends._uncertain.add((str(task.request.id), holder))
+            ends._uncertain.add((task_id, holder))
+            if woken:
+                ends._woken_claims.add(task_id)
 
 
 def _drop_own_lease(task: Task[Any, Any]) -> bool:
-    """Give back the leases this process may hold for the current job from acquires whose
-    reply was lost (see :func:`_uncertain_acquire`); True if one had committed."""
+    """Release the leases this process may hold for the current job from acquires whose
+    reply was lost (see :func:`_uncertain_acquire`). True if one was a woken copy's claim
+    that had committed, here or by the heartbeat since: the job's parked row went with it,
+    so the job goes on as a fresh start."""
     task_id = str(task.request.id)
     with ends._holds_lock:
         lost = [pid for (uncertain_id, pid) in ends._uncertain if uncertain_id == task_id]
-    dropped = False
     for process_id in lost:  # this job's own lease from a lost reply would refuse it
-        dropped = ends._drop_uncertain([task_id], process_id) or dropped
-    return dropped
+        ends._drop_uncertain([task_id], process_id)
+    return ends.take_reclaimed(task_id)
 
 
 def _admit(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,29 @@ heartbeat, or before the job's next copy starts here. Guarded by ``_holds_lock``
 _running: set[str] = set()
 """Task ids of the jobs holding a grant in this process (``enter`` to ``release``): their
 leases are never mistaken for those of a lost reply. Guarded by ``_holds_lock``."""
+
+
+_woken_claims: set[str] = set()
+"""Task ids among :data:`_uncertain` whose acquire was a woken copy's claim: one that
+committed took the job's parked row with it. Guarded by ``_holds_lock``."""
+
+
+_reclaimed: dict[str, float] = {}
+"""Task ids of woken claims that committed with their reply lost and whose lease was given
+back (by the heartbeat or by the job's next try), with when: the job's parked row is gone,
+so its next copy here starts as a fresh job (:func:`take_reclaimed`) instead of being
+dropped as a stale copy. Guarded by ``_holds_lock``."""
+
+RECLAIMED_KEPT = 86400.0
+"""Seconds a :data:`_reclaimed` entry waits for its job's copy to come back here; a copy
+that went to another process never takes it."""
+
+
+def take_reclaimed(task_id: str) -> bool:
+    """True (once) if a woken claim of ``task_id`` committed and its lease was released:
+    the job's next copy starts afresh (see :data:`_reclaimed`)."""
+    with _holds_lock:
+        return _reclaimed.pop(task_id, None) is not None
 
 
 def release(grant: Grant, app: Celery | None = None) -> None:
@@ -119,9 +143,17 @@ def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> bool:
     with _holds_lock:
         # A copy that took its slot since holds its own lease; leave it alone.
         orphans = [task_id for task_id in task_ids if task_id not in _running]
-    slot_ids, queue_ids = lease_store.drop_held_by(orphans, process_id) if orphans else ([], [])
+    slot_ids, queue_ids, released = (
+        lease_store.drop_held_by(orphans, process_id) if orphans else ([], [], [])
+    )
+    now = time.monotonic()
     with _holds_lock:
         _uncertain.difference_update((task_id, process_id) for task_id in task_ids)
+        # Before the wake-ups below, which may fail: the claim's parked row is gone either way.
+        for stale in [t for t, at in _reclaimed.items() if now - at > RECLAIMED_KEPT]:
+            del _reclaimed[stale]
+        _reclaimed.update((t, now) for t in released if t in _woken_claims)
+        _woken_claims.difference_update(task_ids)
     if slot_ids or queue_ids:
         logger.warning(
             "Gave back %s slot(s) of acquires whose reply was lost; their jobs can start",

@@ -170,8 +170,8 @@ def prepare(
     if tenant is None:
         raise DispatchError(
             f"{task.name}: the job's tenant is None, so it cannot wait in a tenant's line. "
-            "Return a tenant from fair_tenant(), pass fair_tenant=, or set "
-            "FAIR_JOBS_PLANNER_DEFAULT_TENANT."
+            "Return a tenant from fair_tenant(), pass fair_tenant=, set "
+            "FAIR_JOBS_TENANT_RESOLVER or set FAIR_JOBS_PLANNER_DEFAULT_TENANT."
         )
     publish_options = dict(publish_options)
     task_id = str(publish_options.pop("task_id", None) or uuid.uuid4())

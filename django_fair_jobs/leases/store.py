@@ -66,21 +66,23 @@ def drop_for_task(task_id: str, *, running: bool) -> tuple[list[int], list[int]]
     return sorted(slots), sorted(queues)
 
 
-def drop_held_by(task_ids: Sequence[str], process_id: uuid.UUID) -> tuple[list[int], list[int]]:
+def drop_held_by(
+    task_ids: Sequence[str], process_id: uuid.UUID
+) -> tuple[list[int], list[int], list[str]]:
     """Drop the leases of ``task_ids`` held by ``process_id`` and give their slots
     back: the leases of acquires that committed while their reply was lost, which no
     copy of the job can claim while that process lives. Returns the ids of the tenant
-    slots and of the queue rows freed."""
+    slots and of the queue rows freed, and the task ids whose leases were dropped."""
     from django_fair_jobs.models import SlotLease
 
     with transaction.atomic(using=router.db_for_write(SlotLease)):
-        leases = (
+        leases = list(
             SlotLease.objects.select_for_update()
             .filter(task_id__in=list(task_ids), process_id=process_id)
             .order_by("pk")
         )
-        slots, queues = release_leases(list(leases))
-    return sorted(slots), sorted(queues)
+        slots, queues = release_leases(leases)
+    return sorted(slots), sorted(queues), sorted({lease.task_id for lease in leases})
 
 
 def requeue_lost_wakes(*, timeout: float) -> int:

@@ -120,3 +120,21 @@ def test_consumed_queue__found_by_its_routing_key__else_the_key_names_it(
     # Not a key any queue is bound under: the key is the queue's name.
     assert routing.consumed_queue(app, delayed + "elsewhere") == "elsewhere"
     assert routing.consumed_queue(app, "elsewhere") == "elsewhere"
+
+
+def test_consumed_queue__a_topic_pattern_binds_its_keys__a_worker_of_one_queue_has_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
+    app = Celery("consumer", broker=AMQP, set_as_current=False)
+    topic = Exchange("jobs", type="topic")
+    app.conf.task_queues = [
+        Queue("imports", topic, routing_key="imports.#"),
+        Queue("reports", topic, routing_key="*.report"),
+    ]
+    assert routing.consumed_queue(app, "imports.csv.large") == "imports"
+    assert routing.consumed_queue(app, "1." + "0." * 27 + "monthly.report") == "reports"
+    assert routing.consumed_queue(app, "importsx") == "importsx"  # words, not prefixes
+    # A worker that consumes one queue (-Q imports) takes every delivery from it.
+    app.amqp.queues.select(["imports"])
+    assert routing.consumed_queue(app, "anything.else") == "imports"

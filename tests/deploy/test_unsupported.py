@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -35,12 +36,20 @@ def test_gevent_pool__refused_at_start__prefork_or_threads_named(
     ("pool", "transport", "refused"),
     [
         ("prefork", "redis", None),
+        ("prefork", "rediss", None),
+        ("prefork", "sentinel", None),
         ("threads", "amqp", None),
+        ("threads", "pyamqp", None),
         ("solo", "sqlalchemy", None),
+        ("solo", "sqla", None),
+        ("solo", "filesystem", None),
+        ("celery.concurrency.prefork:TaskPool", "memory", None),
         ("eventlet", "redis", "eventlet pool"),
         ("gevent", "redis", "gevent pool"),
         # No SQS, Azure or Google broker runs here: the names are what the worker reads.
         ("prefork", "sqs", "sqs broker transport"),
+        ("prefork", "kombu.transport.SQS:Transport", "sqs broker transport"),
+        ("celery.concurrency.gevent:TaskPool", "redis", "gevent pool"),
         ("prefork", "azureservicebus", "azureservicebus broker transport"),
         ("prefork", "gcpubsub", "gcpubsub broker transport"),
     ],
@@ -58,3 +67,19 @@ def test_refuse_unsupported__by_pool_and_transport_name(
     else:
         with pytest.raises(SystemExit, match=refused):
             refuse_unsupported(worker)
+
+
+def test_unflagged_transport__allowed_for_an_app_without_fair_tasks(celery_app: Any) -> None:
+    from types import SimpleNamespace
+
+    from django_fair_jobs.signals import refuse_unsupported
+
+    sqs = SimpleNamespace(transport_cls="sqs")
+    # An app whose only task is a plain one (not a FairTask): nothing of it can park.
+    only_plain = SimpleNamespace(tasks={"plain.add": SimpleNamespace(name="plain.add")})
+    refuse_unsupported(SimpleNamespace(pool_cls="prefork", _conninfo=sqs, app=only_plain))
+    # The suite's app has fair tasks, which can park (a worker imports them before
+    # worker_init).
+    celery_app.loader.import_default_modules()
+    with pytest.raises(SystemExit, match="sqs broker transport"):
+        refuse_unsupported(SimpleNamespace(pool_cls="prefork", _conninfo=sqs, app=celery_app))

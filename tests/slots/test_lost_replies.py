@@ -6,6 +6,7 @@ committed is found parked, with no second copy in the broker."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -127,4 +128,25 @@ def test_woken_claim_committed__database_gone_past_the_tries__its_copy_runs_here
     # Its copy comes back to this process before the heartbeat gave the lease back: the
     # lease shows the claim committed, so the copy starts afresh instead of being dropped.
     assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken) == "acme:done"
+    assert not SlotLease.objects.exists()
+
+
+def test_woken_claim_committed__the_heartbeat_releases_its_lease_between_tries__it_runs(
+    in_process_worker: uuid.UUID, broker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _park_and_wake(in_process_worker)
+    woken = {headers.WAKE: ParkedJob.objects.get(task_id="j").wake_count}
+    _cut_once(admission, "acquire", monkeypatch)
+    beats: list[float] = []
+
+    def heartbeat_meanwhile(seconds: float) -> None:
+        beats.append(seconds)
+        admission.retry_pending_releases()  # the maintenance thread, during the wait
+
+    # time.sleep itself: the admission's wait between tries is the first call.
+    monkeypatch.setattr(time, "sleep", heartbeat_meanwhile)
+    # The heartbeat gave the claim's lease back before the next try could: that try still
+    # knows the claim took the parked row, and starts the job afresh.
+    assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken) == "acme:done"
+    assert beats[:1] == [admission.REPLY_RETRY_DELAYS[0]]  # one try after the cut
     assert not SlotLease.objects.exists()

@@ -2,12 +2,8 @@
 planner from Celery beat.
 
 It loads ``django_fair_jobs.plan`` (what a project's ``autodiscover_tasks()`` finds in
-the installed app) and one planned task, and none of the suite's other tasks. Every
-worker process also runs planners on a thread of its own, as often as the shortest
-``enqueue_interval`` of the app's planned tasks allows; with the suite's planned tasks
-(half a second) those threads would promote before beat's first run. Here the only
-planned task has a long interval, so a worker started with a long heartbeat interval
-leaves the first run to beat (see the test).
+the installed app) and one planned task, and none of the suite's other tasks. The test's
+processes run with ``FAIR_JOBS_PLANNER_THREADS = False``, so only beat's runs promote.
 """
 
 from __future__ import annotations
