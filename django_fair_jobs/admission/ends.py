@@ -134,11 +134,12 @@ def retry_pending_releases() -> int:
     return done
 
 
-def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> bool:
+def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
     """Release the leases ``process_id`` may hold for ``task_ids`` from acquires whose
     reply was lost (none where the acquire did not commit), except those of jobs running
-    here now; then wake jobs on the slots freed. One transaction for all of them. True if
-    a lease was released. Raises DatabaseError (the entries stay for the next try)."""
+    here now; then wake jobs on the slots freed. One transaction for all of them. A woken
+    claim's released lease is noted in :data:`_reclaimed`. Raises DatabaseError (the
+    entries stay for the next try)."""
 
     with _holds_lock:
         # A copy that took its slot since holds its own lease; leave it alone.
@@ -163,7 +164,6 @@ def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> bool:
         queue_limits.wake_line(queue_limit_id, limit=1)
     for slot_id in slot_ids:
         slots.wake(slot_id, limit=1)
-    return bool(slot_ids or queue_ids)
 
 
 def drop_task(task_id: str, *, terminated: bool, app: Celery | None = None) -> None:
