@@ -288,9 +288,6 @@ def _reroute(
         warn_missing_tenant(task.name, published=True)
         return task_id
     task_id = task_id or uuid()
-    decision = reroute.count(task, tenant, queue, rules)
-    reroute.apply(
-        decision, options, headers, task_id=task_id, task_name=task.name, tenant=tenant,
-        queue=queue,
-    )  # fmt: skip
+    decision = reroute.count(task, tenant, queue, rules, task_id)
+    reroute.apply(decision, options, headers)
     return task_id

@@ -41,6 +41,7 @@ from django_fair_jobs.errors import (
     RuleError as RuleError,
 )
 from django_fair_jobs.reroute import store as reroute_store
+from django_fair_jobs.reroute.types import Deciding
 from django_fair_jobs.routing import declared_queue, queue_name
 from django_fair_jobs.tenants import for_log
 
@@ -196,15 +197,23 @@ class Decision:
         return {"counts": list(self.counts), "rule": self.index}
 
 
-def count(task: Task[Any, Any], tenant: str, queue: str, rules: Sequence[Rule]) -> Decision:
+def count(
+    task: Task[Any, Any],
+    tenant: str,
+    queue: str,
+    rules: Sequence[Rule],
+    task_id: str | None = None,
+) -> Decision:
     """Record one enqueue of ``tenant`` for ``task`` (declared on ``queue``) and pick the
-    rule that reroutes it, in one statement. Logs each reroute at debug level."""
+    rule that reroutes it, in one statement; with ``task_id``, that statement also
+    records the reroute's decision (see :func:`apply`). Logs each reroute at debug level."""
 
     recorded = reroute_store.record(
         key=counting_key(task, queue),
         tenant=tenant,
         task_name=task.name,
         rules=[(rule.per, rule.threshold, rule.queue) for rule in rules],
+        deciding=None if task_id is None else Deciding(task_id, queue, decisions.enforcing()),
     )
     index = recorded.rule
     rule = None if index is None else rules[index]
@@ -240,28 +249,14 @@ def apply(
     decision: Decision,
     options: dict[str, Any],
     headers: dict[str, Any],
-    *,
-    task_id: str,
-    task_name: str,
-    tenant: str,
-    queue: str,
 ) -> None:
-    """Mark the job as counted and, if a rule matched, send it to the rule's queue and
-    record the reroute (in shadow mode: record it only, the job stays on ``queue``)."""
+    """Mark the job as counted and, if a rule matched, send it to the rule's queue (in
+    shadow mode it stays on its declared queue). The reroute's decision row was stored by
+    :func:`count`, in the statement that counted the job."""
 
     headers[fair_headers.WINDOW] = decision.header()
     rule = decision.rule
-    if rule is None:
-        return
-    index = decision.index or 0
-    enforce = decisions.enforcing()
-    decisions.record(
-        task_id=task_id, task_name=task_name, tenant=tenant, queue=queue,
-        mechanism="reroute", action="rerouted" if enforce else "reroute",
-        detail={"rule": index + 1, "to_queue": rule.queue, "per": rule.per,
-                "threshold": rule.threshold, "count": decision.counts[index]},
-    )  # fmt: skip
-    if not enforce:
+    if rule is None or not decisions.enforcing():
         return
     options["queue"] = rule.queue
     # A caller's routing key or exchange would send it elsewhere than the rule's queue.
@@ -313,13 +308,10 @@ def count_delivered(task: Any, tenant: str, args: tuple[Any, ...], kwargs: dict[
     queue = should_count(task, headers, routing.request_queue(task), args, kwargs)
     if queue is None:
         return False
-    decision = count(task, tenant, queue, task.fair_rules())
+    decision = count(task, tenant, queue, task.fair_rules(), str(request.id))
     options: dict[str, Any] = {}
     marks: dict[str, Any] = {fair_headers.TENANT: tenant}
-    apply(
-        decision, options, marks, task_id=str(request.id), task_name=task.name,
-        tenant=tenant, queue=queue,
-    )  # fmt: skip
+    apply(decision, options, marks)
     if "queue" not in options:
         # It stays: a retry or a park of this run is built from these headers.
         request.headers = {**headers, **marks}

@@ -25,8 +25,8 @@ from django_fair_jobs import db
 from django_fair_jobs.reroute import store_orm
 from django_fair_jobs.reroute.store_orm import current_counts as current_counts
 from django_fair_jobs.reroute.store_orm import database_second as database_second
+from django_fair_jobs.reroute.types import Deciding
 from django_fair_jobs.reroute.types import Recorded as Recorded
-from django_fair_jobs.sql import queries
 
 if TYPE_CHECKING:
     pass
@@ -56,9 +56,7 @@ def _autocommit_connection(alias: str) -> BaseDatabaseWrapper:
 
 def _count_enqueue(connection: BaseDatabaseWrapper, params: dict[str, Any]) -> Any:
     """Run the count of one enqueue on ``connection``; returns (counts, picked rule)."""
-    with connection.cursor() as cursor:
-        cursor.execute(queries()["record_enqueue"], params)
-        return cursor.fetchone()
+    return db.run_on(connection, "record_enqueue", params)[0]
 
 
 def _forget_side_connection(alias: str) -> None:
@@ -85,8 +83,10 @@ def record(
     task_name: str,
     rules: Sequence[tuple[int, int, str]],
     at: datetime | None = None,
+    deciding: Deciding | None = None,
 ) -> Recorded:
-    """Count one enqueue and pick the rule that reroutes it.
+    """Count one enqueue and pick the rule that reroutes it; with ``deciding``, a picked
+    rule's decision row is stored too, in the same statement.
 
     ``rules`` are ``(per, threshold, queue)`` in declaration order. A rule matches when
     the count within its last ``per`` seconds (whole seconds of the database clock,
@@ -98,7 +98,9 @@ def record(
 
     alias = router.db_for_write(TenantWindow)
     if not db.uses_sql(alias):
-        return store_orm.record(key=key, tenant=tenant, task_name=task_name, rules=rules, at=at)
+        return store_orm.record(
+            key=key, tenant=tenant, task_name=task_name, rules=rules, at=at, deciding=deciding
+        )
     params = {
         "key": key,
         "tenant": tenant,
@@ -107,6 +109,9 @@ def record(
         "pers": [per for per, _, _ in rules],
         "thresholds": [threshold for _, threshold, _ in rules],
         "queues": [queue for _, _, queue in rules],
+        "task_id": deciding and deciding.task_id,
+        "declared": deciding and deciding.queue,
+        "enforced": bool(deciding and deciding.enforced),
     }
     connection = _autocommit_connection(alias)
     try:

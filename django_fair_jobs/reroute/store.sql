@@ -16,6 +16,8 @@
 --   Only buckets at least one second old are read, two index probes per rule however
 --   many enqueues the window holds.
 -- * rerouted: one more job sent to the picked rule's queue.
+-- * decided: the reroute's decision row for explain (only when a task id is given), in
+--   the same statement: a rerouted publish costs one round trip, not two.
 -- Old buckets are left to prune_windows, which keeps this statement short.
 WITH counter AS (
     INSERT INTO fair_jobs_tenantwindow AS w (key, tenant, total, last_second, created_at)
@@ -30,7 +32,7 @@ WITH counter AS (
     SELECT id, last_second, total FROM counter
     ON CONFLICT (window_id, second) DO UPDATE SET cum = GREATEST(b.cum, EXCLUDED.cum)
 ), counts AS (
-    SELECT r.ord, r.threshold, r.queue,
+    SELECT r.ord, r.per, r.threshold, r.queue,
            c.total - COALESCE((
                SELECT b.cum FROM fair_jobs_windowbucket AS b
                 WHERE b.window_id = c.id AND b.second < c.last_second - r.per
@@ -46,6 +48,17 @@ WITH counter AS (
     SELECT %(tenant)s, %(task_name)s, queue, 1, now(), now() FROM picked
     ON CONFLICT (tenant, task_name, queue) DO UPDATE
        SET total = rc.total + 1, last_at = now()
+), decided AS (
+    INSERT INTO fair_jobs_jobdecision
+           (at, task_id, task_name, tenant, queue, mechanism, action, enforced, detail)
+    SELECT now(), %(task_id)s::text, %(task_name)s::text, %(tenant)s::text,
+           %(declared)s::text, 'reroute',
+           CASE WHEN %(enforced)s::boolean THEN 'rerouted' ELSE 'reroute' END,
+           %(enforced)s::boolean,
+           jsonb_build_object('rule', c.ord, 'to_queue', c.queue, 'per', c.per,
+                              'threshold', c.threshold, 'count', c.n)
+      FROM picked AS p JOIN counts AS c ON c.ord = p.ord
+     WHERE %(task_id)s::text IS NOT NULL
 )
 SELECT (SELECT array_agg(n ORDER BY ord) FROM counts), (SELECT ord FROM picked);
 

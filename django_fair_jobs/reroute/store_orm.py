@@ -15,7 +15,7 @@ from django.db.models import F
 from django.db.models.functions import Greatest, Now
 
 from django_fair_jobs import db
-from django_fair_jobs.reroute.types import Recorded
+from django_fair_jobs.reroute.types import Deciding, Recorded
 
 if TYPE_CHECKING:
     from django_fair_jobs.models import TenantWindow
@@ -28,12 +28,37 @@ def record(
     task_name: str,
     rules: Sequence[tuple[int, int, str]],
     at: datetime | None = None,
+    deciding: Deciding | None = None,
 ) -> Recorded:
     """See :func:`django_fair_jobs.reroute.store.record`."""
     from django_fair_jobs.models import TenantWindow
 
     with transaction.atomic(using=router.db_for_write(TenantWindow)):
-        return _record(key, tenant, task_name, rules, at)
+        recorded = _record(key, tenant, task_name, rules, at)
+        if deciding is not None and recorded.rule is not None:
+            _decide(deciding, tenant, task_name, rules[recorded.rule], recorded)
+        return recorded
+
+
+def _decide(
+    deciding: Deciding,
+    tenant: str,
+    task_name: str,
+    rule: tuple[int, int, str],
+    recorded: Recorded,
+) -> None:
+    """Store the reroute's decision row, as ``record_enqueue`` does on PostgreSQL."""
+    from django_fair_jobs.models import JobDecision
+
+    index = recorded.rule or 0
+    per, threshold, queue = rule
+    JobDecision.objects.create(
+        task_id=deciding.task_id, task_name=task_name, tenant=tenant, queue=deciding.queue,
+        mechanism="reroute", action="rerouted" if deciding.enforced else "reroute",
+        enforced=deciding.enforced,
+        detail={"rule": index + 1, "to_queue": queue, "per": per, "threshold": threshold,
+                "count": recorded.counts[index]},
+    )  # fmt: skip
 
 
 def _record(

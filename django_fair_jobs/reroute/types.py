@@ -13,3 +13,14 @@ class Recorded:
 
     counts: tuple[int, ...]
     rule: int | None
+
+
+@dataclass(frozen=True)
+class Deciding:
+    """The job an enqueue counts for: if a rule reroutes it, its decision row (for
+    explain) is stored by the same statement that counts it. ``queue`` is the declared
+    queue the job was published to; ``enforced`` is False in shadow mode."""
+
+    task_id: str
+    queue: str
+    enforced: bool

@@ -17,7 +17,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_fair_jobs import FairTask
 from django_fair_jobs.checks import check_task_rules
-from django_fair_jobs.models import RerouteCount, TenantWindow, WindowBucket
+from django_fair_jobs.models import JobDecision, RerouteCount, TenantWindow, WindowBucket
 from django_fair_jobs.reroute import HEADER, RuleError, parse_rules, prune
 from django_fair_jobs.reroute import store as reroute_store
 from django_fair_jobs.reroute.store import Recorded
@@ -279,6 +279,29 @@ def test_publish__third_job_in_a_minute_goes_to_the_slow_queue(
         {"counts": [3], "rule": 0},
     ]
     assert RerouteCount.objects.get(tenant="acme").total == 2
+
+
+@pytest.mark.parametrize("enforce", [True, False])
+def test_publish__rerouted_job__one_statement_counts_it_and_records_its_decision(
+    published: list[tuple[str, dict[str, Any]]], enforce: bool
+) -> None:
+    for _ in range(2):
+        tasks.rerouted.delay("acme")
+    with override_settings(FAIR_JOBS_ENFORCE=enforce), CaptureQueriesContext(connection) as sql:
+        result = tasks.rerouted.delay("acme")
+    assert queues_of(published)[-1] == ("fair_slow" if enforce else "fair")
+    decision = JobDecision.objects.get(task_id=result.id)
+    assert (decision.mechanism, decision.action, decision.enforced, decision.queue) == (
+        "reroute", "rerouted" if enforce else "reroute", enforce, "fair",
+    )  # fmt: skip
+    assert (decision.tenant, decision.task_name) == ("acme", tasks.rerouted.name)
+    assert decision.detail == {
+        "rule": 1, "to_queue": "fair_slow", "per": 60, "threshold": 2, "count": 3,
+    }  # fmt: skip
+    assert JobDecision.objects.count() == 1  # the first two stayed: no decision
+    if runs_sql():
+        # The count, the reroute's tally and the decision: one round trip.
+        assert len(sql) == 1, [q["sql"][:80] for q in sql]
 
 
 def test_publish__signatures_and_explicit_tenant_pass_through(
