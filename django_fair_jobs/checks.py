@@ -33,6 +33,7 @@ Ids are stable:
   ``fair_dispatch`` option is (unknown key, ``tenant_weights`` not a callable).
 * ``fair_jobs.E020`` ``FAIR_JOBS_TENANT_RESOLVER`` does not import, is not callable, or
   cannot be called as ``resolver(task, args, kwargs)``.
+* ``fair_jobs.E021`` ``FAIR_JOBS_PREPARED_STATEMENTS`` is not True or False.
 * ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
   (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
   worker consumes it.
@@ -158,6 +159,12 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "fair_jobs.E016",
         lambda v: isinstance(v, bool),
         "True or False (False: planners run only from the django_fair_jobs.plan task)",
+    ),
+    (
+        "PREPARED_STATEMENTS",
+        "fair_jobs.E021",
+        lambda v: isinstance(v, bool),
+        "True or False (False: behind PgBouncer before 1.21, or without max_prepared_statements)",
     ),
     (
         "PLANNER_QUEUE",

@@ -238,6 +238,15 @@ class Settings:
         return value
 
     @property
+    def PREPARED_STATEMENTS(self) -> bool:
+        """True: on PostgreSQL with psycopg 3, the library's statements are prepared on
+        each connection (planned once). Set False behind a transaction pooler that does
+        not keep prepared statements (PgBouncer before 1.21, or without
+        ``max_prepared_statements``). Default True."""
+        value: bool = self._get("PREPARED_STATEMENTS", True, _boolean)
+        return value
+
+    @property
     def PLANNER_LOCK_TTL(self) -> float:
         """Default ``planner_lock_ttl`` (seconds) of a ``fair_plan``: a planner run holds its
         task's lock at most this long. Default 60."""

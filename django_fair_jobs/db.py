@@ -8,9 +8,21 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import connections, models, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Now
 
+from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.sql import queries
+
+try:
+    import psycopg
+except ImportError:  # psycopg2 only: the named statements run unprepared
+    psycopg = None  # type: ignore[assignment]
+
+NOT_BY_COUNT = 2**31 - 1
+"""The ``prepare_threshold`` a connection gets where Django left it off (None, its default):
+psycopg then prepares what is asked to be prepared (the library's named statements) and,
+in practice, nothing else by count, as before."""
 
 
 def after_commit(action: Callable[[], object], using: str) -> bool:
@@ -44,9 +56,85 @@ def uses_sql(alias: str) -> bool:
 def run(alias: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     """Run the named statement ``name`` (see :func:`django_fair_jobs.sql.queries`) and return
     its rows."""
-    with connections[alias].cursor() as cursor:
+    return run_on(connections[alias], name, params)
+
+
+def run_on(
+    connection: BaseDatabaseWrapper, name: str, params: dict[str, Any]
+) -> list[tuple[Any, ...]]:
+    """Run the named statement ``name`` on ``connection`` and return its rows: prepared on
+    PostgreSQL with psycopg 3 (planned once per connection) unless
+    ``FAIR_JOBS_PREPARED_STATEMENTS`` is off."""
+    with statement_cursor(connection) as cursor:
         cursor.execute(queries()[name], params)
         return list(cursor.fetchall())
+
+
+def statement_cursor(connection: BaseDatabaseWrapper) -> Any:
+    """A cursor for the library's named statements on ``connection``.
+
+    Planning is most of a named statement's server time (the slot's acquire: 0.3 ms to
+    plan, 0.07 ms to run), so on PostgreSQL with psycopg 3 each is prepared on the
+    connection the first time it runs there and only executed after that. The cursor
+    binds its parameters on the server (as ``server_side_binding`` does) and goes
+    through Django's cursor wrapper, so query logging, ``execute_wrapper`` and the
+    database error classes are the same as for any other statement. Prepared statements
+    live on one server connection: behind a transaction pooler they need PgBouncer 1.21
+    or later with ``max_prepared_statements`` set; turn them off with
+    ``FAIR_JOBS_PREPARED_STATEMENTS = False`` for older poolers."""
+    if (
+        psycopg is None
+        or connection.vendor != "postgresql"
+        or not fair_settings.PREPARED_STATEMENTS
+    ):
+        return connection.cursor()
+    # What Django's own cursor() does before it hands out a cursor.
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    connection.validate_thread_sharing()
+    raw = connection.connection
+    cursor: Any
+    with connection.wrap_database_errors:
+        if raw.prepare_threshold is None:
+            raw.prepare_threshold = NOT_BY_COUNT
+        cursor = _Preparing(raw)
+        _same_time_zone(connection, cursor)
+    if connection.queries_logged:
+        return connection.make_debug_cursor(cursor)
+    return connection.make_cursor(cursor)
+
+
+def _same_time_zone(connection: Any, cursor: Any) -> None:
+    """Load timestamps in the connection's time zone, as Django's cursors do."""
+    from django.db.backends.postgresql.psycopg_any import register_tzloader
+    from psycopg.pq import Format
+
+    tzloader = connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT)
+    if connection.timezone != tzloader.timezone:
+        register_tzloader(connection.timezone, cursor)
+
+
+TIMESTAMPTZ_OID = 1184
+"""PostgreSQL's type oid of ``timestamptz``."""
+
+
+if psycopg is not None:
+
+    class _Preparing(psycopg.Cursor[Any]):
+        """A server-binding cursor that prepares every statement it executes."""
+
+        def execute(
+            self,
+            query: Any,
+            params: Any = None,
+            *,
+            prepare: bool | None = None,
+            binary: bool | None = None,
+        ) -> Any:
+            """Execute ``query``, prepared unless ``prepare=False`` is passed."""
+            return super().execute(
+                query, params, prepare=True if prepare is None else prepare, binary=binary
+            )
 
 
 def database_now(alias: str = "default") -> datetime:

@@ -361,3 +361,9 @@ def test_old_task_option_names__set_on_a_task_after_it_is_defined__still_work() 
                 task.__dict__.pop(name, None)
             else:
                 task.__dict__[name] = value
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_e021__prepared_statements_is_a_bool(value: Any) -> None:
+    assert ids(FAIR_JOBS_PREPARED_STATEMENTS=value) == ["fair_jobs.E021"]
+    assert ids(FAIR_JOBS_PREPARED_STATEMENTS=False) == []

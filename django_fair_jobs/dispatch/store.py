@@ -8,11 +8,11 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import transaction
 
+from django_fair_jobs import db
 from django_fair_jobs.dispatch.models import DISPATCHED, RUNNING
 from django_fair_jobs.dispatch.types import BATCH, Job, Ready, Started
-from django_fair_jobs.sql import queries
 
 MAX_BACKOFF = 60.0
 """Longest wait before a job whose publish failed is tried again (seconds)."""
@@ -26,9 +26,7 @@ class Store:
 
     def _rows(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run the named statement ``name`` (see :func:`django_fair_jobs.sql.queries`)."""
-        with connections[self.alias].cursor() as cursor:
-            cursor.execute(queries()[name], params)
-            return list(cursor.fetchall())
+        return db.run(self.alias, name, params)
 
     @staticmethod
     def _ready(rows: list[tuple[Any, ...]]) -> list[Ready]:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from celery.result import AsyncResult
 from django.db import DatabaseError, connection
+from django.test import override_settings
 
 from django_fair_jobs.dispatch.models import DispatchJob, DispatchTenant
 from django_fair_jobs.models import ParkedJob, PlannedJob, SlotLease, TenantQueueSlot
@@ -59,9 +60,11 @@ def pgbouncer(tmp_path: Path) -> Iterator[PgBouncer]:
 
 def through(bouncer: PgBouncer, options: dict[str, Any] | None = None) -> dict[str, str]:
     """The environment of a worker process whose connections go through ``bouncer``, with
-    the psycopg ``options`` and the connections kept open."""
+    the psycopg ``options``, the connections kept open and the library's statements not
+    prepared (PgBouncer 1.18 keeps no prepared statement)."""
     return {
         "DJANGO_SETTINGS_MODULE": "tests.deploy.pgbouncer_settings",
+        "FAIR_JOBS_PREPARED_STATEMENTS": "false",
         "DATABASE_URL": bouncer.url(connection.settings_dict["NAME"]),
         "FAIR_JOBS_TEST_DB_OPTIONS": json.dumps(options or {}),
         **KEEP_CONNECTIONS,
@@ -69,14 +72,18 @@ def through(bouncer: PgBouncer, options: dict[str, Any] | None = None) -> dict[s
 
 
 @contextlib.contextmanager
-def publishing_through(bouncer: PgBouncer, options: dict[str, Any]) -> Iterator[None]:
+def publishing_through(
+    bouncer: PgBouncer, options: dict[str, Any], *, prepared: bool = False
+) -> Iterator[None]:
     """This process's own connection (what publishes and what the test reads) goes through
-    ``bouncer`` with ``options`` until the block ends."""
+    ``bouncer`` with ``options`` until the block ends, the library's statements prepared
+    or not (``FAIR_JOBS_PREPARED_STATEMENTS``)."""
     saved = dict(connection.settings_dict)
     connection.close()
     connection.settings_dict.update(HOST="127.0.0.1", PORT=bouncer.port, OPTIONS=options)
     try:
-        yield
+        with override_settings(FAIR_JOBS_PREPARED_STATEMENTS=prepared):
+            yield
     finally:
         connection.close()
         connection.settings_dict.clear()
@@ -189,11 +196,20 @@ def test_restart_mid_run__nothing_lost__limit_held(
     assert_all_released("r")
 
 
-@pytest.mark.parametrize("prepare_threshold", [None, 0], ids=["django_default", "prepared"])
+@pytest.mark.parametrize(
+    ("prepare_threshold", "prepared", "breaks"),
+    [(None, False, False), (0, False, True), (None, True, True)],
+    ids=["django_default", "psycopg_prepares", "library_prepares"],
+)
 def test_server_side_binding__prepared_statements__break_only_when_turned_on(
-    pgbouncer: PgBouncer, in_process_worker: uuid.UUID, prepare_threshold: int | None
+    pgbouncer: PgBouncer,
+    in_process_worker: uuid.UUID,
+    prepare_threshold: int | None,
+    prepared: bool,
+    breaks: bool,
 ) -> None:
-    # psycopg prepares a statement on its session after prepare_threshold runs; PgBouncer
+    # psycopg prepares a statement on its session after prepare_threshold runs, and the
+    # library prepares its own unless FAIR_JOBS_PREPARED_STATEMENTS is off; PgBouncer
     # 1.18 hands the next transaction another server connection, which lacks it or holds
     # another client's statement of the same name. Django leaves the threshold at None.
     options = {"server_side_binding": True, "prepare_threshold": prepare_threshold}
@@ -213,13 +229,13 @@ def test_server_side_binding__prepared_statements__break_only_when_turned_on(
         finally:
             connection.close()  # this thread's own client connection
 
-    with publishing_through(pgbouncer, options):
+    with publishing_through(pgbouncer, options, prepared=prepared):
         threads = [threading.Thread(target=acquire_and_release, args=(f"t{i}",)) for i in range(3)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(60)
-    if prepare_threshold is None:
+    if not breaks:
         assert errors == []
     else:
         assert errors, "PgBouncer 1.18 kept psycopg's prepared statements apart"
