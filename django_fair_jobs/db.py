@@ -93,6 +93,8 @@ def statement_cursor(connection: BaseDatabaseWrapper) -> Any:
     connection.ensure_connection()
     connection.validate_thread_sharing()
     raw = connection.connection
+    if not isinstance(raw, psycopg.Connection):  # psycopg2 installed beside psycopg 3
+        return connection.cursor()
     cursor: Any
     with connection.wrap_database_errors:
         if raw.prepare_threshold is None:

@@ -1,0 +1,222 @@
+"""``manage.py bench_costs``: what each step of a job costs, from Python and inside PostgreSQL.
+
+Needs PostgreSQL (``DATABASE_URL=postgres://...``). For each step the library takes on a
+job's path (the slot's acquire and release, rerouting's count, fair dispatch's enqueue,
+start and end, the heartbeat), on one warm connection of this process, with no broker:
+
+1. **Round trips**: the statements the step sends, counted with Django's query capture.
+2. **Client time**: wall time per call from Python, the round trip and the commit included,
+   with the library's statements prepared (``FAIR_JOBS_PREPARED_STATEMENTS``, the default)
+   and without, measured in interleaved rounds.
+3. **Server time**: ``EXPLAIN (ANALYZE)`` of the step's statement in a transaction that is
+   rolled back, split into planning (what preparing saves) and execution.
+
+Every figure is the median of the rounds. Tables and rows are the benchmark database's; the
+command removes what it made.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connection, transaction
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+
+from django_fair_jobs import dispatch, identity
+from django_fair_jobs.dispatch.models import DispatchJob, DispatchTenant
+from django_fair_jobs.dispatch.types import Job
+from django_fair_jobs.models import JobDecision, SlotLease, TenantQueueSlot, TenantWindow
+from django_fair_jobs.reroute import store as reroute_store
+from django_fair_jobs.reroute.types import Deciding
+from django_fair_jobs.slots import store as slot_store
+from django_fair_jobs.sql import queries
+
+Explain = Callable[[str, dict[str, Any]], None]
+"""Runs one named statement under ``EXPLAIN (ANALYZE)`` and adds up its times."""
+
+QUEUE = "bench.costs"
+RULES = [(86_400, 1000, "bench.costs.slow"), (60, 20, "bench.costs.slow")]
+
+
+class Command(BaseCommand):
+    help = "Measure each step of a job: round trips, client time, server planning and execution."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--calls", type=int, default=1000, help="Calls per step per round.")
+        parser.add_argument("--rounds", type=int, default=3, help="Interleaved rounds.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if connection.vendor != "postgresql":
+            raise CommandError("bench_costs needs PostgreSQL: set DATABASE_URL=postgres://...")
+        call_command("migrate", verbosity=0)
+        calls, rounds = options["calls"], options["rounds"]
+        self.process_id = uuid.uuid4()
+        identity.register_process(
+            process_id=self.process_id, node="costs@bench", hostname="bench", pid=1,
+            queues=[QUEUE], concurrency=10**6,
+        )  # fmt: skip
+        dispatch.refresh_capacity(slack_per_node=0, timeout=600)
+        try:
+            self._measure(calls, rounds)
+        finally:
+            self._clean()
+
+    def _measure(self, calls: int, rounds: int) -> None:
+        steps: list[tuple[str, Callable[[int], Any], Callable[[Explain], None] | None]] = [
+            ("slots: acquire + release", self._slot_pair, self._pair_statements),
+            ("reroute: count (2 rules, rerouted)", self._count, self._count_statement),
+            ("dispatch: enqueue", self._enqueue, self._enqueue_statement),
+            (
+                "dispatch: enqueue + start + end, dispatched at once",
+                self._start_end,
+                self._run_statements,
+            ),
+            ("heartbeat (an ORM update)", lambda i: identity.beat(self.process_id), None),
+        ]
+        self.stdout.write(
+            "| step | statements | client ms, prepared | client ms, not prepared "
+            "| server planning ms | server execution ms |"
+        )
+        self.stdout.write("|---|---|---|---|---|---|")
+        for label, step, statement in steps:
+            with CaptureQueriesContext(connection) as captured:
+                step(0)
+            timed: dict[bool, list[float]] = {True: [], False: []}
+            for r in range(rounds):
+                for prepared in (True, False) if r % 2 == 0 else (False, True):
+                    timed[prepared].append(self._time(step, calls, prepared))
+            server = "| - | - |"
+            if statement is not None:
+                planning, execution = self._server(statement)
+                server = f"| {planning:.3f} | {execution:.3f} |"
+            self.stdout.write(
+                f"| {label} | {len(captured)} | {statistics.median(timed[True]):.3f} "
+                f"| {statistics.median(timed[False]):.3f} {server}"
+            )
+
+    def _time(self, step: Callable[[int], Any], calls: int, prepared: bool) -> float:
+        """Milliseconds per call of ``step``, after a warm-up that prepares what it runs."""
+        with override_settings(FAIR_JOBS_PREPARED_STATEMENTS=prepared):
+            for i in range(20):
+                step(i)
+            started = time.perf_counter()
+            for i in range(calls):
+                step(i)
+            return (time.perf_counter() - started) / calls * 1000
+
+    def _server(self, statements: Callable[[Explain], None]) -> tuple[float, float]:
+        """Median planning and execution times (ms), summed over the step's statements, of
+        ``EXPLAIN (ANALYZE)`` of each in a transaction rolled back."""
+        plans, runs = [], []
+        for _ in range(21):
+            times = [0.0, 0.0]
+
+            def explain(name: str, params: dict[str, Any], times: list[float] = times) -> None:
+                with connection.cursor() as cursor:
+                    cursor.execute("EXPLAIN (ANALYZE, SUMMARY) " + queries()[name], params)
+                    lines = [row[0] for row in cursor.fetchall()]
+                times[0] += _ms(lines, "Planning Time")
+                times[1] += _ms(lines, "Execution Time")
+
+            with transaction.atomic():
+                statements(explain)
+                transaction.set_rollback(True)
+            plans.append(times[0])
+            runs.append(times[1])
+        return statistics.median(plans), statistics.median(runs)
+
+    # -- the steps -------------------------------------------------------------------------
+
+    def _slot_pair(self, i: int) -> None:
+        acquired = slot_store.try_acquire(
+            tenant="acme", queue=QUEUE, task_id=str(uuid.uuid4()), limit=10**6,
+            process_id=self.process_id, timeout=600,
+        )  # fmt: skip
+        if acquired.grant is None:
+            raise CommandError(f"the slot was not acquired: {acquired}")
+        slot_store.release(acquired.grant)
+
+    def _pair_statements(self, explain: Explain) -> None:
+        task_id, token = str(uuid.uuid4()), uuid.uuid4()
+        explain("acquire", {
+            "tenant": "acme", "queue": QUEUE, "task_id": task_id, "limit": 10**6,
+            "process_id": self.process_id, "token": token, "timeout": 600, "woken": False,
+        })  # fmt: skip
+        slot_id = SlotLease.objects.get(task_id=task_id).slot_id
+        explain("release", {"slot_id": slot_id, "task_id": task_id, "token": token})
+
+    def _count(self, i: int) -> None:
+        reroute_store.record(
+            key=f"task:{QUEUE}", tenant="acme", task_name="bench.costs", rules=RULES,
+            deciding=Deciding(str(uuid.uuid4()), QUEUE, True),
+        )  # fmt: skip
+
+    def _count_statement(self, explain: Explain) -> None:
+        explain("record_enqueue", {
+            "key": f"task:{QUEUE}", "tenant": "acme", "task_name": "bench.costs", "at": None,
+            "pers": [per for per, _, _ in RULES], "thresholds": [t for _, t, _ in RULES],
+            "queues": [q for _, _, q in RULES], "task_id": str(uuid.uuid4()),
+            "declared": QUEUE, "enforced": True,
+        })  # fmt: skip
+
+    def _job(self, tenant: str = "acme") -> Job:
+        return Job(
+            queue=QUEUE, tenant=tenant, task_name="bench.costs", task_id=str(uuid.uuid4()),
+            signature="{}", not_before=None, weight=None, cap=None,
+        )  # fmt: skip
+
+    def _enqueue(self, i: int) -> None:
+        # Another tenant each time, with no free capacity: the job waits in its line, as a
+        # flood's would; the rows go at the end.
+        dispatch.enqueue(self._job(tenant=f"e{i % 100}"))
+
+    def _enqueue_statement(self, explain: Explain) -> None:
+        explain("dispatch_enqueue", self._enqueue_params(QUEUE + ".full"))
+
+    def _enqueue_params(self, queue: str) -> dict[str, Any]:
+        job = self._job()
+        return {
+            "queue": queue, "tenant": job.tenant, "task_name": job.task_name,
+            "task_id": job.task_id, "signature": job.signature, "not_before": None,
+            "weight": None, "cap": None,
+        }  # fmt: skip
+
+    def _start_end(self, i: int) -> None:
+        ready = dispatch.enqueue(self._job(tenant="run"))
+        if not ready:
+            raise CommandError("the job was not dispatched: no capacity")
+        job_id = ready[0].job_id
+        dispatch.start(job_id, self.process_id)
+        dispatch.end(job_id, self.process_id)
+
+    def _run_statements(self, explain: Explain) -> None:
+        params = self._enqueue_params(QUEUE)
+        explain("dispatch_enqueue", params)
+        job_id = DispatchJob.objects.get(task_id=params["task_id"]).pk
+        explain("dispatch_start", {"job": job_id, "process": self.process_id})
+        explain("dispatch_end", {
+            "job": job_id, "process": self.process_id, "ended": True, "delay": 0.0, "max": 100,
+        })  # fmt: skip
+
+    def _clean(self) -> None:
+        SlotLease.objects.filter(process_id=self.process_id).delete()
+        TenantQueueSlot.objects.filter(queue=QUEUE).delete()
+        TenantWindow.objects.filter(key=f"task:{QUEUE}").delete()
+        JobDecision.objects.filter(queue=QUEUE).delete()
+        DispatchJob.objects.filter(queue__startswith=QUEUE).delete()
+        DispatchTenant.objects.filter(queue__startswith=QUEUE).delete()
+        identity.retire_process(self.process_id)
+
+
+def _ms(lines: list[str], label: str) -> float:
+    for line in lines:
+        if line.startswith(label):
+            return float(line.split(":")[1].split()[0])
+    raise CommandError(f"EXPLAIN gave no {label}")
