@@ -23,7 +23,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
 from bench.runner import BenchError, check_services, delete_queue
-from django_fair_jobs.models import RerouteCount, TenantWindow, WindowBucket
+from django_fair_jobs.models import JobDecision, RerouteCount, TenantWindow, WindowBucket
 from django_fair_jobs.reroute import store as reroute_store
 from example.celery import app
 
@@ -109,6 +109,7 @@ class Command(BaseCommand):
         WindowBucket.objects.all().delete()
         TenantWindow.objects.all().delete()
         RerouteCount.objects.all().delete()
+        JobDecision.objects.filter(mechanism="reroute", task_name=TASK).delete()
 
     def _compare(
         self, rounds: int, first: Callable[[int], float], second: Callable[[int], float]

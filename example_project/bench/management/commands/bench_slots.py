@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection, connections
@@ -91,10 +92,10 @@ def _pgbench(script: str, clients: int, seconds: float, mode: str = "simple") ->
 
 
 def _python_worker(args: tuple[int, float, str, bool]) -> int:
-    index, seconds, process_id, server_side = args
+    index, seconds, process_id, prepared = args
     connections.close_all()  # a fresh connection per process, never a forked one
-    options = connections["default"].settings_dict.setdefault("OPTIONS", {})
-    options["server_side_binding"] = server_side
+    # This forked process's own settings: the library's statements prepared or not.
+    settings.FAIR_JOBS_PREPARED_STATEMENTS = prepared
     pairs = 0
     deadline = time.monotonic() + seconds
     pid = uuid.UUID(process_id)
@@ -205,12 +206,12 @@ class Command(BaseCommand):
         lib_prepared = _pgbench(script, clients, seconds, mode="prepared")
         connections.close_all()
         python: dict[bool, float] = {}
-        for server_side in (False, True):
+        for prepared in (True, False):
             with multiprocessing.get_context("fork").Pool(clients) as pool:
                 counts = pool.map(
-                    _python_worker, [(i, seconds, str(pid), server_side) for i in range(clients)]
+                    _python_worker, [(i, seconds, str(pid), prepared) for i in range(clients)]
                 )
-            python[server_side] = sum(counts) / seconds
+            python[prepared] = sum(counts) / seconds
         with connection.cursor() as cursor:
             cursor.execute("DROP TABLE IF EXISTS bench_raw_slot")
         left = TenantQueueSlot.objects.get(tenant="hot", queue="bench").current_jobs
@@ -224,8 +225,8 @@ class Command(BaseCommand):
             ("raw conditional UPDATE pair (pgbench -M prepared)", raw_prepared),
             ("library SQL: acquire + release with lease (pgbench)", lib_sql),
             ("library SQL (pgbench -M prepared)", lib_prepared),
-            (f"library from Python, {clients} processes, Django defaults", python[False]),
-            (f"library from Python, {clients} processes, server_side_binding", python[True]),
+            (f"library from Python, {clients} processes, prepared (the default)", python[True]),
+            (f"library from Python, {clients} processes, not prepared", python[False]),
         ]:
             self.stdout.write(f"| {name} | {value:,.0f} | {value / raw:.2f} |")
         self.stdout.write(f"\nSlot counter after the run: {left} (must be 0).")
