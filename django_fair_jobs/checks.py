@@ -164,7 +164,7 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "PREPARED_STATEMENTS",
         "fair_jobs.E021",
         lambda v: isinstance(v, bool),
-        "True or False (False: behind PgBouncer before 1.21, or without max_prepared_statements)",
+        "True or False (False: behind PgBouncer before 1.22, or without max_prepared_statements)",
     ),
     (
         "PLANNER_QUEUE",

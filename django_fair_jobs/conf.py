@@ -241,7 +241,7 @@ class Settings:
     def PREPARED_STATEMENTS(self) -> bool:
         """True: on PostgreSQL with psycopg 3, the library's statements are prepared on
         each connection (planned once). Set False behind a transaction pooler that does
-        not keep prepared statements (PgBouncer before 1.21, or without
+        not keep prepared statements (PgBouncer before 1.22, or without
         ``max_prepared_statements``). Default True."""
         value: bool = self._get("PREPARED_STATEMENTS", True, _boolean)
         return value

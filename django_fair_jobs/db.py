@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import connections, models, transaction
+from django.db import ProgrammingError, connections, models, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Now
 
@@ -18,11 +19,6 @@ try:
     import psycopg
 except ImportError:  # psycopg2 only: the named statements run unprepared
     psycopg = None  # type: ignore[assignment]
-
-NOT_BY_COUNT = 2**31 - 1
-"""The ``prepare_threshold`` a connection gets where Django left it off (None, its default):
-psycopg then prepares what is asked to be prepared (the library's named statements) and,
-in practice, nothing else by count, as before."""
 
 
 def after_commit(action: Callable[[], object], using: str) -> bool:
@@ -63,25 +59,51 @@ def run_on(
     connection: BaseDatabaseWrapper, name: str, params: dict[str, Any]
 ) -> list[tuple[Any, ...]]:
     """Run the named statement ``name`` on ``connection`` and return its rows: prepared on
-    PostgreSQL with psycopg 3 (planned once per connection) unless
-    ``FAIR_JOBS_PREPARED_STATEMENTS`` is off."""
-    with statement_cursor(connection) as cursor:
-        cursor.execute(queries()[name], params)
-        return list(cursor.fetchall())
+    PostgreSQL with psycopg 3 from its second run on a connection (planned once there)
+    unless ``FAIR_JOBS_PREPARED_STATEMENTS`` is off."""
+    for attempt in (1, 2):
+        try:
+            with statement_cursor(connection) as cursor:
+                cursor.execute(queries()[name], params)
+                return list(cursor.fetchall())
+        except ProgrammingError as exc:
+            # The session lost the connection's prepared statements behind psycopg's back
+            # (a DISCARD ALL or DEALLOCATE of the caller's, a pooler's reset): psycopg's
+            # record of them is dropped, and in autocommit, where the failed statement
+            # changed nothing, it runs once more and is prepared afresh.
+            if not _lost_prepared(connection, exc) or attempt == 2:
+                raise
+            if connection.in_atomic_block:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _lost_prepared(connection: BaseDatabaseWrapper, exc: Exception) -> bool:
+    """Whether ``exc`` says a prepared statement is missing; if so, forget them all."""
+    cause = exc.__cause__
+    if psycopg is None or not isinstance(cause, psycopg.errors.InvalidSqlStatementName):
+        return False
+    raw = connection.connection
+    if isinstance(raw, psycopg.Connection):
+        raw._prepared.clear()  # psycopg's own bookkeeping; no public way to reset it
+    return True
 
 
 def statement_cursor(connection: BaseDatabaseWrapper) -> Any:
     """A cursor for the library's named statements on ``connection``.
 
     Planning is most of a named statement's server time (the slot's acquire: 0.3 ms to
-    plan, 0.07 ms to run), so on PostgreSQL with psycopg 3 each is prepared on the
-    connection the first time it runs there and only executed after that. The cursor
-    binds its parameters on the server (as ``server_side_binding`` does) and goes
+    plan, 0.07 ms to run), so on PostgreSQL with psycopg 3 each is prepared on a
+    connection the second time it runs there (a connection used once, as with
+    ``CONN_MAX_AGE = 0``, never pays for preparing) and only executed after that. The
+    cursor binds its parameters on the server (as ``server_side_binding`` does) and goes
     through Django's cursor wrapper, so query logging, ``execute_wrapper`` and the
-    database error classes are the same as for any other statement. Prepared statements
-    live on one server connection: behind a transaction pooler they need PgBouncer 1.21
-    or later with ``max_prepared_statements`` set; turn them off with
-    ``FAIR_JOBS_PREPARED_STATEMENTS = False`` for older poolers."""
+    database error classes are the same as for any other statement. Django's own queries
+    are left alone: the connection's ``prepare_threshold`` (None unless ``OPTIONS`` sets
+    it) is raised only while a library statement runs. Prepared statements live on one
+    server connection: behind a transaction pooler they need PgBouncer 1.22 or later with
+    ``max_prepared_statements`` set; turn them off with ``FAIR_JOBS_PREPARED_STATEMENTS =
+    False`` for older poolers."""
     if (
         psycopg is None
         or connection.vendor != "postgresql"
@@ -97,8 +119,6 @@ def statement_cursor(connection: BaseDatabaseWrapper) -> Any:
         return connection.cursor()
     cursor: Any
     with connection.wrap_database_errors:
-        if raw.prepare_threshold is None:
-            raw.prepare_threshold = NOT_BY_COUNT
         cursor = _Preparing(raw)
         _same_time_zone(connection, cursor)
     if connection.queries_logged:
@@ -119,11 +139,25 @@ def _same_time_zone(connection: Any, cursor: Any) -> None:
 TIMESTAMPTZ_OID = 1184
 """PostgreSQL's type oid of ``timestamptz``."""
 
+PREPARE_AT = 1
+"""The ``prepare_threshold`` while a library statement runs, where the connection's own is
+None (Django's default): psycopg prepares a statement once it has run this many times on
+the connection, so at its second run there."""
+
+
+@dataclass(frozen=True)
+class _Shown:
+    """What Django's query log reads of a cursor's last statement (``_query.query``),
+    which psycopg does not keep for a prepared statement."""
+
+    query: bytes
+
 
 if psycopg is not None:
 
     class _Preparing(psycopg.Cursor[Any]):
-        """A server-binding cursor that prepares every statement it executes."""
+        """A server-binding cursor that prepares the statements it runs from their second
+        run on its connection, without changing how the connection runs other queries."""
 
         def execute(
             self,
@@ -133,10 +167,19 @@ if psycopg is not None:
             prepare: bool | None = None,
             binary: bool | None = None,
         ) -> Any:
-            """Execute ``query``, prepared unless ``prepare=False`` is passed."""
-            return super().execute(
-                query, params, prepare=True if prepare is None else prepare, binary=binary
-            )
+            """Execute ``query``, counted by psycopg towards its preparation."""
+            raw = self.connection
+            threshold = raw.prepare_threshold
+            if threshold is None:
+                raw.prepare_threshold = PREPARE_AT
+            try:
+                done = super().execute(query, params, prepare=prepare, binary=binary)
+            finally:
+                if threshold is None:
+                    raw.prepare_threshold = None
+            if self._query is None:
+                self._query = _Shown(str(query).encode())  # type: ignore[assignment]
+            return done
 
 
 def database_now(alias: str = "default") -> datetime:

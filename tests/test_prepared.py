@@ -53,8 +53,35 @@ def test_on__acquire_and_release_are_prepared_once__and_still_captured(
         for _ in range(3):
             acquire_and_release(process_id)
     assert len(captured) == 6  # one acquire and one release per job, all seen by Django
+    assert all("fair_jobs_slotlease" in (query["sql"] or "") for query in captured), captured
     prepared = prepared_on_connection()
     assert len([s for s in prepared if "fair_jobs_slotlease" in s]) == 2, prepared
+    # Django's own queries keep Django's setting: nothing is prepared by count.
+    assert connection.connection.prepare_threshold is None
+
+
+def test_on__a_connection_used_once_prepares_nothing(process_id: uuid.UUID) -> None:
+    # CONN_MAX_AGE = 0: a statement run once on a connection would pay for preparing
+    # (a round trip more) and gain nothing.
+    connection.close()
+    acquire_and_release(process_id)
+    assert prepared_on_connection() == []
+
+
+def test_on__prepared_statements_lost_behind_psycopg_s_back__prepared_again(
+    process_id: uuid.UUID,
+) -> None:
+    connection.close()
+    for _ in range(2):
+        acquire_and_release(process_id)
+    assert prepared_on_connection() != []
+    # A reset psycopg does not see: its record says prepared, the session has none.
+    with connection.cursor() as cursor:
+        cursor.execute("DISCARD ALL")
+        cursor.execute("DISCARD ALL")
+    for _ in range(2):
+        acquire_and_release(process_id)
+    assert len([s for s in prepared_on_connection() if "fair_jobs_slotlease" in s]) == 2
 
 
 def test_on__the_users_own_queries_are_not_prepared(process_id: uuid.UUID) -> None:

@@ -17,7 +17,7 @@
 --   many enqueues the window holds.
 -- * rerouted: one more job sent to the picked rule's queue.
 -- * decided: the reroute's decision row for explain (only when a task id is given), in
---   the same statement: a rerouted publish costs one round trip, not two.
+--   the same statement: a rerouted publish costs one statement, not two.
 -- Old buckets are left to prune_windows, which keeps this statement short.
 WITH counter AS (
     INSERT INTO fair_jobs_tenantwindow AS w (key, tenant, total, last_second, created_at)

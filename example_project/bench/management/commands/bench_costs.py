@@ -4,7 +4,8 @@ Needs PostgreSQL (``DATABASE_URL=postgres://...``). For each step the library ta
 job's path (the slot's acquire and release, rerouting's count, fair dispatch's enqueue,
 start and end, the heartbeat), on one warm connection of this process, with no broker:
 
-1. **Round trips**: the statements the step sends, counted with Django's query capture.
+1. **Statements**: what the step sends, counted with Django's query capture (each one round
+   trip once prepared on the connection).
 2. **Client time**: wall time per call from Python, the round trip and the commit included,
    with the library's statements prepared (``FAIR_JOBS_PREPARED_STATEMENTS``, the default)
    and without, measured in interleaved rounds.
@@ -47,7 +48,7 @@ RULES = [(86_400, 1000, "bench.costs.slow"), (60, 20, "bench.costs.slow")]
 
 
 class Command(BaseCommand):
-    help = "Measure each step of a job: round trips, client time, server planning and execution."
+    help = "Measure each step of a job: statements, client time, server planning and execution."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--calls", type=int, default=1000, help="Calls per step per round.")
