@@ -196,10 +196,13 @@ def test_restart_mid_run__nothing_lost__limit_held(
     assert_all_released("r")
 
 
+# The library's own prepared statements (FAIR_JOBS_PREPARED_STATEMENTS on) fail behind
+# this PgBouncer too, but not at every run: a statement found missing is run once more
+# and prepared afresh, so the errors come and go; the workers here run with it off.
 @pytest.mark.parametrize(
     ("prepare_threshold", "prepared", "breaks"),
-    [(None, False, False), (0, False, True), (None, True, True)],
-    ids=["django_default", "psycopg_prepares", "library_prepares"],
+    [(None, False, False), (0, False, True)],
+    ids=["django_default", "psycopg_prepares"],
 )
 def test_server_side_binding__prepared_statements__break_only_when_turned_on(
     pgbouncer: PgBouncer,
