@@ -46,7 +46,9 @@ class Identity:
 
 
 _identity: Identity | None = None
-_lock = threading.Lock()
+# Re-entrant: a first registration, under the lock, makes the node id under it too (a
+# process that no worker start prepared, such as a script running a job).
+_lock = threading.RLock()
 _node_id: uuid.UUID | None = None
 _node_name: str | None = None
 _concurrency = 1
