@@ -34,6 +34,7 @@ Ids are stable:
 * ``fair_jobs.E020`` ``FAIR_JOBS_TENANT_RESOLVER`` does not import, is not callable, or
   cannot be called as ``resolver(task, args, kwargs)``.
 * ``fair_jobs.E021`` ``FAIR_JOBS_PREPARED_STATEMENTS`` is not True or False.
+* ``fair_jobs.E022`` ``FAIR_JOBS_SLOT_HANDOFF`` is not a number of seconds from 0 to 5.
 * ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
   (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
   worker consumes it.
@@ -72,6 +73,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django_fair_jobs import tenants
 from django_fair_jobs.conf import (
     MAX_LIMIT,
+    MAX_SLOT_HANDOFF,
     OLD_SETTING_NAMES,
     ON_LIMIT_CHOICES,
     PREFIX,
@@ -165,6 +167,12 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "fair_jobs.E021",
         lambda v: isinstance(v, bool),
         "True or False (False: behind PgBouncer before 1.22, or without max_prepared_statements)",
+    ),
+    (
+        "SLOT_HANDOFF",
+        "fair_jobs.E022",
+        lambda v: _number(v, 0, False) and v <= MAX_SLOT_HANDOFF,
+        f"a number of seconds from 0 (off) to {MAX_SLOT_HANDOFF:g}, e.g. 0.5",
     ),
     (
         "PLANNER_QUEUE",

@@ -157,15 +157,16 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
 
 @worker_process_shutdown.connect
 def _on_process_shutdown(**kwargs: Any) -> None:
-    # A prefork child exits: retire its row so its slots come back at once.
-
+    # A prefork child exits: release the slot it kept for a next job (handoff), then
+    # retire its row so its slots come back at once.
+    admission.release_kept()
     maintenance.shutdown()
 
 
 @worker_shutdown.connect
 def _on_worker_shutdown(**kwargs: Any) -> None:
     # The solo and threads pools run tasks in the main process.
-
+    admission.release_kept()
     maintenance.shutdown()
 
 

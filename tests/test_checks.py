@@ -367,3 +367,10 @@ def test_old_task_option_names__set_on_a_task_after_it_is_defined__still_work() 
 def test_e021__prepared_statements_is_a_bool(value: Any) -> None:
     assert ids(FAIR_JOBS_PREPARED_STATEMENTS=value) == ["fair_jobs.E021"]
     assert ids(FAIR_JOBS_PREPARED_STATEMENTS=False) == []
+
+
+@pytest.mark.parametrize("value", ["0.5", -1, 6, float("nan"), True])
+def test_e022__slot_handoff_is_seconds_from_0_to_5(value: Any) -> None:
+    assert ids(FAIR_JOBS_SLOT_HANDOFF=value) == ["fair_jobs.E022"]
+    assert ids(FAIR_JOBS_SLOT_HANDOFF=0.5) == []
+    assert ids(FAIR_JOBS_SLOT_HANDOFF=0) == []

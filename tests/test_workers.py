@@ -86,6 +86,33 @@ def test_race__two_nodes_eight_threads__limit_three_never_exceeded(
     assert TenantQueueSlot.objects.get(tenant="hot").deferred_total > 0
 
 
+def test_race__slot_handoff_on__limit_held_every_job_once_slots_back(
+    start_worker: Callable[..., Worker],
+) -> None:
+    # Processes keep a finished job's slot for their next job (FAIR_JOBS_SLOT_HANDOFF):
+    # the limit holds across two nodes, a job of another tenant takes no kept slot, and
+    # every kept slot comes back once no job takes it.
+    handoff = {"FAIR_JOBS_SLOT_HANDOFF": "5"}
+    start_worker("a", pool="prefork", concurrency=4, extra_env=handoff)
+    start_worker("b", pool="threads", concurrency=4, extra_env=handoff)
+    ids = [tasks.limited3.delay("hot", 0.02).id for _ in range(60)]
+    ids += [tasks.limited3.delay(f"cold{i % 3}", 0.02).id for i in range(15)]
+    wait_finished(ids)
+    per_task = Counter(JobRun.objects.values_list("task_id", flat=True))
+    assert set(per_task) == set(ids)
+    assert max(per_task.values()) == 1, "a job ran twice"
+    assert max_overlap(finished_runs("hot")) <= 3
+    # Kept: the last jobs' slots are still held, by the jobs that ended there.
+    kept = SlotLease.objects.values_list("task_id", flat=True)
+    assert kept and set(kept) <= set(ids)
+    import time
+
+    t0 = time.monotonic()
+    for tenant in ("hot", "cold0", "cold1", "cold2"):
+        assert_all_released(tenant)
+        print("RELEASED", tenant, time.monotonic() - t0)
+
+
 @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
 def test_pools__limit_held_and_every_job_runs(
     start_worker: Callable[..., Worker], pool: str

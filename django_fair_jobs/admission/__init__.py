@@ -52,12 +52,13 @@ from django_fair_jobs import (
     waits,
 )
 from django_fair_jobs import headers as fair_headers
-from django_fair_jobs.admission import ends
+from django_fair_jobs.admission import ends, handoff
 from django_fair_jobs.admission.ends import drop_task as drop_task
 from django_fair_jobs.admission.ends import end as end
 from django_fair_jobs.admission.ends import release as release
 from django_fair_jobs.admission.ends import retry_pending_ends as retry_pending_ends
 from django_fair_jobs.admission.ends import retry_pending_releases as retry_pending_releases
+from django_fair_jobs.admission.handoff import release_kept as release_kept
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import TaskIdError
 from django_fair_jobs.leases import store as lease_store
@@ -82,13 +83,19 @@ def keep_grant(task: Task[Any, Any], grant: Grant) -> None:
     setattr(task.request, "fair_grant", grant)  # noqa: B010
 
 
-def release_held(task: Task[Any, Any]) -> None:
+def release_held(
+    task: Task[Any, Any], *, tenant: str | None = None, queue: str | None = None
+) -> None:
     """Release the running job's grant now, once: at its end, or before its retry is
     published (a retry that starts at once elsewhere must find the slot free, not held
-    by this run, which would make it a duplicate and delay it by the worker timeout)."""
+    by this run, which would make it a duplicate and delay it by the worker timeout).
+    Given the ``tenant`` and ``queue`` of a job that ended well, its slot may instead be
+    kept for the process's next job (:mod:`~django_fair_jobs.admission.handoff`)."""
     grant = getattr(task.request, "fair_grant", None)
     if grant is not None:
         setattr(task.request, "fair_grant", None)  # noqa: B010
+        if queue is not None and handoff.keep(grant, tenant=tenant, queue=queue, app=task.app):
+            return
         ends.release(grant, app=task.app)
 
 
@@ -154,8 +161,10 @@ def holding(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterato
     started_now(task, queue, tenant)
     try:
         yield
-    finally:
+    except BaseException:
         release_held(task)
+        raise
+    release_held(task, tenant=tenant, queue=queue)  # it ended well: its slot may be kept
 
 
 def started_now(task: Task[Any, Any], queue: str, tenant: str | None) -> None:
@@ -365,7 +374,14 @@ def acquire(
     limited, and ``tenant``'s slot (``woken``: the message is a re-published parked job)."""
     from django_fair_jobs.models import ParkedJob
 
-    if queue_limits.is_limited(queue):
+    limited = queue_limits.is_limited(queue)
+    handed = handoff.take_over(
+        tenant=tenant, queue=queue, task_id=task_id, limit=limit,
+        eligible=tenant is not None and not woken and not limited,
+    )  # fmt: skip
+    if handed is not None:
+        return Acquisition("held", handed)
+    if limited:
         acquired = _acquire_limited(
             queue=queue, tenant=tenant, limit=limit, task_id=task_id, node=node, woken=woken
         )

@@ -20,6 +20,9 @@ class Grant:
     task_id: str
     token: uuid.UUID
     queue_limit_id: int | None = None
+    spare: bool = False
+    """The tenant slot left room to spare when this job took it (below the limit, nobody
+    parked): keeping it for the process's next job blocks no one (slot handoff)."""
 
 
 @dataclass(frozen=True)

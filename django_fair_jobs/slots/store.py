@@ -40,7 +40,7 @@ def try_acquire(
     job (a re-published parked job) starts only while its parked row exists.
     """
     token = uuid.uuid4()
-    status, slot_id, still_waiting = acquire(
+    status, slot_id, still_waiting, spare = acquire(
         tenant=tenant, queue=queue, task_id=task_id, limit=limit, process_id=process_id,
         token=token, timeout=timeout, woken=woken,
     )  # fmt: skip
@@ -48,7 +48,7 @@ def try_acquire(
         return Acquisition(status)
     if still_waiting:
         leases.started_while_waiting(slot_id=slot_id)
-    return Acquisition("held", Grant(slot_id=slot_id, task_id=task_id, token=token))
+    return Acquisition("held", Grant(slot_id=slot_id, task_id=task_id, token=token, spare=spare))
 
 
 def acquire(
@@ -61,9 +61,10 @@ def acquire(
     token: uuid.UUID,
     timeout: float,
     woken: bool,
-) -> tuple[AcquireStatus, int | None, int]:
+) -> tuple[AcquireStatus, int | None, int, bool]:
     """The ``acquire`` statement: ``(status, slot id, 1 if the job's parked row was still
-    waiting)``; see :func:`try_acquire`, which builds the answer from it."""
+    waiting, whether a newly taken slot left room to spare)``; see :func:`try_acquire`,
+    which builds the answer from it."""
     from django_fair_jobs.models import TenantQueueSlot
 
     alias = router.db_for_write(TenantQueueSlot)
@@ -84,11 +85,11 @@ def acquire(
     }
     try:
         with db.savepoint_if_needed(alias):
-            ((status, slot_id, still_waiting),) = db.run(alias, "acquire", params)
+            ((status, slot_id, still_waiting, spare),) = db.run(alias, "acquire", params)
     except IntegrityError:
         # Two deliveries of one task id raced for the lease's unique key.
-        return "duplicate", None, 0
-    return status, slot_id, int(still_waiting or 0)
+        return "duplicate", None, 0, False
+    return status, slot_id, int(still_waiting or 0), bool(spare)
 
 
 def try_park(
@@ -164,6 +165,38 @@ def release(grant: Grant) -> int | None:
         return store_orm.release(grant)
     rows = db.run(alias, "release", params)
     return int(rows[0][0]) if rows else None
+
+
+def hand_over(*, held: Grant, task_id: str, limit: int) -> Grant | None:
+    """Hand the slot of ``held`` (a finished job's, kept by this process) to ``task_id``,
+    the next job this process starts of the same tenant and queue: one statement, the
+    counter untouched, the finished job's token fenced off.
+
+    Returns the new job's grant, or None when the slot cannot be handed over (jobs are
+    parked on it, it is over ``limit`` or its ``max_jobs``, ``task_id`` already has a
+    lease or a parked row, or ``held`` is no longer the holder): the caller then releases
+    ``held`` and acquires as usual.
+    """
+    from django_fair_jobs.models import TenantQueueSlot
+
+    alias = router.db_for_write(TenantQueueSlot)
+    if held.slot_id is None or held.queue_limit_id is not None:
+        return None
+    if not db.uses_sql(alias):
+        return store_orm.hand_over(held=held, task_id=task_id, limit=limit)
+    token = uuid.uuid4()
+    params: dict[str, Any] = {
+        "slot_id": held.slot_id, "held_task_id": held.task_id, "held_token": held.token,
+        "task_id": task_id, "token": token, "limit": limit,
+    }  # fmt: skip
+    try:
+        with db.savepoint_if_needed(alias):
+            rows = db.run(alias, "hand_over", params)
+    except IntegrityError:
+        return None  # a copy of task_id took a lease on this slot meanwhile
+    if not rows:
+        return None
+    return Grant(slot_id=held.slot_id, task_id=task_id, token=token, spare=bool(rows[0][1]))
 
 
 def wake_one(slot_id: int) -> Woken | None:

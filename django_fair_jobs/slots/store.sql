@@ -4,8 +4,10 @@
 
 -- name: acquire
 -- Take a slot for a starting job, in one round trip. Returns one row: the status
--- ('held', 'full', 'duplicate' or 'stale'), the slot id when held, and the number of
--- still-waiting parked rows of the job that were removed (the caller fixes parked_jobs).
+-- ('held', 'full', 'duplicate' or 'stale'), the slot id when held, the number of
+-- still-waiting parked rows of the job that were removed (the caller fixes parked_jobs),
+-- and whether a newly taken slot left room to spare (below the limit, nobody parked): only
+-- such a slot may be kept for the process's next job (hand_over).
 -- * woken_ok: a re-published parked job (woken) may take a new slot only while its parked
 --   row exists; the first copy to start deletes it (unparked), so later copies are
 --   'stale'.
@@ -52,7 +54,8 @@ WITH existing AS (
            default_max_jobs = EXCLUDED.default_max_jobs,
            updated_at = now()
      WHERE s.current_jobs < COALESCE(s.max_jobs, EXCLUDED.default_max_jobs)
-    RETURNING s.id
+    RETURNING s.id, s.current_jobs < COALESCE(s.max_jobs, %(limit)s) AND s.parked_jobs = 0
+              AS spare
 ), lease AS (
     INSERT INTO fair_jobs_slotlease (slot_id, task_id, token, process_id, acquired_at)
     SELECT id, %(task_id)s, %(token)s, %(process_id)s, now() FROM taken
@@ -70,7 +73,8 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM held) THEN 'held'
             WHEN NOT (SELECT ok FROM woken_ok) THEN 'stale'
             ELSE 'full' END,
        (SELECT slot_id FROM held),
-       (SELECT count(*) FROM unparked WHERE woken_at IS NULL);
+       (SELECT count(*) FROM unparked WHERE woken_at IS NULL),
+       COALESCE((SELECT spare FROM taken), false);
 
 -- name: park
 -- Park a job whose acquire failed, but only if the slot is still full when the row lock
@@ -127,6 +131,31 @@ UPDATE fair_jobs_tenantqueueslot AS s
   FROM gone
  WHERE s.id = gone.slot_id AND s.current_jobs > 0
 RETURNING s.parked_jobs;
+
+-- name: hand_over
+-- Hand the slot a process kept from its finished job (FAIR_JOBS_SLOT_HANDOFF) to the next
+-- job it starts of the same tenant and queue, in one statement instead of a release and an
+-- acquire: the lease is renamed to the new task id under a new token, so the finished
+-- job's release is fenced off, and the counter is left as it is (one slot, held all along).
+-- The slot row is read, not locked or written (no wait on a hot tenant row). No row: the
+-- caller releases the kept slot (waking a parked job) and acquires as usual. That is the
+-- answer when jobs are parked on the slot (they go first), when the slot is over its
+-- limit (lowered meanwhile), or when the new job already has a lease or a parked row (a
+-- duplicate copy, which acquire tells apart). A copy of the job that takes a lease on the
+-- slot meanwhile collides on the lease's unique key, and this statement rolls back.
+-- Returns the slot id, and whether the slot has room to spare (see acquire).
+UPDATE fair_jobs_slotlease AS l
+   SET task_id = %(task_id)s, token = %(token)s, acquired_at = now()
+  FROM fair_jobs_tenantqueueslot AS s
+ WHERE l.slot_id = %(slot_id)s AND l.task_id = %(held_task_id)s AND l.token = %(held_token)s
+   AND l.queue_limit_id IS NULL
+   AND s.id = l.slot_id
+   AND s.parked_jobs = 0
+   AND s.current_jobs <= COALESCE(s.max_jobs, %(limit)s)
+   AND NOT EXISTS (SELECT 1 FROM fair_jobs_slotlease AS d
+                    WHERE d.slot_id = l.slot_id AND d.task_id = %(task_id)s)
+   AND NOT EXISTS (SELECT 1 FROM fair_jobs_parkedjob AS p WHERE p.task_id = %(task_id)s)
+RETURNING l.slot_id, s.current_jobs < COALESCE(s.max_jobs, %(limit)s);
 
 -- name: wake
 -- Hand a free slot to the oldest waiting parked job of the slot that can use it: the slot

@@ -27,10 +27,11 @@ def acquire(
     token: uuid.UUID,
     timeout: float,
     woken: bool,
-) -> tuple[AcquireStatus, int | None, int]:
+) -> tuple[AcquireStatus, int | None, int, bool]:
     """See :func:`django_fair_jobs.slots.store.acquire`."""
     from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
 
+    spare = False
     with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
         slot_id = (
             TenantQueueSlot.objects.filter(tenant=tenant, queue=queue)
@@ -52,12 +53,12 @@ def acquire(
             if live or lease.queue_limit_id is not None:
                 # A queue path's lease is claimed on the queue path only: its release
                 # alone gives the queue's place back.
-                return "duplicate", None, 0
+                return "duplicate", None, 0, False
             SlotLease.objects.filter(pk=lease.pk).update(
                 process_id=process_id, token=token, acquired_at=Now()
             )
         elif woken and not ParkedJob.objects.filter(task_id=task_id).exists():
-            return "stale", None, 0
+            return "stale", None, 0, False
         else:
             if slot_id is None:
                 TenantQueueSlot.objects.bulk_create(
@@ -69,15 +70,18 @@ def acquire(
                 pk=slot_id, current_jobs__lt=Coalesce(F("max_jobs"), limit)
             ).update(current_jobs=F("current_jobs") + 1, default_max_jobs=limit, updated_at=Now())
             if not taken:
-                return "full", None, 0
+                return "full", None, 0, False
             SlotLease.objects.create(
                 slot_id=slot_id, task_id=task_id, token=token, process_id=process_id
             )
+            row = TenantQueueSlot.objects.get(pk=slot_id)
+            cap = limit if row.max_jobs is None else row.max_jobs
+            spare = row.current_jobs < cap and row.parked_jobs == 0
         waiting = ParkedJob.objects.filter(
             task_id=task_id, slot_id=slot_id, woken_at__isnull=True
         ).count()
         ParkedJob.objects.filter(task_id=task_id, slot_id=slot_id).delete()
-    return "held", slot_id, waiting
+    return "held", slot_id, waiting, spare
 
 
 def try_park(
@@ -141,6 +145,33 @@ def release(grant: Grant) -> int | None:
             "parked_jobs", flat=True
         )[0]
     return parked
+
+
+def hand_over(*, held: Grant, task_id: str, limit: int) -> Grant | None:
+    """See :func:`django_fair_jobs.slots.store.hand_over`."""
+    from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
+
+    if held.slot_id is None or held.queue_limit_id is not None:
+        return None
+    with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
+        slot = TenantQueueSlot.objects.filter(pk=held.slot_id).first()
+        if (
+            slot is None
+            or slot.parked_jobs
+            or slot.current_jobs > (limit if slot.max_jobs is None else slot.max_jobs)
+            or SlotLease.objects.filter(slot_id=held.slot_id, task_id=task_id).exists()
+            or ParkedJob.objects.filter(task_id=task_id).exists()
+        ):
+            return None
+        token = uuid.uuid4()
+        spare = slot.current_jobs < (limit if slot.max_jobs is None else slot.max_jobs)
+        handed = SlotLease.objects.filter(
+            slot_id=held.slot_id, task_id=held.task_id, token=held.token,
+            queue_limit__isnull=True,
+        ).update(task_id=task_id, token=token, acquired_at=Now())  # fmt: skip
+    if not handed:
+        return None
+    return Grant(slot_id=held.slot_id, task_id=task_id, token=token, spare=spare)
 
 
 def wake_one(slot_id: int) -> Woken | None:

@@ -1,0 +1,149 @@
+"""Slot handoff (``FAIR_JOBS_SLOT_HANDOFF``, off by default): a process keeps the tenant slot
+of a job that ended well for a moment, and hands it to the next job it starts of the same
+tenant and queue in one statement (:func:`django_fair_jobs.slots.store.hand_over`) instead
+of a release at the end and an acquire at the start. A job that finds nothing to take over
+acquires as usual; a kept slot that no job takes within the setting's seconds is released
+by this process's keeper thread, on a database connection of its own.
+
+Only a slot that had room to spare when its job took it (below the tenant's limit, no job
+parked) is kept, and one is never handed over while jobs are parked on it: a tenant at its
+limit works as without handoff (released at each job's end, the oldest parked job woken).
+What it changes, and why it is opt-in: for up to that many seconds after a job has ended,
+its slot shows held, so a job of that tenant that fills the limit meanwhile parks until
+the slot is released. PostgreSQL only (SQLite serializes writers, and the keeper would
+write beside the job's thread).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from django.db import DatabaseError, close_old_connections, router
+
+from django_fair_jobs import db
+from django_fair_jobs.admission import ends
+from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.leases.types import Grant
+from django_fair_jobs.slots import store as slot_store
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A finished job's slot that this process keeps for its next job."""
+
+    grant: Grant
+    tenant: str
+    queue: str
+    until: float
+    app: Celery | None
+
+
+_kept: Kept | None = None
+_changed = threading.Condition()
+_keeper: tuple[int, threading.Thread] | None = None
+"""The keeper thread of this process (by pid: a forked child starts its own)."""
+
+
+def enabled() -> bool:
+    """Whether finished jobs' slots are kept for the next job (a PostgreSQL database and
+    ``FAIR_JOBS_SLOT_HANDOFF`` above 0)."""
+    from django_fair_jobs.models import SlotLease
+
+    return fair_settings.SLOT_HANDOFF > 0 and db.uses_sql(router.db_for_write(SlotLease))
+
+
+def keep(grant: Grant, *, tenant: str | None, queue: str, app: Celery | None) -> bool:
+    """Keep ``grant``'s tenant slot for this process's next job instead of releasing it;
+    False when it cannot be kept (the caller releases it): handoff is off, the grant holds
+    no tenant slot or holds a place in a limited queue, or the slot had no room to spare
+    when the job took it (the tenant was at its limit, or jobs were parked on it)."""
+    global _kept
+    if tenant is None or grant.slot_id is None or grant.queue_limit_id is not None:
+        return False
+    if not grant.spare:  # the tenant was at its limit, or jobs were parked: they go first
+        return False
+    if not enabled():
+        return False
+    with ends._holds_lock:
+        ends._running.discard(grant.task_id)
+    kept = Kept(grant, tenant, queue, time.monotonic() + fair_settings.SLOT_HANDOFF, app)
+    with _changed:
+        earlier, _kept = _kept, kept
+        _start_keeper()
+        _changed.notify_all()
+    if earlier is not None:  # two jobs ended at once (a threads pool): one slot is kept
+        ends.release(earlier.grant, app=earlier.app)
+    return True
+
+
+def take() -> Kept | None:
+    """Take the slot this process keeps, if any (its keeper no longer releases it): the
+    caller hands it over or releases it."""
+    global _kept
+    with _changed:
+        kept, _kept = _kept, None
+    return kept
+
+
+def take_over(
+    *, tenant: str | None, queue: str, task_id: str, limit: int, eligible: bool
+) -> Grant | None:
+    """Hand the slot this process keeps to ``task_id`` if it is ``eligible`` (a fresh
+    start, holding only a tenant slot) and of the same ``tenant`` and ``queue``, and
+    return its grant. Otherwise release the kept slot (waking a job parked on it) and
+    return None: the job acquires as usual."""
+    if _kept is None:
+        return None
+    kept = take()
+    if kept is None:
+        return None
+    if eligible and kept.tenant == tenant and kept.queue == queue:
+        try:
+            handed = slot_store.hand_over(held=kept.grant, task_id=task_id, limit=limit)
+        except DatabaseError:
+            # The reply may be lost after a commit: the kept lease is released later, and
+            # that release, fenced by its old token, frees nothing if it was handed over.
+            with ends._holds_lock:
+                ends._pending_releases.append(kept.grant)
+            raise
+        if handed is not None:
+            return handed
+    ends.release(kept.grant, app=kept.app)
+    return None
+
+
+def release_kept() -> None:
+    """Release the slot this process keeps, if any, now (the process stops)."""
+    kept = take()
+    if kept is not None:
+        ends.release(kept.grant, app=kept.app)
+
+
+def _start_keeper() -> None:
+    """Start this process's keeper thread if it has none (called holding ``_changed``)."""
+    global _keeper
+    if _keeper is not None and _keeper[0] == os.getpid() and _keeper[1].is_alive():
+        return
+    thread = threading.Thread(target=_keep, name="fair-jobs-handoff", daemon=True)
+    _keeper = (os.getpid(), thread)
+    thread.start()
+
+
+def _keep() -> None:
+    """The keeper thread: release each kept slot that no job took in time."""
+    global _kept
+    while True:
+        with _changed:
+            while _kept is None or _kept.until > time.monotonic():
+                _changed.wait(None if _kept is None else _kept.until - time.monotonic())
+            expired, _kept = _kept, None
+        # A connection kept across releases, checked first as Django does per request.
+        close_old_connections()
+        ends.release(expired.grant, app=expired.app)  # never raises: retried if it fails

@@ -1,0 +1,226 @@
+"""Slot handoff (``FAIR_JOBS_SLOT_HANDOFF``): a process keeps the slot of a job that ended
+well and hands it to its next job of the same tenant and queue in one statement; what
+cannot be handed over is released as before. The store's step on both paths, then the job
+path on PostgreSQL with the keeper thread for real."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery.exceptions import Ignore
+from django.db import connection
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+
+from django_fair_jobs import admission, identity
+from django_fair_jobs.admission import handoff
+from django_fair_jobs.leases.types import Grant
+from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
+from django_fair_jobs.slots import store as slot_store
+from tests.conftest import run_as_worker, wait_for
+from tests.testapp import tasks
+from tests.testapp.models import JobRun
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+postgres_only = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="handoff runs on PostgreSQL only"
+)
+
+
+@pytest.fixture
+def process() -> uuid.UUID:
+    pid = uuid.uuid4()
+    identity.register_process(process_id=pid, node="test@host", hostname="host", pid=1)
+    return pid
+
+
+def acquire(process: uuid.UUID, task_id: str, limit: int = 2) -> Grant:
+    grant = slot_store.try_acquire(
+        tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
+    ).grant
+    assert grant is not None
+    return grant
+
+
+def slot(tenant: str = "acme", queue: str = "q") -> TenantQueueSlot:
+    return TenantQueueSlot.objects.get(tenant=tenant, queue=queue)
+
+
+# -- the store's step (PostgreSQL's statement and the ORM path) ----------------------------
+
+
+@pytest.mark.usefixtures("engine")
+def test_hand_over__same_slot__renamed_lease_counter_untouched_old_holder_fenced(
+    process: uuid.UUID,
+) -> None:
+    done = acquire(process, "j1")
+    nxt = slot_store.hand_over(held=done, task_id="j2", limit=2)
+    assert nxt is not None and nxt.slot_id == done.slot_id and nxt.token != done.token
+    assert slot().current_jobs == 1
+    assert list(SlotLease.objects.values_list("task_id", "process_id")) == [("j2", process)]
+    assert slot_store.release(done) is None  # the finished job's release frees nothing
+    assert slot_store.hand_over(held=done, task_id="j3", limit=2) is None
+    assert slot_store.release(nxt) == 0
+    assert slot().current_jobs == 0 and not SlotLease.objects.exists()
+
+
+@pytest.mark.usefixtures("engine")
+def test_acquire__room_to_spare__told_on_the_grant(process: uuid.UUID) -> None:
+    assert acquire(process, "j1", limit=3).spare
+    assert not acquire(process, "j2", limit=2).spare  # the last slot
+    handed = slot_store.hand_over(held=acquire(process, "j3", limit=4), task_id="j4", limit=4)
+    assert handed is not None and handed.spare  # 3 of 4
+
+
+@pytest.mark.usefixtures("engine")
+def test_hand_over__jobs_parked_on_the_slot__refused_they_go_first(process: uuid.UUID) -> None:
+    done = acquire(process, "j1", limit=1)
+    signature = '{"task": "t", "options": {"task_id": "waiting"}}'
+    assert slot_store.try_park(
+        tenant="acme", queue="q", task_id="waiting", task_name="t", limit=1, signature=signature
+    ) == "parked"  # fmt: skip
+    assert slot_store.hand_over(held=done, task_id="j2", limit=1) is None
+    assert SlotLease.objects.get().task_id == "j1"
+
+
+@pytest.mark.usefixtures("engine")
+def test_hand_over__limit_lowered_below_the_count__refused(process: uuid.UUID) -> None:
+    done = acquire(process, "j1")
+    TenantQueueSlot.objects.update(max_jobs=0)
+    assert slot_store.hand_over(held=done, task_id="j2", limit=2) is None
+
+
+@pytest.mark.usefixtures("engine")
+def test_hand_over__next_job_already_has_a_lease__refused(process: uuid.UUID) -> None:
+    done = acquire(process, "j1")
+    acquire(process, "j2")  # a copy of j2 runs already: acquire calls it a duplicate
+    assert slot_store.hand_over(held=done, task_id="j2", limit=2) is None
+    assert slot().current_jobs == 2
+
+
+# -- the job path (PostgreSQL) --------------------------------------------------------------
+
+
+@pytest.fixture
+def handing(in_process_worker: uuid.UUID) -> Iterator[uuid.UUID]:
+    """Handoff on, in a process registered as a worker's; the kept slot released after."""
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=5):
+        try:
+            yield in_process_worker
+        finally:
+            admission.release_kept()
+
+
+def run(task: Any, tenant: str, task_id: str | None = None) -> Any:
+    task_id = task_id or str(uuid.uuid4())
+    return run_as_worker(task, (tenant, 0.0), task_id=task_id, headers={})
+
+
+def library_statements(captured: CaptureQueriesContext) -> list[str]:
+    return [q["sql"] for q in captured.captured_queries if "fair_jobs_" in q["sql"]]
+
+
+@postgres_only
+def test_job_path__next_job_same_tenant__one_statement_for_its_slot(handing: uuid.UUID) -> None:
+    first = str(uuid.uuid4())
+    assert run(tasks.limited3, "t", first) == "t:done"
+    # Ended well: its slot is kept, not released.
+    assert slot("t", "fair").current_jobs == 1
+    assert SlotLease.objects.get().task_id == first
+    second = str(uuid.uuid4())
+    with CaptureQueriesContext(connection) as captured:
+        assert run(tasks.limited3, "t", second) == "t:done"
+    statements = library_statements(captured)
+    assert len(statements) == 1, statements  # the handoff; nothing at the job's end
+    assert statements[0].lstrip().startswith("UPDATE fair_jobs_slotlease")
+    assert SlotLease.objects.get().task_id == second
+    assert slot("t", "fair").current_jobs == 1
+    admission.release_kept()
+    assert slot("t", "fair").current_jobs == 0 and not SlotLease.objects.exists()
+
+
+@postgres_only
+def test_job_path__next_job_other_tenant__kept_slot_released_then_acquired(
+    handing: uuid.UUID,
+) -> None:
+    run(tasks.limited3, "t")
+    second = str(uuid.uuid4())
+    with CaptureQueriesContext(connection) as captured:
+        run(tasks.limited3, "u", second)
+    assert len(library_statements(captured)) == 2  # a release and an acquire, as without
+    assert slot("t", "fair").current_jobs == 0
+    assert SlotLease.objects.get().task_id == second
+
+
+@postgres_only
+def test_job_path__job_parked_on_kept_slot__woken_first_next_job_parks(
+    handing: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(tasks.limited3, "t")  # kept: 1 of 3
+    for other in ("o1", "o2"):  # another process's jobs fill the limit
+        slot_store.try_acquire(
+            tenant="t", queue="fair", task_id=other, limit=3, process_id=handing, timeout=60
+        )
+    waiting = str(uuid.uuid4())
+    with monkeypatch.context() as elsewhere:
+        # Started by another process, which keeps no slot: it finds the slot held, parks.
+        elsewhere.setattr(handoff, "_kept", None)
+        with pytest.raises(Ignore):
+            run(tasks.limited3, "t", waiting)
+    assert ParkedJob.objects.get().task_id == waiting
+    later = str(uuid.uuid4())
+    with pytest.raises(Ignore):  # parked
+        run(tasks.limited3, "t", later)
+    # The parked job went first: the kept slot was released and woke it (a reservation
+    # for it holds the slot), and the later job parked behind it.
+    woken = ParkedJob.objects.get(task_id=waiting)
+    assert woken.woken_at is not None
+    assert set(SlotLease.objects.values_list("task_id", flat=True)) == {waiting, "o1", "o2"}
+    assert ParkedJob.objects.get(task_id=later).woken_at is None
+    assert not JobRun.objects.filter(task_id=later).exists()
+
+
+@postgres_only
+def test_job_path__tenant_at_its_limit__released_at_the_end_not_kept(handing: uuid.UUID) -> None:
+    run(tasks.limited1, "t")  # limit 1: the slot had no room to spare
+    assert not SlotLease.objects.exists()
+    assert handoff.take() is None
+
+
+@postgres_only
+def test_job_path__failed_job__released_at_its_end(handing: uuid.UUID) -> None:
+    with pytest.raises(RuntimeError):
+        run_as_worker(tasks.fails, ("t",), task_id=str(uuid.uuid4()), headers={})
+    assert not SlotLease.objects.exists()
+    assert handoff.take() is None
+
+
+@postgres_only
+def test_job_path__kept_slot_no_job_takes__released_by_the_keeper(
+    in_process_worker: uuid.UUID,
+) -> None:
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.2):
+        run(tasks.limited3, "t")
+        wait_for(lambda: not SlotLease.objects.exists(), 20, "the keeper to release the kept slot")
+    assert slot("t", "fair").current_jobs == 0
+    assert handoff.take() is None
+
+
+def test_job_path__handoff_off__released_at_the_end(in_process_worker: uuid.UUID) -> None:
+    run(tasks.limited3, "t")
+    assert not SlotLease.objects.exists()
+    assert slot("t", "fair").current_jobs == 0
+
+
+@pytest.mark.skipif(connection.vendor == "postgresql", reason="the other databases' case")
+def test_job_path__not_postgresql__handoff_set__released_at_the_end(
+    in_process_worker: uuid.UUID,
+) -> None:
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=5):
+        run(tasks.limited3, "t")
+    assert not SlotLease.objects.exists()
+    assert handoff.take() is None
