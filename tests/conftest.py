@@ -241,6 +241,16 @@ def celery_app() -> Any:
 
 
 @pytest.fixture
+def process() -> Any:
+    """A registered worker process (its row only: no heartbeat thread), to hold leases."""
+    import uuid
+
+    pid = uuid.uuid4()
+    identity.register_process(process_id=pid, node="test@host", hostname="host", pid=1)
+    return pid
+
+
+@pytest.fixture
 def in_process_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A registered worker process that in-process job runs (:func:`run_as_worker`) use
     as theirs: without it the first run would start a heartbeat and a planner thread in

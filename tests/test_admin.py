@@ -26,13 +26,6 @@ def staff(client: Client) -> Client:
     return client
 
 
-@pytest.fixture
-def process() -> uuid.UUID:
-    pid = uuid.uuid4()
-    identity.register_process(process_id=pid, node="n@h", hostname="h", pid=1)
-    return pid
-
-
 def acquire(process: uuid.UUID, task_id: str, limit: int = 1) -> Any:
     return slot_store.try_acquire(
         tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60

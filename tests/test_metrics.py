@@ -83,13 +83,6 @@ def named(samples: Samples, name: str) -> dict[tuple[tuple[str, str], ...], floa
     return {labels: v for (n, labels), v in samples.items() if n == name}
 
 
-@pytest.fixture
-def process() -> uuid.UUID:
-    pid = uuid.uuid4()
-    identity.register_process(process_id=pid, node="n@h", hostname="h", pid=1)
-    return pid
-
-
 def acquire(process: uuid.UUID, task_id: str, tenant: str = "acme", limit: int = 1) -> Any:
     return slot_store.try_acquire(
         tenant=tenant, queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60

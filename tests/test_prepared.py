@@ -11,7 +11,6 @@ from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_fair_jobs import identity
 from django_fair_jobs.slots import store as slot_store
 
 pytestmark = [
@@ -38,20 +37,13 @@ def acquire_and_release(process_id: uuid.UUID) -> None:
     assert slot_store.release(acquired.grant) == 0
 
 
-@pytest.fixture
-def process_id() -> uuid.UUID:
-    pid = uuid.uuid4()
-    identity.register_process(process_id=pid, node="n@h", hostname="h", pid=1)
-    return pid
-
-
 def test_on__acquire_and_release_are_prepared_once__and_still_captured(
-    process_id: uuid.UUID,
+    process: uuid.UUID,
 ) -> None:
     connection.close()  # a fresh session: nothing prepared on it yet
     with CaptureQueriesContext(connection) as captured:
         for _ in range(3):
-            acquire_and_release(process_id)
+            acquire_and_release(process)
     assert len(captured) == 6  # one acquire and one release per job, all seen by Django
     assert all("fair_jobs_slotlease" in (query["sql"] or "") for query in captured), captured
     prepared = prepared_on_connection()
@@ -60,33 +52,33 @@ def test_on__acquire_and_release_are_prepared_once__and_still_captured(
     assert connection.connection.prepare_threshold is None
 
 
-def test_on__a_connection_used_once_prepares_nothing(process_id: uuid.UUID) -> None:
+def test_on__a_connection_used_once_prepares_nothing(process: uuid.UUID) -> None:
     # CONN_MAX_AGE = 0: a statement run once on a connection would pay for preparing
     # (a round trip more) and gain nothing.
     connection.close()
-    acquire_and_release(process_id)
+    acquire_and_release(process)
     assert prepared_on_connection() == []
 
 
 def test_on__prepared_statements_lost_behind_psycopg_s_back__prepared_again(
-    process_id: uuid.UUID,
+    process: uuid.UUID,
 ) -> None:
     connection.close()
     for _ in range(2):
-        acquire_and_release(process_id)
+        acquire_and_release(process)
     assert prepared_on_connection() != []
     # A reset psycopg does not see: its record says prepared, the session has none.
     with connection.cursor() as cursor:
         cursor.execute("DISCARD ALL")
         cursor.execute("DISCARD ALL")
     for _ in range(2):
-        acquire_and_release(process_id)
+        acquire_and_release(process)
     assert len([s for s in prepared_on_connection() if "fair_jobs_slotlease" in s]) == 2
 
 
-def test_on__the_users_own_queries_are_not_prepared(process_id: uuid.UUID) -> None:
+def test_on__the_users_own_queries_are_not_prepared(process: uuid.UUID) -> None:
     connection.close()
-    acquire_and_release(process_id)  # raises the connection's threshold
+    acquire_and_release(process)  # raises the connection's threshold
     for _ in range(20):
         with connection.cursor() as cursor:
             cursor.execute("SELECT %s AS users_own_query", [4242])
@@ -94,8 +86,8 @@ def test_on__the_users_own_queries_are_not_prepared(process_id: uuid.UUID) -> No
 
 
 @override_settings(FAIR_JOBS_PREPARED_STATEMENTS=False)
-def test_off__nothing_is_prepared(process_id: uuid.UUID) -> None:
+def test_off__nothing_is_prepared(process: uuid.UUID) -> None:
     connection.close()
     for _ in range(3):
-        acquire_and_release(process_id)
+        acquire_and_release(process)
     assert prepared_on_connection() == []

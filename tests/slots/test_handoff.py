@@ -15,7 +15,7 @@ from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_fair_jobs import admission, identity
+from django_fair_jobs import admission
 from django_fair_jobs.admission import handoff
 from django_fair_jobs.leases.types import Grant
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
@@ -29,13 +29,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 postgres_only = pytest.mark.skipif(
     connection.vendor != "postgresql", reason="handoff runs on PostgreSQL only"
 )
-
-
-@pytest.fixture
-def process() -> uuid.UUID:
-    pid = uuid.uuid4()
-    identity.register_process(process_id=pid, node="test@host", hostname="host", pid=1)
-    return pid
 
 
 def acquire(process: uuid.UUID, task_id: str, limit: int = 2) -> Grant:

@@ -15,13 +15,6 @@ from django_fair_jobs.slots import store as slot_store
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("engine")]
 
 
-@pytest.fixture
-def process() -> uuid.UUID:
-    pid = uuid.uuid4()
-    identity.register_process(process_id=pid, node="test@host", hostname="host", pid=1)
-    return pid
-
-
 def acquire(
     process: uuid.UUID, task_id: str, tenant: str = "acme", queue: str = "q", limit: int = 2
 ) -> Grant | None:
