@@ -35,6 +35,13 @@ class Mode:
     """True: the workers and the publisher run with ``FAIR_JOBS_ENFORCE = False``: every
     rule is evaluated and recorded, nothing is enforced (the cost of shadow mode)."""
 
+    handoff: float = 0.0
+    """Seconds of ``FAIR_JOBS_SLOT_HANDOFF`` for the workers (0: off): a process hands a
+    finished job's slot to its next job of the same tenant."""
+
+    opt_in: bool = False
+    """True: measured only when asked for by name (``--modes``)."""
+
     def queue(self, run: str) -> str:
         """The Celery queue of this mode's jobs in ``run``: one per mode and run, so that
         neither modes nor benchmark runs ever share a queue."""
@@ -92,18 +99,27 @@ MODES: dict[str, Mode] = {
             caps_slow_queue=True,
         ),
         Mode(
+            "slots-handoff",
+            "bench.slots_job",
+            "FairTask, tenant slots with slot handoff (FAIR_JOBS_SLOT_HANDOFF = 1)",
+            handoff=1.0,
+            opt_in=True,
+        ),
+        Mode(
             "shadow",
             "bench.combined_job",
             "the combined task in shadow mode: every rule evaluated and recorded, none enforced",
             reroutes=True,
             caps_slow_queue=True,
             shadow=True,
+            opt_in=True,
         ),
     )
 }
 
-DEFAULT_MODES: tuple[str, ...] = tuple(name for name, m in MODES.items() if not m.shadow)
-"""The modes a run without ``--modes`` measures: shadow mode is asked for by name."""
+DEFAULT_MODES: tuple[str, ...] = tuple(name for name, m in MODES.items() if not m.opt_in)
+"""The modes a run without ``--modes`` measures: shadow mode and slot handoff are asked for
+by name."""
 
 REFERENCE = "plain"
 """The mode every ratio's denominator comes from (except the ideal's)."""

@@ -332,6 +332,7 @@ def run_mode(
         "BENCH_RULES": json.dumps(mode.rules(run)),
         "FAIR_JOBS_DEFAULT_MAX_JOBS": str(tenant_limit),
         "FAIR_JOBS_ENFORCE": "false" if mode.shadow else "true",
+        "FAIR_JOBS_SLOT_HANDOFF": str(mode.handoff),
         "BENCH_WEIGHTS": json.dumps(scenario.weights),
     }
     # The publisher asks the weights too (at enqueue), in this process.

@@ -34,6 +34,7 @@ from django.test.utils import CaptureQueriesContext
 from django_fair_jobs import dispatch, identity
 from django_fair_jobs.dispatch.models import DispatchJob, DispatchTenant
 from django_fair_jobs.dispatch.types import Job
+from django_fair_jobs.leases.types import Grant
 from django_fair_jobs.models import JobDecision, SlotLease, TenantQueueSlot, TenantWindow
 from django_fair_jobs.reroute import store as reroute_store
 from django_fair_jobs.reroute.types import Deciding
@@ -49,6 +50,8 @@ RULES = [(86_400, 1000, "bench.costs.slow"), (60, 20, "bench.costs.slow")]
 
 class Command(BaseCommand):
     help = "Measure each step of a job: statements, client time, server planning and execution."
+    held: Grant | None = None
+    """The grant the handoff step hands on from call to call."""
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--calls", type=int, default=1000, help="Calls per step per round.")
@@ -79,6 +82,7 @@ class Command(BaseCommand):
     def _measure(self, calls: int, rounds: int) -> None:
         steps: list[tuple[str, Callable[[int], Any], Callable[[Explain], None] | None]] = [
             ("slots: acquire + release", self._slot_pair, self._pair_statements),
+            ("slots: hand over to the next job", self._hand_over, self._hand_over_statement),
             ("reroute: count (2 rules, rerouted)", self._count, self._count_statement),
             ("dispatch: enqueue", self._enqueue, self._enqueue_statement),
             (
@@ -145,13 +149,32 @@ class Command(BaseCommand):
     # -- the steps -------------------------------------------------------------------------
 
     def _slot_pair(self, i: int) -> None:
+        slot_store.release(self._acquire("acme"))
+
+    def _hand_over(self, i: int) -> None:
+        # The slot handoff (FAIR_JOBS_SLOT_HANDOFF): the release of one job and the
+        # acquire of the next of the same tenant, as one statement.
+        held = self.held or self._acquire("acme-handoff")
+        handed = slot_store.hand_over(held=held, task_id=str(uuid.uuid4()), limit=10**6)
+        if handed is None:
+            raise CommandError(f"the slot was not handed over: {held}")
+        self.held = handed
+
+    def _acquire(self, tenant: str) -> Grant:
         acquired = slot_store.try_acquire(
-            tenant="acme", queue=QUEUE, task_id=str(uuid.uuid4()), limit=10**6,
+            tenant=tenant, queue=QUEUE, task_id=str(uuid.uuid4()), limit=10**6,
             process_id=self.process_id, timeout=600,
         )  # fmt: skip
         if acquired.grant is None:
             raise CommandError(f"the slot was not acquired: {acquired}")
-        slot_store.release(acquired.grant)
+        return acquired.grant
+
+    def _hand_over_statement(self, explain: Explain) -> None:
+        held = self.held or self._acquire("acme-handoff")
+        explain("hand_over", {
+            "slot_id": held.slot_id, "held_task_id": held.task_id, "held_token": held.token,
+            "task_id": str(uuid.uuid4()), "token": uuid.uuid4(), "limit": 10**6,
+        })  # fmt: skip
 
     def _pair_statements(self, explain: Explain) -> None:
         task_id, token = str(uuid.uuid4()), uuid.uuid4()
