@@ -6,12 +6,13 @@ acquires as usual; a kept slot that no job takes within the setting's seconds is
 by this process's keeper thread, on a database connection of its own.
 
 Only a slot that had room to spare when its job took it (below the tenant's limit, no job
-parked) is kept, and one is never handed over while jobs are parked on it: a tenant at its
-limit works as without handoff (released at each job's end, the oldest parked job woken).
-What it changes, and why it is opt-in: for up to that many seconds after a job has ended,
-its slot shows held, so a job of that tenant that fills the limit meanwhile parks until
-the slot is released. PostgreSQL only (SQLite serializes writers, and the keeper would
-write beside the job's thread).
+parked) is kept, and one is not handed over while the slot row shows jobs parked on it
+(it is released instead, which wakes the oldest): a tenant that starts its jobs at its
+limit works as without handoff. The row is read, not locked, so a park that commits at the
+same moment is served by the next release. What it changes, and why it is opt-in: for up
+to that many seconds after a job has ended, its slot shows held, so a job of that tenant
+that fills the limit meanwhile parks until the slot is released. PostgreSQL only (SQLite
+serializes writers, and the keeper would write beside the job's thread).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from django.db import DatabaseError, close_old_connections, router
+from django.db import close_old_connections, router
 
-from django_fair_jobs import db
+from django_fair_jobs import db, identity
 from django_fair_jobs.admission import ends
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.leases.types import Grant
@@ -75,8 +76,11 @@ def keep(grant: Grant, *, tenant: str | None, queue: str, app: Celery | None) ->
         ends._running.discard(grant.task_id)
     kept = Kept(grant, tenant, queue, time.monotonic() + fair_settings.SLOT_HANDOFF, app)
     with _changed:
+        try:
+            _start_keeper()
+        except RuntimeError:  # no thread to be had: nothing would release it in time
+            return False
         earlier, _kept = _kept, kept
-        _start_keeper()
         _changed.notify_all()
     if earlier is not None:  # two jobs ended at once (a threads pool): one slot is kept
         ends.release(earlier.grant, app=earlier.app)
@@ -107,11 +111,16 @@ def take_over(
     if eligible and kept.tenant == tenant and kept.queue == queue:
         try:
             handed = slot_store.hand_over(held=kept.grant, task_id=task_id, limit=limit)
-        except DatabaseError:
-            # The reply may be lost after a commit: the kept lease is released later, and
-            # that release, fenced by its old token, frees nothing if it was handed over.
+        except BaseException:
+            # Whatever cut it (a lost reply, an interface error, a soft time limit), the
+            # statement may have committed: the heartbeat releases the kept lease (fenced
+            # by its old token, that frees nothing if it was handed over) and drops a
+            # lease the new job may hold under a token nobody has.
+            holder = identity.registered_process_id()
             with ends._holds_lock:
                 ends._pending_releases.append(kept.grant)
+                if holder is not None:
+                    ends._uncertain.add((task_id, holder))
             raise
         if handed is not None:
             return handed
@@ -124,6 +133,15 @@ def release_kept() -> None:
     kept = take()
     if kept is not None:
         ends.release(kept.grant, app=kept.app)
+
+
+def _forget_in_child() -> None:
+    """A forked child keeps nothing of its parent's: not its kept slot, not its lock."""
+    global _kept, _changed
+    _kept, _changed = None, threading.Condition()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _start_keeper() -> None:

@@ -5,18 +5,19 @@ path on PostgreSQL with the keeper thread for real."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery.exceptions import Ignore
-from django.db import connection
+from django.db import InterfaceError, connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from django_fair_jobs import admission
-from django_fair_jobs.admission import handoff
+from django_fair_jobs.admission import ends, handoff
 from django_fair_jobs.leases.types import Grant
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
 from django_fair_jobs.slots import store as slot_store
@@ -215,5 +216,45 @@ def test_job_path__not_postgresql__handoff_set__released_at_the_end(
 ) -> None:
     with override_settings(FAIR_JOBS_SLOT_HANDOFF=5):
         run(tasks.limited3, "t")
+    assert not SlotLease.objects.exists()
+    assert handoff.take() is None
+
+
+@postgres_only
+@pytest.mark.parametrize("error", [InterfaceError("cut"), KeyboardInterrupt()])
+def test_job_path__hand_over_cut__kept_slot_and_new_lease_both_cleaned_later(
+    handing: uuid.UUID, monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    run(tasks.limited3, "t")
+    kept = SlotLease.objects.get()
+
+    def cut(**kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(slot_store, "hand_over", cut)
+    task_id = str(uuid.uuid4())
+    with pytest.raises(type(error)):
+        handoff.take_over(tenant="t", queue="fair", task_id=task_id, limit=3, eligible=True)
+    # Whatever the error, the reply may be lost after a commit: the kept lease's release
+    # and the new job's possible lease are both left to the heartbeat, none forgotten.
+    with ends._holds_lock:
+        pending = [g.token for g in ends._pending_releases]
+        uncertain = set(ends._uncertain)
+        ends._pending_releases.clear()
+        ends._uncertain.clear()
+    assert kept.token in pending
+    assert (task_id, handing) in uncertain
+
+
+@postgres_only
+def test_job_path__no_keeper_thread_to_be_had__job_succeeds_slot_released(
+    handing: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(handoff, "_keeper", None)
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    assert run(tasks.limited3, "t") == "t:done"
     assert not SlotLease.objects.exists()
     assert handoff.take() is None
