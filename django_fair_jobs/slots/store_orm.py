@@ -31,7 +31,6 @@ def acquire(
     """See :func:`django_fair_jobs.slots.store.acquire`."""
     from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
 
-    spare = False
     with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
         slot_id = (
             TenantQueueSlot.objects.filter(tenant=tenant, queue=queue)
@@ -74,14 +73,24 @@ def acquire(
             SlotLease.objects.create(
                 slot_id=slot_id, task_id=task_id, token=token, process_id=process_id
             )
-            row = TenantQueueSlot.objects.get(pk=slot_id)
-            cap = limit if row.max_jobs is None else row.max_jobs
-            spare = row.current_jobs < cap and row.parked_jobs == 0
         waiting = ParkedJob.objects.filter(
             task_id=task_id, slot_id=slot_id, woken_at__isnull=True
         ).count()
         ParkedJob.objects.filter(task_id=task_id, slot_id=slot_id).delete()
-    return "held", slot_id, waiting, spare
+    return "held", slot_id, waiting, lease is None and _room_to_spare(slot_id, limit)
+
+
+def _room_to_spare(slot_id: int | None, limit: int) -> bool:
+    """Whether a newly taken slot (not a claimed lease) is below its limit with no job
+    parked on it: only such a slot may be kept for the process's next job."""
+    from django_fair_jobs.models import TenantQueueSlot
+
+    if slot_id is None:
+        return False
+    row = TenantQueueSlot.objects.get(pk=slot_id)
+    return row.current_jobs < (limit if row.max_jobs is None else row.max_jobs) and not (
+        row.parked_jobs
+    )
 
 
 def try_park(
