@@ -246,7 +246,7 @@ def process() -> Any:
     import uuid
 
     pid = uuid.uuid4()
-    identity.register_process(process_id=pid, node="test@host", hostname="host", pid=1)
+    identity.register_process(process_id=pid, node="n@h", hostname="h", pid=1)
     return pid
 
 
