@@ -75,6 +75,7 @@ class Command(BaseCommand):
                 "fair_jobs_slotlease, fair_jobs_tenantqueueslot, fair_jobs_tenantwindow"
             )
         try:
+            self.held = self._acquire("acme-handoff")  # what the handoff step hands on
             self._measure(calls, rounds)
         finally:
             self._clean()
