@@ -162,6 +162,8 @@ def _keep() -> None:
             while _kept is None or _kept.until > time.monotonic():
                 _changed.wait(None if _kept is None else _kept.until - time.monotonic())
             expired, _kept = _kept, None
-        # A connection kept across releases, checked first as Django does per request.
+        # As Django around a request: a connection past CONN_MAX_AGE (or broken) is closed
+        # before and after, so with CONN_MAX_AGE = 0 the thread holds none between releases.
         close_old_connections()
         ends.release(expired.grant, app=expired.app)  # never raises: retried if it fails
+        close_old_connections()
