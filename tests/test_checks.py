@@ -289,6 +289,8 @@ def _project(tmp_path: Path, tasks_py: str) -> Path:
 def _manage(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "FAIR_JOBS_"))}
     env["PYTHONPATH"] = str(project)
+    # The tests rewrite the project's files between two runs: no bytecode of the old ones.
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     return subprocess.run(
         [sys.executable, "manage.py", *args],
         cwd=project,
@@ -318,7 +320,12 @@ def test_check_command__sees_task_options_of_a_project_like_the_example(tmp_path
     assert result.returncode != 0
     assert "fair_jobs.E015" in result.stderr
     assert "Task shop.tasks.sync_catalog: fair_plan: enqueue_interval" in result.stderr
+    tasks_py = project / "shop/tasks.py"
+    written = tasks_py.stat().st_mtime_ns
     fixed = _project(tmp_path, _BAD_PLAN.replace('"enqueue_interval": 0', '"enqueue_interval": 1'))
+    # Rewritten within the same second, at the same size: a cached bytecode file of the
+    # bad version would still look fresh to Python.
+    os.utime(tasks_py, ns=(written, written))
     result = _manage(fixed, "check")
     assert result.returncode == 0, result.stderr
 
