@@ -35,6 +35,7 @@ Ids are stable:
   cannot be called as ``resolver(task, args, kwargs)``.
 * ``fair_jobs.E021`` ``FAIR_JOBS_PREPARED_STATEMENTS`` is not True or False.
 * ``fair_jobs.E022`` ``FAIR_JOBS_SLOT_HANDOFF`` is not a number of seconds from 0 to 5.
+* ``fair_jobs.E023`` ``FAIR_JOBS_ASYNC_RELEASE`` is not True or False.
 * ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
   (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
   worker consumes it.
@@ -173,6 +174,12 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "fair_jobs.E022",
         lambda v: _number(v, 0, False) and v <= MAX_SLOT_HANDOFF,
         f"a number of seconds from 0 (off) to {MAX_SLOT_HANDOFF:g}, e.g. 0.5",
+    ),
+    (
+        "ASYNC_RELEASE",
+        "fair_jobs.E023",
+        lambda v: isinstance(v, bool),
+        "True or False (True: slot releases commit without waiting for the disk)",
     ),
     (
         "PLANNER_QUEUE",

@@ -260,6 +260,15 @@ class Settings:
         return value
 
     @property
+    def ASYNC_RELEASE(self) -> bool:
+        """True: a tenant slot's release commits without waiting for its WAL flush
+        (``synchronous_commit = off`` for that statement alone, PostgreSQL). A crash of the
+        database server can then lose the last releases; each process re-sends its
+        unconfirmed ones at its next maintenance pass. Default False."""
+        value: bool = self._get("ASYNC_RELEASE", False, _boolean)
+        return value
+
+    @property
     def PLANNER_LOCK_TTL(self) -> float:
         """Default ``planner_lock_ttl`` (seconds) of a ``fair_plan``: a planner run holds its
         task's lock at most this long. Default 60."""

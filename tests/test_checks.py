@@ -381,3 +381,9 @@ def test_e022__slot_handoff_is_seconds_from_0_to_5(value: Any) -> None:
     assert ids(FAIR_JOBS_SLOT_HANDOFF=value) == ["fair_jobs.E022"]
     assert ids(FAIR_JOBS_SLOT_HANDOFF=0.5) == []
     assert ids(FAIR_JOBS_SLOT_HANDOFF=0) == []
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_e023__async_release_is_a_bool(value: Any) -> None:
+    assert ids(FAIR_JOBS_ASYNC_RELEASE=value) == ["fair_jobs.E023"]
+    assert ids(FAIR_JOBS_ASYNC_RELEASE=True) == []

@@ -115,6 +115,24 @@ def test_race__slot_handoff_on__limit_held_every_job_once_slots_back(
     assert_all_released("last")
 
 
+def test_race__async_release_on__limit_held_every_job_once_slots_back(
+    start_worker: Callable[..., Worker],
+) -> None:
+    # Releases that commit without waiting for the disk (FAIR_JOBS_ASYNC_RELEASE; on other
+    # databases than PostgreSQL the setting changes nothing): the same guarantees.
+    release_async = {"FAIR_JOBS_ASYNC_RELEASE": "true"}
+    start_worker("a", pool="prefork", concurrency=4, extra_env=release_async)
+    start_worker("b", pool="threads", concurrency=4, extra_env=release_async)
+    ids = [tasks.limited3.delay("hot", 0.02).id for _ in range(60)]
+    wait_finished(ids)
+    per_task = Counter(JobRun.objects.values_list("task_id", flat=True))
+    assert set(per_task) == set(ids)
+    assert max(per_task.values()) == 1, "a job ran twice"
+    assert max_overlap(finished_runs("hot")) <= 3
+    assert_all_released("hot")
+    assert TenantQueueSlot.objects.get(tenant="hot").deferred_total > 0
+
+
 @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
 def test_pools__limit_held_and_every_job_runs(
     start_worker: Callable[..., Worker], pool: str

@@ -53,6 +53,7 @@ from django_fair_jobs import (
 )
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.admission import ends, handoff
+from django_fair_jobs.admission.ends import confirm_releases as confirm_releases
 from django_fair_jobs.admission.ends import drop_task as drop_task
 from django_fair_jobs.admission.ends import end as end
 from django_fair_jobs.admission.ends import release as release

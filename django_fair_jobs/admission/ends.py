@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError
 
-from django_fair_jobs import dispatch, queue_limits, slots
+from django_fair_jobs import dispatch, identity, queue_limits, slots
 from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.leases.types import Grant
 from django_fair_jobs.queue_limits import store as queue_store
@@ -32,6 +32,11 @@ _pending_lock = threading.Lock()
 
 
 _pending_releases: list[Grant] = []
+
+
+_unconfirmed: list[Grant] = []
+"""Slot releases this process made without waiting for the disk (``FAIR_JOBS_ASYNC_RELEASE``),
+oldest first, until :func:`confirm_releases` confirms them. Guarded by ``_pending_lock``."""
 
 
 _holds_lock = threading.Lock()
@@ -96,6 +101,9 @@ def release(grant: Grant, app: Celery | None = None) -> None:
         with _holds_lock:
             _pending_releases.append(grant)
         return
+    if grant.queue_limit_id is None and parked is not None and slot_store.releases_async():
+        with _pending_lock:
+            _unconfirmed.append(grant)
     if in_line is None or (grant.queue_limit_id is None and parked is None):
         logger.info(
             "Lease of %s was gone at release (reaped or taken over); nothing released",
@@ -109,6 +117,34 @@ def release(grant: Grant, app: Celery | None = None) -> None:
             slots.wake(grant.slot_id, limit=1, app=app)
     except Exception:
         logger.exception("Could not wake a parked job after %s; the sweep will", grant.task_id)
+
+
+def confirm_releases(app: Celery | None = None) -> int:
+    """Confirm this process's slot releases that did not wait for the disk
+    (``FAIR_JOBS_ASYNC_RELEASE``), redoing any that a crash of the database server lost,
+    and wake jobs parked on the slots released again; returns how many were redone.
+    Called by the maintenance thread every ``FAIR_JOBS_HEARTBEAT_INTERVAL``: until then a
+    lost release shows its slot held, so the tenant runs fewer jobs, never more. Raises
+    ``DatabaseError`` (the releases stay unconfirmed for the next try)."""
+    with _pending_lock:
+        grants = list(_unconfirmed)
+    process_id = identity.registered_process_id()
+    if not grants or process_id is None:
+        return 0
+    confirmed, freed = slot_store.confirm_releases(grants, process_id=process_id)
+    if not confirmed:
+        return 0  # reaped while alive: confirmed once the process is registered again
+    with _pending_lock:
+        del _unconfirmed[: len(grants)]  # only appended to meanwhile
+    if freed:
+        logger.warning(
+            "Released %s slot(s) again whose release the database lost (a crash of the server)",
+            len(freed),
+        )
+    for slot_id, parked in freed:
+        if parked:
+            slots.wake(slot_id, limit=parked, app=app)
+    return len(freed)
 
 
 def retry_pending_releases() -> int:

@@ -95,9 +95,10 @@ def _heartbeat_loop(ident: identity.Identity) -> None:
 
 
 def _maintenance_loop(ident: identity.Identity) -> None:
-    """Once per interval: retry this process's failed releases, ends and planned starts,
-    and take part in the cluster's maintenance pass. Each of them may publish (wake-ups,
-    dispatches), so a broker that stops answering blocks this thread, never the heartbeat."""
+    """Once per interval: confirm this process's asynchronous releases, retry its failed
+    releases, ends and planned starts, and take part in the cluster's maintenance pass.
+    Each of them may publish (wake-ups, dispatches), so a broker that stops answering
+    blocks this thread, never the heartbeat."""
 
     try:
         while not ident.stop.wait(fair_settings.HEARTBEAT_INTERVAL):
@@ -105,6 +106,7 @@ def _maintenance_loop(ident: identity.Identity) -> None:
                 return  # a forked copy of this thread's owner
             try:
                 close_old_connections()
+                admission.confirm_releases()
                 admission.retry_pending_releases()
                 passes.retry_pending_ends()
                 planner.retry_pending_starts()

@@ -10,11 +10,12 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from django.db import IntegrityError, router
+from django.db import IntegrityError, connections, router
 from django.db.models import F
 from django.db.models.functions import Coalesce
 
 from django_fair_jobs import db
+from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.leases import store as leases
 from django_fair_jobs.leases.types import AcquireStatus, Acquisition, Grant, ParkOutcome, Woken
 from django_fair_jobs.slots import store_orm
@@ -163,8 +164,49 @@ def release(grant: Grant) -> int | None:
     }
     if not db.uses_sql(alias):
         return store_orm.release(grant)
+    # Only as a transaction of its own: inside a caller's atomic block the setting would
+    # make the caller's whole commit asynchronous.
+    params["async_commit"] = releases_async() and not connections[alias].in_atomic_block
     rows = db.run(alias, "release", params)
     return int(rows[0][0]) if rows else None
+
+
+def releases_async() -> bool:
+    """Whether :func:`release` commits without waiting for the disk
+    (``FAIR_JOBS_ASYNC_RELEASE`` on PostgreSQL): such releases are confirmed later by
+    :func:`confirm_releases`."""
+    from django_fair_jobs.models import TenantQueueSlot
+
+    return fair_settings.ASYNC_RELEASE and db.uses_sql(router.db_for_write(TenantQueueSlot))
+
+
+def confirm_releases(
+    grants: list[Grant], *, process_id: uuid.UUID
+) -> tuple[bool, list[tuple[int, int]]]:
+    """Make the releases of ``grants`` (made by process ``process_id``, possibly without
+    waiting for the disk) durable, and redo those a crash of the database server lost, in
+    one statement that also refreshes the process's heartbeat.
+
+    Returns whether they are confirmed (False: the process row is gone, so the statement
+    wrote nothing that would wait for the disk; try again once it is registered), and the
+    ``(slot id, parked_jobs)`` of each slot released again, whose parked jobs the caller
+    wakes.
+    """
+    from django_fair_jobs.models import TenantQueueSlot
+
+    alias = router.db_for_write(TenantQueueSlot)
+    if not db.uses_sql(alias):
+        return store_orm.confirm_releases(grants, process_id=process_id)
+    held = [g for g in grants if g.slot_id is not None]
+    params: dict[str, Any] = {
+        "slot_ids": [g.slot_id for g in held],
+        "task_ids": [g.task_id for g in held],
+        "tokens": [g.token for g in held],
+        "process_id": process_id,
+    }
+    rows = db.run(alias, "confirm_releases", params)
+    freed = [(int(slot_id), int(parked)) for _, slot_id, parked in rows if slot_id is not None]
+    return bool(rows[0][0]), freed
 
 
 def hand_over(*, held: Grant, task_id: str, limit: int) -> Grant | None:

@@ -120,7 +120,10 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM parked) THEN 'parked'
 -- Give a slot back, fenced by the holder: the lease is deleted only with the holder's
 -- token, and the counter is decremented only if that delete found the lease. RETURNING
 -- shows the latest row version (after any wait for the row lock), so a park that
--- committed first is seen in parked_jobs.
+-- committed first is seen in parked_jobs. With async_commit (FAIR_JOBS_ASYNC_RELEASE, and
+-- only as a transaction of its own) the release commits without waiting for its WAL to
+-- reach the disk: set_config(..., true) lasts until that commit. A crash of the server
+-- may lose it; confirm_releases finds out and releases the slot again.
 WITH gone AS (
     DELETE FROM fair_jobs_slotlease
      WHERE slot_id = %(slot_id)s AND task_id = %(task_id)s AND token = %(token)s
@@ -130,7 +133,38 @@ UPDATE fair_jobs_tenantqueueslot AS s
    SET current_jobs = s.current_jobs - 1, updated_at = now()
   FROM gone
  WHERE s.id = gone.slot_id AND s.current_jobs > 0
-RETURNING s.parked_jobs;
+RETURNING s.parked_jobs,
+          CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END;
+
+-- name: confirm_releases
+-- Make this process's asynchronous releases durable, and redo those a crash of the server
+-- lost. Each given lease (slot, task id, token) still there was released by a commit that
+-- never reached the disk: it is deleted and its slot's counter decremented, fenced by the
+-- token as in release. The statement also refreshes the process's heartbeat, so that it
+-- writes and its own commit waits for the WAL flush, which covers every commit that came
+-- before it: every release it found gone is then on disk. Returns one row with whether
+-- the process row was there (0: reaped, nothing confirmed), then one per slot released again,
+-- with its parked_jobs.
+WITH held(slot_id, task_id, token) AS (
+    SELECT * FROM unnest(%(slot_ids)s::bigint[], %(task_ids)s::text[], %(tokens)s::uuid[])
+), gone AS (
+    DELETE FROM fair_jobs_slotlease AS l
+     USING held AS h
+     WHERE l.slot_id = h.slot_id AND l.task_id = h.task_id AND l.token = h.token
+    RETURNING l.slot_id
+), freed AS (
+    UPDATE fair_jobs_tenantqueueslot AS s
+       SET current_jobs = greatest(s.current_jobs - g.n, 0), updated_at = now()
+      FROM (SELECT slot_id, count(*)::int AS n FROM gone GROUP BY slot_id) AS g
+     WHERE s.id = g.slot_id
+    RETURNING s.id, s.parked_jobs
+), beat AS (
+    UPDATE fair_jobs_workerprocess SET last_heartbeat_at = now()
+     WHERE id = %(process_id)s
+    RETURNING id
+)
+SELECT (SELECT count(*) FROM beat), f.id, f.parked_jobs
+  FROM (SELECT 1) AS one LEFT JOIN freed AS f ON true;
 
 -- name: hand_over
 -- Hand the slot a process kept from its finished job (FAIR_JOBS_SLOT_HANDOFF) to the next

@@ -156,6 +156,22 @@ def release(grant: Grant) -> int | None:
     return parked
 
 
+def confirm_releases(
+    grants: list[Grant], *, process_id: uuid.UUID
+) -> tuple[bool, list[tuple[int, int]]]:
+    """See :func:`django_fair_jobs.slots.store.confirm_releases` (no release is
+    asynchronous here: this only redoes what a lease still held shows undone)."""
+    from django_fair_jobs.models import WorkerProcess
+
+    freed = []
+    for grant in grants:
+        parked = release(grant)
+        if parked is not None and grant.slot_id is not None:
+            freed.append((grant.slot_id, parked))
+    beat = WorkerProcess.objects.filter(pk=process_id).update(last_heartbeat_at=Now())
+    return bool(beat), freed
+
+
 def hand_over(*, held: Grant, task_id: str, limit: int) -> Grant | None:
     """See :func:`django_fair_jobs.slots.store.hand_over`."""
     from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot

@@ -39,6 +39,10 @@ class Mode:
     """Seconds of ``FAIR_JOBS_SLOT_HANDOFF`` for the workers (0: off): a process hands a
     finished job's slot to its next job of the same tenant."""
 
+    async_release: bool = False
+    """True: the workers run with ``FAIR_JOBS_ASYNC_RELEASE``: a slot's release commits
+    without waiting for the disk."""
+
     opt_in: bool = False
     """True: measured only when asked for by name (``--modes``)."""
 
@@ -106,6 +110,22 @@ MODES: dict[str, Mode] = {
             opt_in=True,
         ),
         Mode(
+            "slots-async",
+            "bench.slots_job",
+            "FairTask, tenant slots released without waiting for the disk "
+            "(FAIR_JOBS_ASYNC_RELEASE)",
+            async_release=True,
+            opt_in=True,
+        ),
+        Mode(
+            "slots-handoff-async",
+            "bench.slots_job",
+            "FairTask, tenant slots with slot handoff and asynchronous releases",
+            handoff=1.0,
+            async_release=True,
+            opt_in=True,
+        ),
+        Mode(
             "shadow",
             "bench.combined_job",
             "the combined task in shadow mode: every rule evaluated and recorded, none enforced",
@@ -118,8 +138,8 @@ MODES: dict[str, Mode] = {
 }
 
 DEFAULT_MODES: tuple[str, ...] = tuple(name for name, m in MODES.items() if not m.opt_in)
-"""The modes a run without ``--modes`` measures: shadow mode and slot handoff are asked for
-by name."""
+"""The modes a run without ``--modes`` measures: shadow mode, slot handoff and asynchronous
+releases are asked for by name."""
 
 REFERENCE = "plain"
 """The mode every ratio's denominator comes from (except the ideal's)."""

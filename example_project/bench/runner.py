@@ -333,6 +333,7 @@ def run_mode(
         "FAIR_JOBS_DEFAULT_MAX_JOBS": str(tenant_limit),
         "FAIR_JOBS_ENFORCE": "false" if mode.shadow else "true",
         "FAIR_JOBS_SLOT_HANDOFF": str(mode.handoff),
+        "FAIR_JOBS_ASYNC_RELEASE": "true" if mode.async_release else "false",
         "BENCH_WEIGHTS": json.dumps(scenario.weights),
     }
     # The publisher asks the weights too (at enqueue), in this process.

@@ -83,6 +83,11 @@ class Command(BaseCommand):
     def _measure(self, calls: int, rounds: int) -> None:
         steps: list[tuple[str, Callable[[int], Any], Callable[[Explain], None] | None]] = [
             ("slots: acquire + release", self._slot_pair, self._pair_statements),
+            (
+                "slots: acquire + release, the release asynchronous",
+                self._slot_pair_async,
+                self._pair_statements,
+            ),
             ("slots: hand over to the next job", self._hand_over, self._hand_over_statement),
             ("reroute: count (2 rules, rerouted)", self._count, self._count_statement),
             ("dispatch: enqueue", self._enqueue, self._enqueue_statement),
@@ -118,7 +123,10 @@ class Command(BaseCommand):
 
     def _time(self, step: Callable[[int], Any], calls: int, prepared: bool) -> float:
         """Milliseconds per call of ``step``, after a warm-up that prepares what it runs."""
-        with override_settings(FAIR_JOBS_PREPARED_STATEMENTS=prepared):
+        release_async = step == self._slot_pair_async
+        with override_settings(
+            FAIR_JOBS_PREPARED_STATEMENTS=prepared, FAIR_JOBS_ASYNC_RELEASE=release_async
+        ):
             for i in range(20):
                 step(i)
             started = time.perf_counter()
@@ -150,6 +158,10 @@ class Command(BaseCommand):
     # -- the steps -------------------------------------------------------------------------
 
     def _slot_pair(self, i: int) -> None:
+        slot_store.release(self._acquire("acme"))
+
+    def _slot_pair_async(self, i: int) -> None:
+        # FAIR_JOBS_ASYNC_RELEASE: the release commits without waiting for the WAL flush.
         slot_store.release(self._acquire("acme"))
 
     def _hand_over(self, i: int) -> None:
@@ -184,7 +196,10 @@ class Command(BaseCommand):
             "process_id": self.process_id, "token": token, "timeout": 600, "woken": False,
         })  # fmt: skip
         slot_id = SlotLease.objects.get(task_id=task_id).slot_id
-        explain("release", {"slot_id": slot_id, "task_id": task_id, "token": token})
+        explain(
+            "release",
+            {"slot_id": slot_id, "task_id": task_id, "token": token, "async_commit": False},
+        )
 
     def _count(self, i: int) -> None:
         reroute_store.record(

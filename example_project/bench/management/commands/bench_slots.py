@@ -58,6 +58,7 @@ def _library_pair_script(process_id: uuid.UUID, slot_id: int) -> str:
         "token": f"'{uuid.uuid4()}'::uuid",
         "slot_id": str(slot_id),
         "woken": "false",
+        "async_commit": "false",
         "task_id": "('pg-' || :n)",
     }
 

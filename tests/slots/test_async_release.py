@@ -1,0 +1,265 @@
+"""Asynchronous releases (``FAIR_JOBS_ASYNC_RELEASE``): a slot's release commits without
+waiting for the disk, and each process confirms its releases at its next maintenance pass,
+releasing again any slot whose release a crash of the database server lost. The release
+and its confirmation on the suite's database, then a real crash of a server of the test's
+own (``pg_ctl stop -m immediate``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+
+from django_fair_jobs import identity, messages
+from django_fair_jobs.admission import ends
+from django_fair_jobs.leases.types import Grant
+from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
+from django_fair_jobs.slots import store as slot_store
+from tests.chaos.harness import ROOT
+from tests.chaos.pgserver import ThrowawayPostgres, _binary
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        connection.vendor != "postgresql", reason="releases are asynchronous on PostgreSQL only"
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def no_unconfirmed(monkeypatch: pytest.MonkeyPatch, process: uuid.UUID) -> None:
+    """This test's own list of unconfirmed releases, made by the ``process`` fixture's."""
+    monkeypatch.setattr(ends, "_unconfirmed", [])
+    monkeypatch.setattr(identity, "registered_process_id", lambda: process)
+
+
+def acquire(process: uuid.UUID, task_id: str, limit: int = 1) -> Grant:
+    grant = slot_store.try_acquire(
+        tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
+    ).grant
+    assert grant is not None
+    return grant
+
+
+def slot() -> TenantQueueSlot:
+    return TenantQueueSlot.objects.get(tenant="acme", queue="q")
+
+
+@override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
+def test_release__async__one_statement_without_waiting_for_the_disk_kept_to_confirm(
+    process: uuid.UUID,
+) -> None:
+    grant = acquire(process, "a")
+    with CaptureQueriesContext(connection) as queries:
+        ends.release(grant)
+    assert len(queries) == 1
+    assert "set_config('synchronous_commit', 'off', true)" in queries[0]["sql"]
+    assert not SlotLease.objects.exists() and slot().current_jobs == 0
+    assert ends._unconfirmed == [grant]
+    # The setting lasts for the release's own transaction only.
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone() == ("on",)
+
+
+def test_release__sync_by_default__nothing_kept_to_confirm(process: uuid.UUID) -> None:
+    ends.release(acquire(process, "a"))
+    assert ends._unconfirmed == []
+    assert not SlotLease.objects.exists() and slot().current_jobs == 0
+
+
+@override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
+def test_confirm__nothing_lost__one_statement_that_beats_list_emptied(process: uuid.UUID) -> None:
+    ends.release(acquire(process, "a"))
+    ends.release(acquire(process, "b"))
+    WorkerProcess.objects.filter(pk=process).update(last_heartbeat_at="2000-01-01T00:00Z")
+    with CaptureQueriesContext(connection) as queries:
+        assert ends.confirm_releases() == 0
+    assert len(queries) == 1
+    assert ends._unconfirmed == []
+    assert WorkerProcess.objects.get(pk=process).last_heartbeat_at.year > 2000
+    assert slot().current_jobs == 0
+
+
+@override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
+def test_confirm__release_lost__slot_released_again_parked_job_woken(
+    process: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grant = acquire(process, "a")
+    ends.release(grant)
+    # What a crash that lost the release leaves: the lease and the count as before it.
+    SlotLease.objects.create(
+        slot_id=grant.slot_id, task_id="a", token=grant.token, process_id=process
+    )
+    TenantQueueSlot.objects.filter(pk=grant.slot_id).update(current_jobs=1)
+    assert slot_store.try_park(
+        tenant="acme", queue="q", task_id="b", task_name="t", limit=1,
+        signature='{"task": "t", "options": {"task_id": "b"}}',
+    ) == "parked"  # fmt: skip
+    woken: list[Any] = []
+    monkeypatch.setattr(messages, "publish_woken", lambda job, app=None: woken.append(job))
+    assert ends.confirm_releases() == 1
+    assert [job.task_id for job in woken] == ["b"]
+    # The slot went to the parked job (its reservation), not lost, not counted twice.
+    assert list(SlotLease.objects.values_list("task_id", flat=True)) == ["b"]
+    assert slot().current_jobs == 1
+    assert ParkedJob.objects.get(task_id="b").woken_at is not None
+    assert ends._unconfirmed == []
+
+
+@override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
+def test_confirm__lease_taken_over_since__fenced_nothing_freed(process: uuid.UUID) -> None:
+    grant = acquire(process, "a")
+    ends.release(grant)
+    again = acquire(process, "a")  # a redelivery of the job, with a token of its own
+    assert ends.confirm_releases() == 0
+    assert list(SlotLease.objects.values_list("token", flat=True)) == [again.token]
+    assert slot().current_jobs == 1
+
+
+@override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
+def test_confirm__process_reaped__kept_until_registered_again(process: uuid.UUID) -> None:
+    grant = acquire(process, "a")
+    ends.release(grant)
+    row = WorkerProcess.objects.get(pk=process)
+    row.delete()
+    # No process row: the statement wrote nothing whose commit waits for the disk.
+    assert ends.confirm_releases() == 0
+    assert ends._unconfirmed == [grant]
+    row.pk = process  # registered again
+    row.save(force_insert=True)
+    assert ends.confirm_releases() == 0
+    assert ends._unconfirmed == []
+
+
+def test_confirm__orm_store__redoes_a_lease_still_held(
+    process: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ORM path (every other database) keeps the contract: a lease still held is released.
+    from django_fair_jobs.slots import store_orm
+
+    grant = acquire(process, "a")
+    confirmed, freed = store_orm.confirm_releases([grant], process_id=process)
+    assert confirmed and freed == [(grant.slot_id, 0)]
+    assert not SlotLease.objects.exists() and slot().current_jobs == 0
+
+
+# A script run against a server of the test's own, as a worker process: it holds ten
+# slots, releases the first durably and the nine others asynchronously, then waits; once
+# the test has crashed and restarted the server, it reports which leases the crash brought
+# back, and again once its maintenance thread has confirmed its releases.
+CRASH_SCRIPT = """
+import json, sys, time
+import django
+django.setup()
+from django.db import connection
+from django.test import override_settings
+from django_fair_jobs import identity
+from django_fair_jobs.admission import ends
+from django_fair_jobs.models import SlotLease, TenantQueueSlot
+from django_fair_jobs.slots import store
+
+pid = identity.current_process_id("crash@h")  # as a worker's, its threads started
+grants = [
+    store.try_acquire(tenant="t", queue="q", task_id=f"job{i}", limit=100, process_id=pid,
+                      timeout=600).grant
+    for i in range(10)
+]
+with override_settings(FAIR_JOBS_ASYNC_RELEASE=False):
+    ends.release(grants[0])
+with override_settings(FAIR_JOBS_ASYNC_RELEASE=True):
+    for grant in grants[1:]:
+        ends.release(grant)
+print(json.dumps({"unconfirmed": len(ends._unconfirmed)}), flush=True)
+sys.stdin.readline()  # the server crashed and came back
+connection.close()
+
+def state():
+    return {
+        "held": sorted(SlotLease.objects.values_list("task_id", flat=True)),
+        "count": TenantQueueSlot.objects.get(tenant="t").current_jobs,
+    }
+
+after_crash = state()
+# The process's maintenance thread confirms the releases at its first pass.
+deadline = time.monotonic() + 120
+while ends._unconfirmed and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(json.dumps({"after_crash": after_crash, "after_confirm": state(),
+                  "unconfirmed": len(ends._unconfirmed)}), flush=True)
+"""
+
+
+@pytest.fixture
+def crashable_pg() -> Iterator[ThrowawayPostgres]:
+    """A server of the test's own whose WAL writer waits 10 s between flushes (the most
+    it may), so that an asynchronous commit is still in memory when the server crashes."""
+    server = ThrowawayPostgres()
+    try:
+        server.init()
+        with (server.data / "postgresql.conf").open("a") as conf:
+            conf.write(
+                "synchronous_commit = on\nwal_writer_delay = 10s\nautovacuum = off\n"
+                "bgwriter_lru_maxpages = 0\n"
+            )
+        server.start()
+        subprocess.run(
+            ["psql", server.url(), "-qc", "CREATE DATABASE crash"], check=True, capture_output=True
+        )
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.mark.workers
+def test_crash_of_the_server__async_releases_lost__confirm_releases_them_again(
+    crashable_pg: ThrowawayPostgres,
+) -> None:
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONPATH": str(ROOT),
+        "DATABASE_URL": crashable_pg.url("crash"),
+        # The maintenance thread's first pass comes after the crash (which takes a second
+        # or two), not before: it would confirm the releases and the crash lose nothing.
+        "FAIR_JOBS_HEARTBEAT_INTERVAL": "15",
+        "FAIR_JOBS_WORKER_TIMEOUT": "60",
+    }
+    subprocess.run(
+        [sys.executable, "-m", "django", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True
+    )
+    script = subprocess.Popen(
+        [sys.executable, "-c", CRASH_SCRIPT], cwd=ROOT, env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert script.stdin is not None and script.stdout is not None
+    try:
+        assert json.loads(script.stdout.readline()) == {"unconfirmed": 9}
+        # A crash: every server process is killed, the WAL still in memory with them.
+        crashable_pg._run(_binary("pg_ctl"), "-D", str(crashable_pg.data), "-m", "immediate",
+                          "-w", "stop")  # fmt: skip
+        crashable_pg.start()
+        script.stdin.write("go\n")
+        script.stdin.flush()
+        report = json.loads(script.stdout.readline())
+    finally:
+        script.kill()
+        script.wait()
+    held = report["after_crash"]["held"]
+    # The durable release survived; the asynchronous ones after it were lost with the WAL
+    # the crash took, and their slots show held (fewer jobs would run, never more).
+    assert "job0" not in held
+    assert held, "no asynchronous release was lost: the crash proved nothing"
+    assert report["after_crash"]["count"] == len(held)
+    # The maintenance pass released every one of them again, and nothing is left to confirm.
+    assert report["after_confirm"] == {"held": [], "count": 0}
+    assert report["unconfirmed"] == 0
