@@ -124,14 +124,19 @@ def confirm_releases(app: Celery | None = None) -> int:
     (``FAIR_JOBS_ASYNC_RELEASE``), redoing any that a crash of the database server lost,
     and wake jobs parked on the slots released again; returns how many were redone.
     Called by the maintenance thread every ``FAIR_JOBS_HEARTBEAT_INTERVAL``: until then a
-    lost release shows its slot held, so the tenant runs fewer jobs, never more. Raises
-    ``DatabaseError`` (the releases stay unconfirmed for the next try)."""
+    lost release shows its slot held, so the tenant runs fewer jobs, never more. A
+    database error leaves them unconfirmed for the next pass (and the rest of the pass
+    goes on)."""
     with _pending_lock:
         grants = list(_unconfirmed)
     process_id = identity.registered_process_id()
     if not grants or process_id is None:
         return 0
-    confirmed, freed = slot_store.confirm_releases(grants, process_id=process_id)
+    try:
+        confirmed, freed = slot_store.confirm_releases(grants, process_id=process_id)
+    except DatabaseError:
+        logger.warning("Could not confirm %s asynchronous release(s) yet", len(grants))
+        return 0
     if not confirmed:
         return 0  # reaped while alive: confirmed once the process is registered again
     with _pending_lock:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
@@ -100,7 +100,7 @@ def test_confirm__release_lost__slot_released_again_parked_job_woken(
     SlotLease.objects.create(
         slot_id=grant.slot_id, task_id="a", token=grant.token, process_id=process
     )
-    TenantQueueSlot.objects.filter(pk=grant.slot_id).update(current_jobs=1)
+    TenantQueueSlot.objects.filter(tenant="acme", queue="q").update(current_jobs=1)
     assert slot_store.try_park(
         tenant="acme", queue="q", task_id="b", task_name="t", limit=1,
         signature='{"task": "t", "options": {"task_id": "b"}}',
@@ -161,7 +161,7 @@ CRASH_SCRIPT = """
 import json, sys, time
 import django
 django.setup()
-from django.db import connection
+from django.db import OperationalError, connection
 from django.test import override_settings
 from django_fair_jobs import identity
 from django_fair_jobs.admission import ends
@@ -263,3 +263,23 @@ def test_crash_of_the_server__async_releases_lost__confirm_releases_them_again(
     # The maintenance pass released every one of them again, and nothing is left to confirm.
     assert report["after_confirm"] == {"held": [], "count": 0}
     assert report["unconfirmed"] == 0
+
+
+@override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
+def test_confirm__database_error__kept_for_the_next_pass_which_goes_on(
+    process: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grant = acquire(process, "a")
+    ends.release(grant)
+
+    def fail(grants: list[Grant], *, process_id: uuid.UUID) -> Any:
+        raise OperationalError("the server closed the connection")
+
+    monkeypatch.setattr(slot_store, "confirm_releases", fail)
+    assert ends.confirm_releases() == 0  # the maintenance pass goes on to its next step
+    assert ends._unconfirmed == [grant]
+    monkeypatch.undo()
+    monkeypatch.setattr(ends, "_unconfirmed", [grant])
+    monkeypatch.setattr(identity, "registered_process_id", lambda: process)
+    assert ends.confirm_releases() == 0
+    assert ends._unconfirmed == []
