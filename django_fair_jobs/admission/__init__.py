@@ -299,11 +299,7 @@ def _uncertain_acquire(task: Task[Any, Any], *, woken: bool) -> None:
     cannot have taken a lease."""
     holder = identity.registered_process_id()
     if holder is not None:
-        task_id = str(task.request.id)
-        with ends._holds_lock:
-            ends._uncertain.add((task_id, holder))
-            if woken:
-                ends._woken_claims.add(task_id)
+        ends.note_uncertain(str(task.request.id), holder, woken=woken)
 
 
 def _drop_own_lease(task: Task[Any, Any]) -> bool:
@@ -312,10 +308,7 @@ def _drop_own_lease(task: Task[Any, Any]) -> bool:
     that had committed, here or by the heartbeat since: the job's parked row went with it,
     so the job goes on as a fresh start."""
     task_id = str(task.request.id)
-    with ends._holds_lock:
-        lost = [pid for (uncertain_id, pid) in ends._uncertain if uncertain_id == task_id]
-    for process_id in lost:  # this job's own lease from a lost reply would refuse it
-        ends._drop_uncertain([task_id], process_id)
+    ends.drop_own_uncertain(task_id)
     return ends.take_reclaimed(task_id)
 
 
@@ -340,8 +333,7 @@ def _admit(
         node=request.hostname, woken=woken,
     )  # fmt: skip
     if acquired.grant is not None:
-        with ends._holds_lock:
-            ends._running.add(task_id)
+        ends.mark_running(task_id)
         return acquired.grant
     if acquired.status not in ("full", "queue_full"):
         refuse(task, acquired.status, args, kwargs, woken=woken)

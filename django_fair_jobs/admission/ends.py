@@ -70,6 +70,52 @@ RECLAIMED_KEPT = 86400.0
 that went to another process never takes it."""
 
 
+def mark_running(task_id: str) -> None:
+    """Note that ``task_id`` holds a grant in this process: its lease is never mistaken for
+    one of a lost reply."""
+    with _holds_lock:
+        _running.add(task_id)
+
+
+def unmark_running(task_id: str) -> None:
+    """Note that ``task_id`` holds no grant here any more (released, or its slot kept for
+    the process's next job)."""
+    with _holds_lock:
+        _running.discard(task_id)
+
+
+def note_uncertain(
+    task_id: str, holder: uuid.UUID, *, woken: bool = False, release: Grant | None = None
+) -> None:
+    """Note that a statement of ``task_id``'s that may have committed lost its reply: the
+    lease ``holder`` may hold for it under a token nobody has is released later (the job's
+    next copy here, or the heartbeat), as is ``release``, a grant the statement was to
+    hand on. ``woken``: the statement was a woken copy's claim, so its next copy here
+    starts afresh if the claim committed."""
+    with _holds_lock:
+        _uncertain.add((task_id, holder))
+        if woken:
+            _woken_claims.add(task_id)
+    if release is not None:
+        retry_release(release)
+
+
+def retry_release(grant: Grant) -> None:
+    """Release ``grant`` at this process's next heartbeat (its release failed, or may have)."""
+    with _holds_lock:
+        _pending_releases.append(grant)
+
+
+def drop_own_uncertain(task_id: str) -> None:
+    """Release the leases this process may hold for ``task_id`` from statements whose reply
+    was lost (:func:`note_uncertain`), before its copy here acquires again (its own lease
+    would refuse it as a duplicate). Raises ``DatabaseError``."""
+    with _holds_lock:
+        lost = [pid for (uncertain_id, pid) in _uncertain if uncertain_id == task_id]
+    for process_id in lost:
+        _drop_uncertain([task_id], process_id)
+
+
 def take_reclaimed(task_id: str) -> bool:
     """True (once) if a woken claim of ``task_id`` committed and its lease was released:
     the job's next copy starts afresh (see :data:`_reclaimed`)."""
@@ -85,8 +131,7 @@ def release(grant: Grant, app: Celery | None = None) -> None:
     maintenance sweep.
     """
 
-    with _holds_lock:
-        _running.discard(grant.task_id)
+    unmark_running(grant.task_id)
     if grant.slot_id is None and grant.queue_limit_id is None:
         return  # the job held nothing (no tenant, no queue limit)
     in_line: int | None = 0
@@ -98,8 +143,7 @@ def release(grant: Grant, app: Celery | None = None) -> None:
             parked = slot_store.release(grant)
     except Exception:
         logger.exception("Could not release the slots of %s; will retry", grant.task_id)
-        with _holds_lock:
-            _pending_releases.append(grant)
+        retry_release(grant)
         return
     if grant.queue_limit_id is None and parked is not None and slot_store.releases_async():
         with _pending_lock:

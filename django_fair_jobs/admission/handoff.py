@@ -72,8 +72,7 @@ def keep(grant: Grant, *, tenant: str | None, queue: str, app: Celery | None) ->
         return False
     if not enabled():
         return False
-    with ends._holds_lock:
-        ends._running.discard(grant.task_id)
+    ends.unmark_running(grant.task_id)
     kept = Kept(grant, tenant, queue, time.monotonic() + fair_settings.SLOT_HANDOFF, app)
     with _changed:
         try:
@@ -117,10 +116,10 @@ def take_over(
             # by its old token, that frees nothing if it was handed over) and drops a
             # lease the new job may hold under a token nobody has.
             holder = identity.registered_process_id()
-            with ends._holds_lock:
-                ends._pending_releases.append(kept.grant)
-                if holder is not None:
-                    ends._uncertain.add((task_id, holder))
+            if holder is not None:
+                ends.note_uncertain(task_id, holder, release=kept.grant)
+            else:
+                ends.retry_release(kept.grant)
             raise
         if handed is not None:
             return handed
