@@ -3,8 +3,12 @@
 Every setting is read at access time, in this order: the Django setting
 ``FAIR_JOBS_<NAME>``, then the environment variable of the same name (parsed with
 django-environ), then the default below. Reading at access time, never at import time,
-keeps ``override_settings`` working in tests. Nothing here writes to
-``django.conf.settings``. Validation lives in :mod:`django_fair_jobs.checks`.
+keeps ``override_settings`` working in tests. What the Django settings hold is remembered
+until Django's ``setting_changed`` signal (``override_settings``, pytest-django's
+``settings``) says otherwise, as Django REST framework's settings do: a job reads several
+settings, and looking a missing one up in ``django.conf.settings`` costs an exception each
+time. Nothing here writes to ``django.conf.settings``. Validation lives in
+:mod:`django_fair_jobs.checks`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 import environ
 from django.conf import settings as django_settings
+from django.core.signals import setting_changed
 
 T = TypeVar("T")
 
@@ -69,6 +74,37 @@ _json_object.__name__ = "JSON object"
 _boolean.__name__ = "boolean"
 
 
+_UNSET = object()
+_django_values: dict[str, Any] = {}
+"""``FAIR_JOBS_*`` Django settings read so far: the value, or :data:`_UNSET`."""
+_django_values_of: list[object] = [None]
+"""The settings object (``django.conf.settings._wrapped``) they were read from:
+``override_settings`` and pytest-django's ``settings`` put another in its place, even
+where they send no ``setting_changed`` (pytest-django's ``del settings.X``)."""
+
+
+def _django_value(key: str) -> Any:
+    """The Django setting ``key``, or :data:`_UNSET`; remembered until a setting changes."""
+    wrapped = django_settings._wrapped  # type: ignore[misc]  # the stubs type it as a Settings
+    if wrapped is not _django_values_of[0]:
+        _django_values.clear()
+        _django_values_of[0] = wrapped
+    try:
+        return _django_values[key]
+    except KeyError:
+        value = getattr(django_settings, key, _UNSET)
+        _django_values[key] = value
+        return value
+
+
+def _forget_django_values(**kwargs: Any) -> None:
+    """Django's ``setting_changed`` receiver: read the Django settings afresh."""
+    _django_values.clear()
+
+
+setting_changed.connect(_forget_django_values, dispatch_uid="django_fair_jobs.conf")
+
+
 class Settings:
     """The library's settings, each a property with its type and default.
 
@@ -86,16 +122,18 @@ class Settings:
 
     def _get(self, name: str, default: T, parse: Callable[[str], Any]) -> Any:
         key = PREFIX + name
-        if not hasattr(django_settings, key) and key not in os.environ:
+        value = _django_value(key)
+        if value is _UNSET and key not in os.environ:
             # A renamed setting still works under its old name for one release (check
             # fair_jobs.W005 says to rename it).
             old = OLD_SETTING_NAMES.get(name)
             if old is not None and (
-                hasattr(django_settings, PREFIX + old) or PREFIX + old in os.environ
+                _django_value(PREFIX + old) is not _UNSET or PREFIX + old in os.environ
             ):
                 key = PREFIX + old
-        if hasattr(django_settings, key):
-            return getattr(django_settings, key)
+                value = _django_value(key)
+        if value is not _UNSET:
+            return value
         if key in os.environ:
             # django-environ reads the raw string; the conversion is strict (its own int()
             # and float() drop stray characters, so "1e3" would silently become 13).

@@ -115,6 +115,25 @@ def test_settings__django_setting_beats_environment(
     assert fair_settings.DEFAULT_MAX_JOBS == 1
 
 
+def test_settings__django_values_remembered_until_a_setting_changes(settings: Any) -> None:
+    from django.test import override_settings
+
+    from django_fair_jobs import conf
+
+    assert fair_settings.ON_LIMIT == "park"
+    # Read once from django.conf.settings (a missing one raises there each time), then
+    # remembered...
+    assert conf._django_values["FAIR_JOBS_ON_LIMIT"] is conf._UNSET
+    # ...until Django says a setting changed, however it was changed.
+    with override_settings(FAIR_JOBS_ON_LIMIT="retry"):
+        assert fair_settings.ON_LIMIT == "retry"
+    assert fair_settings.ON_LIMIT == "park"
+    settings.FAIR_JOBS_ON_LIMIT = "retry"
+    assert fair_settings.ON_LIMIT == "retry"
+    del settings.FAIR_JOBS_ON_LIMIT
+    assert fair_settings.ON_LIMIT == "park"
+
+
 def test_e008__empty_enforce_is_an_error_not_shadow_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     # `FAIR_JOBS_ENFORCE=` (a template left blank) once meant False: shadow mode, silently.
     monkeypatch.setenv("FAIR_JOBS_ENFORCE", "")
