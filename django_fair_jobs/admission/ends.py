@@ -143,6 +143,11 @@ def release(grant: Grant, app: Celery | None = None) -> None:
             parked = slot_store.release(grant)
     except Exception:
         logger.exception("Could not release the slots of %s; will retry", grant.task_id)
+        if grant.queue_limit_id is None and slot_store.releases_async():
+            # It may have committed without waiting for the disk: the retry, finding the
+            # lease gone, would write nothing that makes it durable.
+            with _pending_lock:
+                _unconfirmed.append(grant)
         retry_release(grant)
         return
     if grant.queue_limit_id is None and parked is not None and slot_store.releases_async():
@@ -181,10 +186,9 @@ def confirm_releases(app: Celery | None = None) -> int:
     except DatabaseError:
         logger.warning("Could not confirm %s asynchronous release(s) yet", len(grants))
         return 0
-    if not confirmed:
-        return 0  # reaped while alive: confirmed once the process is registered again
-    with _pending_lock:
-        del _unconfirmed[: len(grants)]  # only appended to meanwhile
+    if confirmed:  # else reaped while alive: confirmed once the process is registered again
+        with _pending_lock:
+            del _unconfirmed[: len(grants)]  # only appended to meanwhile
     if freed:
         logger.warning(
             "Released %s slot(s) again whose release the database lost (a crash of the server)",
@@ -192,7 +196,10 @@ def confirm_releases(app: Celery | None = None) -> int:
         )
     for slot_id, parked in freed:
         if parked:
-            slots.wake(slot_id, limit=parked, app=app)
+            try:
+                slots.wake(slot_id, limit=parked, app=app)
+            except Exception:
+                logger.exception("Could not wake a parked job of slot %s; the sweep will", slot_id)
     return len(freed)
 
 

@@ -164,20 +164,24 @@ def release(grant: Grant) -> int | None:
     }
     if not db.uses_sql(alias):
         return store_orm.release(grant)
-    # Only as a transaction of its own: inside a caller's atomic block the setting would
-    # make the caller's whole commit asynchronous.
-    params["async_commit"] = releases_async() and not connections[alias].in_atomic_block
+    params["async_commit"] = releases_async()
     rows = db.run(alias, "release", params)
     return int(rows[0][0]) if rows else None
 
 
 def releases_async() -> bool:
-    """Whether :func:`release` commits without waiting for the disk
-    (``FAIR_JOBS_ASYNC_RELEASE`` on PostgreSQL): such releases are confirmed later by
-    :func:`confirm_releases`."""
+    """Whether :func:`release` commits without waiting for the disk here and now
+    (``FAIR_JOBS_ASYNC_RELEASE`` on PostgreSQL, the release a transaction of its own):
+    such releases are confirmed later by :func:`confirm_releases`."""
     from django_fair_jobs.models import TenantQueueSlot
 
-    return fair_settings.ASYNC_RELEASE and db.uses_sql(router.db_for_write(TenantQueueSlot))
+    if not fair_settings.ASYNC_RELEASE:
+        return False
+    alias = router.db_for_write(TenantQueueSlot)
+    conn = connections[alias]
+    # Inside a caller's transaction (an atomic block, or autocommit turned off) the
+    # setting would make the caller's whole commit asynchronous.
+    return db.uses_sql(alias) and conn.get_autocommit() and not conn.in_atomic_block
 
 
 def confirm_releases(
@@ -188,9 +192,9 @@ def confirm_releases(
     one statement that also refreshes the process's heartbeat.
 
     Returns whether they are confirmed (False: the process row is gone, so the statement
-    wrote nothing that would wait for the disk; try again once it is registered), and the
-    ``(slot id, parked_jobs)`` of each slot released again, whose parked jobs the caller
-    wakes.
+    may have written nothing that waits for the disk; try again once it is registered),
+    and the ``(slot id, parked_jobs)`` of each slot released again, whose parked jobs the
+    caller wakes either way.
     """
     from django_fair_jobs.models import TenantQueueSlot
 
@@ -205,7 +209,7 @@ def confirm_releases(
         "process_id": process_id,
     }
     rows = db.run(alias, "confirm_releases", params)
-    freed = [(int(slot_id), int(parked)) for _, slot_id, parked in rows if slot_id is not None]
+    freed = [(int(row[1]), int(row[2])) for row in rows if row[1] is not None]
     return bool(rows[0][0]), freed
 
 

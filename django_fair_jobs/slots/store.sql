@@ -142,9 +142,9 @@ RETURNING s.parked_jobs,
 -- never reached the disk: it is deleted and its slot's counter decremented, fenced by the
 -- token as in release. The statement also refreshes the process's heartbeat, so that it
 -- writes and its own commit waits for the WAL flush, which covers every commit that came
--- before it: every release it found gone is then on disk. Returns one row with whether
--- the process row was there (0: reaped, nothing confirmed), then one per slot released again,
--- with its parked_jobs.
+-- before it: every release it found gone is then on disk. Returns a row per slot released
+-- again (its id and parked_jobs), or one with NULLs, each with whether the process row was
+-- there (0: reaped, nothing confirmed).
 WITH held(slot_id, task_id, token) AS (
     SELECT * FROM unnest(%(slot_ids)s::bigint[], %(task_ids)s::text[], %(tokens)s::uuid[])
 ), gone AS (
@@ -162,9 +162,13 @@ WITH held(slot_id, task_id, token) AS (
     UPDATE fair_jobs_workerprocess SET last_heartbeat_at = now()
      WHERE id = %(process_id)s
     RETURNING id
+), durable AS (
+    -- The commit waits for the disk even where the session's default does not.
+    SELECT CASE WHEN current_setting('synchronous_commit') = 'off'
+                THEN set_config('synchronous_commit', 'local', true) END AS was_off
 )
-SELECT (SELECT count(*) FROM beat), f.id, f.parked_jobs
-  FROM (SELECT 1) AS one LEFT JOIN freed AS f ON true;
+SELECT (SELECT count(*) FROM beat), f.id, f.parked_jobs, d.was_off
+  FROM durable AS d LEFT JOIN freed AS f ON true;
 
 -- name: hand_over
 -- Hand the slot a process kept from its finished job (FAIR_JOBS_SLOT_HANDOFF) to the next

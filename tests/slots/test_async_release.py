@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
@@ -54,6 +54,19 @@ def slot() -> TenantQueueSlot:
     return TenantQueueSlot.objects.get(tenant="acme", queue="q")
 
 
+def lose_release(grant: Grant, process: uuid.UUID) -> None:
+    """Leave what a crash that lost ``grant``'s release leaves (its lease, and the count as
+    before it), and park job b on the slot, which is full again."""
+    SlotLease.objects.create(
+        slot_id=grant.slot_id, task_id=grant.task_id, token=grant.token, process_id=process
+    )
+    TenantQueueSlot.objects.filter(tenant="acme", queue="q").update(current_jobs=1)
+    assert slot_store.try_park(
+        tenant="acme", queue="q", task_id="b", task_name="t", limit=1,
+        signature='{"task": "t", "options": {"task_id": "b"}}',
+    ) == "parked"  # fmt: skip
+
+
 @override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
 def test_release__async__one_statement_without_waiting_for_the_disk_kept_to_confirm(
     process: uuid.UUID,
@@ -69,6 +82,56 @@ def test_release__async__one_statement_without_waiting_for_the_disk_kept_to_conf
     with connection.cursor() as cursor:
         cursor.execute("SHOW synchronous_commit")
         assert cursor.fetchone() == ("on",)
+
+
+@override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
+def test_release__inside_a_transaction__waits_for_the_disk_as_the_transaction_does(
+    process: uuid.UUID,
+) -> None:
+    grant = acquire(process, "a")
+    with transaction.atomic():
+        ends.release(grant)
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            assert cursor.fetchone() == ("on",)  # the caller's commit is left alone
+    assert ends._unconfirmed == []
+    assert not SlotLease.objects.exists()
+
+
+@override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
+def test_release__error_after_it_may_have_committed__confirmed_as_well_as_retried(
+    process: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grant = acquire(process, "a")
+    release = slot_store.release
+
+    def released_reply_lost(grant: Grant) -> int | None:
+        release(grant)
+        raise InterfaceError("connection lost")
+
+    monkeypatch.setattr(slot_store, "release", released_reply_lost)
+    with ends._holds_lock:
+        pending = len(ends._pending_releases)
+    ends.release(grant)
+    assert ends._unconfirmed == [grant]
+    with ends._holds_lock:
+        assert ends._pending_releases[pending:] == [grant]
+        del ends._pending_releases[pending:]
+
+
+def test_confirm__session_that_skips_the_disk__the_confirmation_waits_for_it(
+    process: uuid.UUID,
+) -> None:
+    # A database or role set to synchronous_commit = off would make the confirmation as
+    # losable as the releases it confirms.
+    grant = acquire(process, "a")
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit = off")
+        slot_store.confirm_releases([grant], process_id=process)
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            assert cursor.fetchone() == ("local",)
 
 
 def test_release__sync_by_default__nothing_kept_to_confirm(process: uuid.UUID) -> None:
@@ -96,15 +159,7 @@ def test_confirm__release_lost__slot_released_again_parked_job_woken(
 ) -> None:
     grant = acquire(process, "a")
     ends.release(grant)
-    # What a crash that lost the release leaves: the lease and the count as before it.
-    SlotLease.objects.create(
-        slot_id=grant.slot_id, task_id="a", token=grant.token, process_id=process
-    )
-    TenantQueueSlot.objects.filter(tenant="acme", queue="q").update(current_jobs=1)
-    assert slot_store.try_park(
-        tenant="acme", queue="q", task_id="b", task_name="t", limit=1,
-        signature='{"task": "t", "options": {"task_id": "b"}}',
-    ) == "parked"  # fmt: skip
+    lose_release(grant, process)
     woken: list[Any] = []
     monkeypatch.setattr(messages, "publish_woken", lambda job, app=None: woken.append(job))
     assert ends.confirm_releases() == 1
@@ -127,13 +182,20 @@ def test_confirm__lease_taken_over_since__fenced_nothing_freed(process: uuid.UUI
 
 
 @override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
-def test_confirm__process_reaped__kept_until_registered_again(process: uuid.UUID) -> None:
+def test_confirm__process_reaped__kept_until_registered_again_lost_ones_released(
+    process: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
     grant = acquire(process, "a")
     ends.release(grant)
+    lose_release(grant, process)
+    woken: list[Any] = []
+    monkeypatch.setattr(messages, "publish_woken", lambda job, app=None: woken.append(job))
     row = WorkerProcess.objects.get(pk=process)
     row.delete()
-    # No process row: the statement wrote nothing whose commit waits for the disk.
-    assert ends.confirm_releases() == 0
+    # No process row: the statement may have written nothing whose commit waits for the
+    # disk, so the releases stay to confirm; the lost one is released and its job woken.
+    assert ends.confirm_releases() == 1
+    assert [job.task_id for job in woken] == ["b"]
     assert ends._unconfirmed == [grant]
     row.pk = process  # registered again
     row.save(force_insert=True)
@@ -156,12 +218,14 @@ def test_confirm__orm_store__redoes_a_lease_still_held(
 # A script run against a server of the test's own, as a worker process: it holds ten
 # slots, releases the first durably and the nine others asynchronously, then waits; once
 # the test has crashed and restarted the server, it reports which leases the crash brought
-# back, and again once its maintenance thread has confirmed its releases.
+# back, and again once its maintenance thread has confirmed its releases. Then it releases
+# five more asynchronously, confirms them itself, and once the test has crashed the server
+# again, reports what came back.
 CRASH_SCRIPT = """
 import json, sys, time
 import django
 django.setup()
-from django.db import OperationalError, connection
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.test import override_settings
 from django_fair_jobs import identity
 from django_fair_jobs.admission import ends
@@ -196,6 +260,20 @@ while ends._unconfirmed and time.monotonic() < deadline:
     time.sleep(0.1)
 print(json.dumps({"after_crash": after_crash, "after_confirm": state(),
                   "unconfirmed": len(ends._unconfirmed)}), flush=True)
+
+grants = [
+    store.try_acquire(tenant="t", queue="q", task_id=f"job{i}", limit=100, process_id=pid,
+                      timeout=600).grant
+    for i in range(10, 15)
+]
+with override_settings(FAIR_JOBS_ASYNC_RELEASE=True):
+    for grant in grants:
+        ends.release(grant)
+ends.confirm_releases()
+print(json.dumps({"unconfirmed": len(ends._unconfirmed)}), flush=True)
+sys.stdin.readline()  # the server crashed and came back again
+connection.close()
+print(json.dumps({"after_second_crash": state()}), flush=True)
 """
 
 
@@ -244,13 +322,11 @@ def test_crash_of_the_server__async_releases_lost__confirm_releases_them_again(
     assert script.stdin is not None and script.stdout is not None
     try:
         assert json.loads(script.stdout.readline()) == {"unconfirmed": 9}
-        # A crash: every server process is killed, the WAL still in memory with them.
-        crashable_pg._run(_binary("pg_ctl"), "-D", str(crashable_pg.data), "-m", "immediate",
-                          "-w", "stop")  # fmt: skip
-        crashable_pg.start()
-        script.stdin.write("go\n")
-        script.stdin.flush()
+        crash(crashable_pg, script)
         report = json.loads(script.stdout.readline())
+        assert json.loads(script.stdout.readline()) == {"unconfirmed": 0}
+        crash(crashable_pg, script)
+        second = json.loads(script.stdout.readline())
     finally:
         script.kill()
         script.wait()
@@ -263,6 +339,19 @@ def test_crash_of_the_server__async_releases_lost__confirm_releases_them_again(
     # The maintenance pass released every one of them again, and nothing is left to confirm.
     assert report["after_confirm"] == {"held": [], "count": 0}
     assert report["unconfirmed"] == 0
+    # Confirmed releases are on disk: a crash right after the confirmation (well within
+    # the WAL writer's 10 s) brought none of them back.
+    assert second == {"after_second_crash": {"held": [], "count": 0}}
+
+
+def crash(server: ThrowawayPostgres, script: subprocess.Popen[str]) -> None:
+    """Crash ``server`` (every server process killed, the WAL still in memory with them),
+    start it again, and tell ``script`` to go on."""
+    server._run(_binary("pg_ctl"), "-D", str(server.data), "-m", "immediate", "-w", "stop")
+    server.start()
+    assert script.stdin is not None
+    script.stdin.write("go\n")
+    script.stdin.flush()
 
 
 @override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
