@@ -42,6 +42,14 @@ def no_unconfirmed(monkeypatch: pytest.MonkeyPatch, process: uuid.UUID) -> None:
     monkeypatch.setattr(identity, "registered_process_id", lambda: process)
 
 
+@pytest.fixture
+def woken(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The parked jobs woken (their re-publish recorded instead of sent to the broker)."""
+    jobs: list[Any] = []
+    monkeypatch.setattr(messages, "publish_woken", lambda job, app=None: jobs.append(job))
+    return jobs
+
+
 def acquire(process: uuid.UUID, task_id: str, limit: int = 1) -> Grant:
     grant = slot_store.try_acquire(
         tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
@@ -155,13 +163,11 @@ def test_confirm__nothing_lost__one_statement_that_beats_list_emptied(process: u
 
 @override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
 def test_confirm__release_lost__slot_released_again_parked_job_woken(
-    process: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+    process: uuid.UUID, woken: list[Any]
 ) -> None:
     grant = acquire(process, "a")
     ends.release(grant)
     lose_release(grant, process)
-    woken: list[Any] = []
-    monkeypatch.setattr(messages, "publish_woken", lambda job, app=None: woken.append(job))
     assert ends.confirm_releases() == 1
     assert [job.task_id for job in woken] == ["b"]
     # The slot went to the parked job (its reservation), not lost, not counted twice.
@@ -183,13 +189,11 @@ def test_confirm__lease_taken_over_since__fenced_nothing_freed(process: uuid.UUI
 
 @override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
 def test_confirm__process_reaped__kept_until_registered_again_lost_ones_released(
-    process: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+    process: uuid.UUID, woken: list[Any]
 ) -> None:
     grant = acquire(process, "a")
     ends.release(grant)
     lose_release(grant, process)
-    woken: list[Any] = []
-    monkeypatch.setattr(messages, "publish_woken", lambda job, app=None: woken.append(job))
     row = WorkerProcess.objects.get(pk=process)
     row.delete()
     # No process row: the statement may have written nothing whose commit waits for the
