@@ -369,11 +369,11 @@ def acquire(
 
     limited = queue_limits.is_limited(queue)
     handed = handoff.take_over(
-        tenant=tenant, queue=queue, task_id=task_id, limit=limit,
-        eligible=tenant is not None and not woken and not limited,
+        tenant=tenant, queue=queue, task_id=task_id, limit=limit, node=node, woken=woken,
+        limited=limited,
     )  # fmt: skip
     if handed is not None:
-        return Acquisition("held", handed)
+        return handed
     if limited:
         acquired = _acquire_limited(
             queue=queue, tenant=tenant, limit=limit, task_id=task_id, node=node, woken=woken

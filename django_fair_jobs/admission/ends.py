@@ -137,8 +137,8 @@ def release(grant: Grant, app: Celery | None = None) -> None:
     in_line: int | None = 0
     try:
         if grant.queue_limit_id is not None:
-            released = queue_store.release(grant)
-            in_line, parked = released if released is not None else (None, None)
+            freed = queue_store.release(grant)
+            in_line, parked = freed if freed is not None else (None, None)
         else:
             parked = slot_store.release(grant)
     except Exception:
@@ -153,6 +153,17 @@ def release(grant: Grant, app: Celery | None = None) -> None:
     if grant.queue_limit_id is None and parked is not None and slot_store.releases_async():
         with _pending_lock:
             _unconfirmed.append(grant)
+    released(grant, parked, in_line=in_line, app=app)
+
+
+def released(
+    grant: Grant, parked: int | None, *, in_line: int | None = 0, app: Celery | None = None
+) -> None:
+    """Wake what ``grant``'s committed release freed: a job parked on its slot if the slot
+    showed ``parked`` jobs, and one waiting in its limited queue's line if ``in_line``.
+    ``in_line`` None, or ``parked`` None for a tenant slot alone: the lease was gone,
+    nothing was released. Never raises: a failed wake-up is left to the maintenance
+    sweep."""
     if in_line is None or (grant.queue_limit_id is None and parked is None):
         logger.info(
             "Lease of %s was gone at release (reaped or taken over); nothing released",

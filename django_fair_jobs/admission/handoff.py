@@ -1,8 +1,10 @@
 """Slot handoff (``FAIR_JOBS_SLOT_HANDOFF``, off by default): a process keeps the tenant slot
 of a job that ended well for a moment, and hands it to the next job it starts of the same
 tenant and queue in one statement (:func:`django_fair_jobs.slots.store.hand_over`) instead
-of a release at the end and an acquire at the start. A job that finds nothing to take over
-acquires as usual; a kept slot that no job takes within the setting's seconds is released
+of a release at the end and an acquire at the start. The next job of another tenant or
+queue releases the kept slot and takes its own in one statement as well
+(:func:`django_fair_jobs.slots.store.release_and_acquire`); a job that finds nothing kept
+acquires as usual. A kept slot that no job takes within the setting's seconds is released
 by this process's keeper thread, on a database connection of its own.
 
 Only a slot that had room to spare when its job took it (below the tenant's limit, no job
@@ -20,6 +22,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,7 +32,7 @@ from django.db import close_old_connections, router
 from django_fair_jobs import db, identity
 from django_fair_jobs.admission import ends
 from django_fair_jobs.conf import fair_settings
-from django_fair_jobs.leases.types import Grant
+from django_fair_jobs.leases.types import Acquisition, Grant
 from django_fair_jobs.slots import store as slot_store
 
 if TYPE_CHECKING:
@@ -96,35 +100,83 @@ def take() -> Kept | None:
 
 
 def take_over(
-    *, tenant: str | None, queue: str, task_id: str, limit: int, eligible: bool
-) -> Grant | None:
-    """Hand the slot this process keeps to ``task_id`` if it is ``eligible`` (a fresh
-    start, holding only a tenant slot) and of the same ``tenant`` and ``queue``, and
-    return its grant. Otherwise release the kept slot (waking a job parked on it) and
-    return None: the job acquires as usual."""
+    *,
+    tenant: str | None,
+    queue: str,
+    task_id: str,
+    limit: int,
+    node: str | None,
+    woken: bool,
+    limited: bool,
+) -> Acquisition | None:
+    """Take ``task_id``'s tenant slot using the slot this process keeps, if it keeps one,
+    and return the acquisition; None when it keeps none, or released it alone (the job
+    then acquires as usual).
+
+    * Same ``tenant`` and ``queue``, a fresh start: the slot is handed over
+      (:func:`~django_fair_jobs.slots.store.hand_over`, the counter untouched).
+    * Another tenant or queue: the kept slot is released and the job's taken in one
+      statement (:func:`~django_fair_jobs.slots.store.release_and_acquire`); its answer is
+      acquire's (held, full, duplicate or stale).
+    * Otherwise (no tenant, a ``limited`` queue, a slot that cannot be handed over, or a
+      ``woken`` copy of the same tenant) the kept slot is released alone, which wakes a job
+      parked on it.
+    """
     if _kept is None:
         return None
     kept = take()
     if kept is None:
         return None
-    if eligible and kept.tenant == tenant and kept.queue == queue:
-        try:
-            handed = slot_store.hand_over(held=kept.grant, task_id=task_id, limit=limit)
-        except BaseException:
-            # Whatever cut it (a lost reply, an interface error, a soft time limit), the
-            # statement may have committed: the heartbeat releases the kept lease (fenced
-            # by its old token, that frees nothing if it was handed over) and drops a
-            # lease the new job may hold under a token nobody has.
-            holder = identity.registered_process_id()
-            if holder is not None:
-                ends.note_uncertain(task_id, holder, release=kept.grant)
-            else:
-                ends.retry_release(kept.grant)
-            raise
-        if handed is not None:
-            return handed
+    if tenant is not None and not limited:
+        if kept.tenant != tenant or kept.queue != queue:
+            return _trade(kept, tenant=tenant, queue=queue, task_id=task_id, limit=limit,
+                          node=node, woken=woken)  # fmt: skip
+        if not woken:
+            with _uncertain_if_cut(kept, task_id):
+                handed = slot_store.hand_over(held=kept.grant, task_id=task_id, limit=limit)
+            if handed is not None:
+                return Acquisition("held", handed)
     ends.release(kept.grant, app=kept.app)
     return None
+
+
+def _trade(
+    kept: Kept, *, tenant: str, queue: str, task_id: str, limit: int, node: str | None,
+    woken: bool,
+) -> Acquisition:  # fmt: skip
+    """Release ``kept`` and acquire ``task_id``'s slot of ``tenant`` on ``queue``, in one
+    statement; wake a job parked on the released slot."""
+    with _uncertain_if_cut(kept, task_id, woken=woken):
+        traded = slot_store.release_and_acquire(
+            held=kept.grant, tenant=tenant, queue=queue, task_id=task_id, limit=limit,
+            process_id=identity.current_process_id(node),
+            timeout=fair_settings.WORKER_TIMEOUT, woken=woken,
+        )  # fmt: skip
+    if traded is None:
+        # A copy of the job took a lease meanwhile: the statement rolled back whole.
+        ends.release(kept.grant, app=kept.app)
+        return Acquisition("duplicate")
+    acquired, parked = traded
+    ends.released(kept.grant, parked, app=kept.app)
+    return acquired
+
+
+@contextmanager
+def _uncertain_if_cut(kept: Kept, task_id: str, *, woken: bool = False) -> Iterator[None]:
+    """Around a statement that releases or hands on ``kept`` for ``task_id``: whatever cuts
+    it (a lost reply, an interface error, a soft time limit), it may have committed, so the
+    heartbeat releases the kept lease (fenced by its old token, that frees nothing if it
+    was released or handed over) and drops a lease the new job may hold under a token
+    nobody has."""
+    try:
+        yield
+    except BaseException:
+        holder = identity.registered_process_id()
+        if holder is not None:
+            ends.note_uncertain(task_id, holder, woken=woken, release=kept.grant)
+        else:
+            ends.retry_release(kept.grant)
+        raise
 
 
 def release_kept() -> None:

@@ -245,6 +245,60 @@ def hand_over(*, held: Grant, task_id: str, limit: int) -> Grant | None:
     return Grant(slot_id=held.slot_id, task_id=task_id, token=token, spare=bool(rows[0][1]))
 
 
+def release_and_acquire(
+    *,
+    held: Grant,
+    tenant: str,
+    queue: str,
+    task_id: str,
+    limit: int,
+    process_id: uuid.UUID,
+    timeout: float,
+    woken: bool,
+) -> tuple[Acquisition, int | None] | None:
+    """Release ``held`` (a finished job's slot, kept by this process) and take one of
+    ``tenant``'s slots on ``queue`` for ``task_id`` (as :func:`try_acquire`), in one
+    statement. ``held`` must be another tenant's or queue's slot (:func:`hand_over` serves
+    the same one).
+
+    Returns the acquisition and what :func:`release` returns for ``held``: the slot's
+    ``parked_jobs`` after the release (the caller wakes that many at most), or None when
+    its lease was already gone. None when nothing happened: a copy of ``task_id`` took a
+    lease meanwhile, so the whole statement rolled back; the caller releases ``held``
+    alone, and the job is a duplicate delivery.
+    """
+    from django_fair_jobs.models import TenantQueueSlot
+
+    alias = router.db_for_write(TenantQueueSlot)
+    if not db.uses_sql(alias):
+        return store_orm.release_and_acquire(
+            held=held, tenant=tenant, queue=queue, task_id=task_id, limit=limit,
+            process_id=process_id, timeout=timeout, woken=woken,
+        )  # fmt: skip
+    if held.slot_id is None or held.queue_limit_id is not None:
+        raise ValueError("release_and_acquire releases a tenant slot only, not " + repr(held))
+    token = uuid.uuid4()
+    params: dict[str, Any] = {
+        "held_slot_id": held.slot_id, "held_task_id": held.task_id, "held_token": held.token,
+        "tenant": tenant, "queue": queue, "task_id": task_id, "limit": limit,
+        "process_id": process_id, "token": token, "timeout": timeout, "woken": woken,
+    }  # fmt: skip
+    try:
+        with db.savepoint_if_needed(alias):
+            ((status, slot_id, still_waiting, spare, parked),) = db.run(
+                alias, "release_and_acquire", params
+            )
+    except IntegrityError:
+        return None  # two deliveries of task_id raced for the lease's unique key
+    released = None if parked is None else int(parked)
+    if status != "held":
+        return Acquisition(status), released
+    if still_waiting:
+        leases.started_while_waiting(slot_id=slot_id)
+    grant = Grant(slot_id=slot_id, task_id=task_id, token=token, spare=bool(spare))
+    return Acquisition("held", grant), released
+
+
 def wake_one(slot_id: int) -> Woken | None:
     """Give a free slot of ``slot_id`` to its oldest waiting parked job.
 

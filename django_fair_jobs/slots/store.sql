@@ -195,6 +195,92 @@ UPDATE fair_jobs_slotlease AS l
    AND NOT EXISTS (SELECT 1 FROM fair_jobs_parkedjob AS p WHERE p.task_id = %(task_id)s)
 RETURNING l.slot_id, s.current_jobs < COALESCE(s.max_jobs, %(limit)s);
 
+-- name: release_and_acquire
+-- Release the slot a process kept from its finished job (FAIR_JOBS_SLOT_HANDOFF) and take
+-- a slot of another tenant or queue for the next job it starts, in one statement instead
+-- of two: release's and acquire's CTEs (see each), one transaction. The caller never
+-- passes the kept slot's own tenant and queue (one row would be updated twice; hand_over
+-- serves that case).
+-- * locked: both slot rows are locked first, in id order (an InitPlan of the two writes
+--   that lock a slot row), so two processes trading slots the other way round queue on
+--   the lower row instead of deadlocking, each holding the row the other waits for. The
+--   slot to take may have no row yet: acquire's INSERT creates it, and no other statement
+--   waits on a second row while holding that one.
+-- * A copy of the next job taking a lease meanwhile collides on the lease's unique key
+--   and the whole statement rolls back, the release with it: the caller releases alone.
+-- Returns acquire's row, then the released slot's parked_jobs (NULL: the kept lease was
+-- gone, nothing released).
+WITH locked AS (
+    SELECT id FROM fair_jobs_tenantqueueslot
+     WHERE id = %(held_slot_id)s OR (tenant = %(tenant)s AND queue = %(queue)s)
+     ORDER BY id
+       FOR NO KEY UPDATE
+), gone AS (
+    DELETE FROM fair_jobs_slotlease
+     WHERE slot_id = %(held_slot_id)s AND task_id = %(held_task_id)s
+       AND token = %(held_token)s
+    RETURNING slot_id
+), freed AS (
+    UPDATE fair_jobs_tenantqueueslot AS s
+       SET current_jobs = s.current_jobs - 1, updated_at = now()
+      FROM gone
+     WHERE s.id = gone.slot_id AND s.current_jobs > 0
+       AND (SELECT count(*) FROM locked) >= 0
+    RETURNING s.parked_jobs
+), existing AS (
+    SELECT l.id, l.slot_id, l.token, l.queue_limit_id,
+           (l.process_id IS NOT NULL AND EXISTS (
+                SELECT 1 FROM fair_jobs_workerprocess AS w
+                 WHERE w.id = l.process_id
+                   AND w.last_heartbeat_at >= now() - make_interval(secs => %(timeout)s)
+           )) AS live
+      FROM fair_jobs_slotlease AS l
+      JOIN fair_jobs_tenantqueueslot AS s ON s.id = l.slot_id
+     WHERE s.tenant = %(tenant)s AND s.queue = %(queue)s AND l.task_id = %(task_id)s
+), woken_ok AS (
+    SELECT (NOT %(woken)s
+            OR EXISTS (SELECT 1 FROM fair_jobs_parkedjob WHERE task_id = %(task_id)s)) AS ok
+), own AS (
+    UPDATE fair_jobs_slotlease AS l
+       SET process_id = %(process_id)s, token = %(token)s, acquired_at = now()
+      FROM existing AS e
+     WHERE l.id = e.id AND l.token = e.token AND NOT e.live AND e.queue_limit_id IS NULL
+    RETURNING l.slot_id
+), taken AS (
+    INSERT INTO fair_jobs_tenantqueueslot AS s
+           (tenant, queue, max_jobs, default_max_jobs, current_jobs, parked_jobs,
+            deferred_total, created_at, updated_at)
+    SELECT %(tenant)s, %(queue)s, NULL, %(limit)s, 1, 0, 0, now(), now()
+     WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT ok FROM woken_ok)
+       AND (SELECT count(*) FROM locked) >= 0
+    ON CONFLICT (tenant, queue) DO UPDATE
+       SET current_jobs = s.current_jobs + 1,
+           default_max_jobs = EXCLUDED.default_max_jobs,
+           updated_at = now()
+     WHERE s.current_jobs < COALESCE(s.max_jobs, EXCLUDED.default_max_jobs)
+    RETURNING s.id, s.current_jobs < COALESCE(s.max_jobs, %(limit)s) AND s.parked_jobs = 0
+              AS spare
+), lease AS (
+    INSERT INTO fair_jobs_slotlease (slot_id, task_id, token, process_id, acquired_at)
+    SELECT id, %(task_id)s, %(token)s, %(process_id)s, now() FROM taken
+    RETURNING slot_id
+), held AS (
+    SELECT slot_id FROM own UNION ALL SELECT slot_id FROM lease
+), unparked AS (
+    DELETE FROM fair_jobs_parkedjob AS p
+     USING held
+     WHERE p.task_id = %(task_id)s AND p.slot_id = held.slot_id
+    RETURNING p.woken_at
+)
+SELECT CASE WHEN EXISTS (SELECT 1 FROM held) THEN 'held'
+            WHEN EXISTS (SELECT 1 FROM existing) THEN 'duplicate'
+            WHEN NOT (SELECT ok FROM woken_ok) THEN 'stale'
+            ELSE 'full' END,
+       (SELECT slot_id FROM held),
+       (SELECT count(*) FROM unparked WHERE woken_at IS NULL),
+       COALESCE((SELECT spare FROM taken), false),
+       (SELECT parked_jobs FROM freed);
+
 -- name: wake
 -- Hand a free slot to the oldest waiting parked job of the slot that can use it: the slot
 -- is acquired on the job's behalf (same conditional increment as acquire), a lease with no

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 import uuid
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 from celery.result import AsyncResult
-from django.db import connection, connections
+from django.db import connection
 
 from django_fair_jobs import backlog, dispatch, identity, sql
 from django_fair_jobs.dispatch.models import DISPATCHED, DispatchJob, DispatchQueue, DispatchTenant
-from tests.conftest import wait_for
+from tests.sessions import in_thread, session, wait_until_blocked
 from tests.testapp import tasks
 
 pytestmark = pytest.mark.skipif(
@@ -30,15 +27,15 @@ def test_refresh_capacity__the_queue_row_inserted_meanwhile_by_an_enqueue__no_er
     identity.register_process(
         process_id=uuid.uuid4(), node="n@h", hostname="h", pid=1, queues=["race"], concurrency=2
     )
-    enqueue = _session()
+    enqueue = session()
     enqueue.execute(
         "INSERT INTO fair_jobs_dispatchqueue"
         " (queue, capacity, slack, in_flight, virtual_time, dispatched_total, updated_at)"
         " VALUES ('race', 0, 0, 0, 0, 0, now()) ON CONFLICT (queue) DO NOTHING"
     )  # uncommitted: its transaction is open, as an enqueue's is mid-statement
-    thread, out = _in_thread(lambda: dispatch.refresh_capacity(slack_per_node=0, timeout=60))
+    thread, out = in_thread(lambda: dispatch.refresh_capacity(slack_per_node=0, timeout=60))
     try:
-        _wait_until_blocked(thread, "the refresh to wait on the enqueue's row")
+        wait_until_blocked(thread, "the refresh to wait on the enqueue's row")
     finally:
         enqueue.commit()
         enqueue.close()
@@ -46,48 +43,6 @@ def test_refresh_capacity__the_queue_row_inserted_meanwhile_by_an_enqueue__no_er
     (outcome,) = out
     assert not isinstance(outcome, BaseException), outcome
     assert DispatchQueue.objects.get(queue="race").capacity == 2
-
-
-def _session(autocommit: bool = False) -> Any:
-    """A second PostgreSQL session of its own (not Django's), in a transaction unless
-    ``autocommit``."""
-    import psycopg
-
-    params = connection.get_connection_params()
-    return psycopg.connect(
-        autocommit=autocommit, **{k: v for k, v in params.items() if k != "cursor_factory"}
-    )
-
-
-def _wait_until_blocked(thread: threading.Thread, what: str) -> None:
-    """Until a session of this database waits on a row lock (or ``thread`` has ended)."""
-    # Autocommit: inside one transaction pg_stat_activity keeps its first snapshot.
-    with _session(autocommit=True) as look:
-        waiting = (
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE wait_event_type = 'Lock' AND datname = current_database()"
-        )
-        wait_for(
-            lambda: not thread.is_alive() or look.execute(waiting).fetchone() != (0,), 20, what
-        )
-
-
-def _in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    """Run ``work`` in a thread with its own Django connection; its result or exception
-    lands in the returned list."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(work())
-        except BaseException as exc:
-            out.append(exc)
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, out
 
 
 def _line(tenant: str) -> DispatchTenant:
@@ -99,11 +54,11 @@ def test_cancel_while_a_dispatch_holds_the_line__the_dispatched_job_goes_on() ->
     DispatchQueue.objects.create(queue="fair", capacity=0)
     ids = [tasks.dispatched.delay("flood").id for _ in range(5)]
     DispatchQueue.objects.filter(queue="fair").update(capacity=1)
-    held = _session()
+    held = session()
     (chosen,) = held.execute("SELECT job_id FROM fair_jobs_dispatch('fair', 1)").fetchall()
-    thread, out = _in_thread(lambda: backlog.cancel("flood", queue="fair"))
+    thread, out = in_thread(lambda: backlog.cancel("flood", queue="fair"))
     try:
-        _wait_until_blocked(thread, "the cancel to wait on the dispatch's line")
+        wait_until_blocked(thread, "the cancel to wait on the dispatch's line")
         assert thread.is_alive(), out  # it waited for the dispatch, rather than going ahead
     finally:
         held.commit()
@@ -129,14 +84,14 @@ def test_dispatch_while_a_cancel_holds_the_line__takes_another_tenant_never_a_ca
     DispatchQueue.objects.filter(queue="fair").update(capacity=1)
     statements = sql.queries()
     params = {"queue": "fair", "tenant": "flood", "task_name": None, "max": 1000}
-    held = _session()
+    held = session()
     held.execute(statements["dispatch_lock_line"], params)
     cancelled = [row[0] for row in held.execute(statements["dispatch_cancel"], params)]
     assert sorted(cancelled) == sorted(flood)
-    thread, out = _in_thread(lambda: dispatch.dispatch("fair"))
+    thread, out = in_thread(lambda: dispatch.dispatch("fair"))
     try:
         # Dispatch skips a line another transaction holds: it ends without waiting.
-        _wait_until_blocked(thread, "the dispatch to end, or wait on the cancel's line")
+        wait_until_blocked(thread, "the dispatch to end, or wait on the cancel's line")
     finally:
         held.commit()
         held.close()

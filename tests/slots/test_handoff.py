@@ -22,6 +22,7 @@ from django_fair_jobs.leases.types import Grant
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
 from django_fair_jobs.slots import store as slot_store
 from tests.conftest import run_as_worker, wait_for
+from tests.sessions import in_thread, session, wait_until_blocked
 from tests.testapp import tasks
 from tests.testapp.models import JobRun
 
@@ -96,6 +97,149 @@ def test_hand_over__next_job_already_has_a_lease__refused(process: uuid.UUID) ->
     assert slot().current_jobs == 2
 
 
+def trade(
+    done: Grant, process: uuid.UUID, task_id: str, tenant: str = "other", limit: int = 2
+) -> tuple[Any, int | None] | None:
+    return slot_store.release_and_acquire(
+        held=done, tenant=tenant, queue="q", task_id=task_id, limit=limit, process_id=process,
+        timeout=60, woken=False,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("engine")
+def test_release_and_acquire__other_tenant__kept_released_next_held_old_holder_fenced(
+    process: uuid.UUID,
+) -> None:
+    done = acquire(process, "j1")
+    traded = trade(done, process, "j2")
+    assert traded is not None
+    acquired, parked = traded
+    assert acquired.status == "held" and parked == 0
+    assert acquired.grant is not None and acquired.grant.spare  # 1 of 2: may be kept
+    assert slot().current_jobs == 0 and slot("other").current_jobs == 1
+    assert list(SlotLease.objects.values_list("task_id", "slot_id")) == [("j2", slot("other").pk)]
+    assert slot_store.release(done) is None  # released once, never twice
+
+
+@pytest.mark.usefixtures("engine")
+def test_release_and_acquire__jobs_parked_on_the_released_slot__their_count_returned(
+    process: uuid.UUID,
+) -> None:
+    done = acquire(process, "j1", limit=1)
+    signature = '{"task": "t", "options": {"task_id": "waiting"}}'
+    assert slot_store.try_park(
+        tenant="acme", queue="q", task_id="waiting", task_name="t", limit=1, signature=signature
+    ) == "parked"  # fmt: skip
+    traded = trade(done, process, "j2")
+    assert traded is not None and traded[1] == 1  # the caller wakes one
+    assert slot().current_jobs == 0
+
+
+@pytest.mark.usefixtures("engine")
+def test_release_and_acquire__next_tenant_at_its_limit__released_anyway_answer_full(
+    process: uuid.UUID,
+) -> None:
+    done = acquire(process, "j1")
+    slot_store.try_acquire(
+        tenant="other", queue="q", task_id="o1", limit=1, process_id=process, timeout=60
+    )
+    traded = trade(done, process, "j2", limit=1)
+    assert traded is not None
+    assert traded[0].status == "full" and traded[0].grant is None and traded[1] == 0
+    assert slot().current_jobs == 0 and slot("other").current_jobs == 1
+
+
+@pytest.mark.usefixtures("engine")
+def test_release_and_acquire__kept_lease_gone__nothing_released_next_held(
+    process: uuid.UUID,
+) -> None:
+    done = acquire(process, "j1")
+    assert slot_store.release(done) == 0  # reaped meanwhile, say
+    traded = trade(done, process, "j2")
+    assert traded is not None and traded[0].status == "held" and traded[1] is None
+    assert slot().current_jobs == 0 and slot("other").current_jobs == 1
+
+
+@pytest.mark.usefixtures("engine")
+def test_release_and_acquire__next_job_runs_already__duplicate_kept_slot_released(
+    process: uuid.UUID,
+) -> None:
+    done = acquire(process, "j1")
+    slot_store.try_acquire(
+        tenant="other", queue="q", task_id="j2", limit=2, process_id=process, timeout=60
+    )  # a live copy of j2
+    traded = trade(done, process, "j2")
+    assert traded is not None and traded[0].status == "duplicate" and traded[1] == 0
+    assert slot().current_jobs == 0 and slot("other").current_jobs == 1
+
+
+@postgres_only
+@pytest.mark.parametrize("released", ["the lower row", "the higher row"])
+def test_release_and_acquire__waiting_on_the_lower_row__holds_the_higher_one_free(
+    process: uuid.UUID, released: str
+) -> None:
+    # Two processes trading slots the other way round deadlock if either locks one slot
+    # row and then waits for the other; locked in id order, a statement waiting on the
+    # lower row holds nothing.
+    if released == "the lower row":
+        done = acquire(process, "j1")
+        slot_store.try_acquire(
+            tenant="other", queue="q", task_id="o1", limit=2, process_id=process, timeout=60
+        )
+    else:
+        slot_store.try_acquire(
+            tenant="other", queue="q", task_id="o1", limit=2, process_id=process, timeout=60
+        )
+        done = acquire(process, "j1")
+    lower, higher = sorted([slot().pk, slot("other").pk])
+    lock = "SELECT 1 FROM fair_jobs_tenantqueueslot WHERE id = %s FOR NO KEY UPDATE"
+    held = session()
+    held.execute(lock, [lower])
+    thread, out = in_thread(lambda: trade(done, process, "j2"))
+    try:
+        wait_until_blocked(thread, "the trade to wait on the lower row")
+        assert thread.is_alive(), out
+        with session() as look:
+            look.execute(lock + " NOWAIT", [higher])  # raises if the trade holds it
+            look.rollback()
+    finally:
+        held.commit()
+        held.close()
+        thread.join(20)
+    (traded,) = out
+    assert not isinstance(traded, BaseException), traded
+    assert traded is not None and traded[0].status == "held"
+    assert slot().current_jobs == 0 and slot("other").current_jobs == 2
+
+
+@postgres_only
+def test_release_and_acquire__a_copy_takes_its_lease_meanwhile__nothing_happened(
+    process: uuid.UUID,
+) -> None:
+    done = acquire(process, "j1")
+    slot_store.try_acquire(
+        tenant="other", queue="q", task_id="o1", limit=3, process_id=process, timeout=60
+    )
+    copy = session()  # another delivery of j2, its acquire not yet committed
+    copy.execute(
+        "INSERT INTO fair_jobs_slotlease (slot_id, task_id, token, process_id, acquired_at)"
+        " VALUES (%s, 'j2', %s, %s, now())",
+        [slot("other").pk, uuid.uuid4(), process],
+    )
+    thread, out = in_thread(lambda: trade(done, process, "j2", limit=3))
+    try:
+        wait_until_blocked(thread, "the trade to wait on the copy's lease")
+    finally:
+        copy.commit()
+        copy.close()
+        thread.join(20)
+    # The lease's unique key refused the trade's: its release rolled back with it, and
+    # the caller releases the kept slot alone.
+    assert out == [None]
+    assert slot().current_jobs == 1 and SlotLease.objects.filter(task_id="j1").exists()
+    assert slot("other").current_jobs == 1  # o1; the copy's insert counted nothing
+
+
 # -- the job path (PostgreSQL) --------------------------------------------------------------
 
 
@@ -138,16 +282,57 @@ def test_job_path__next_job_same_tenant__one_statement_for_its_slot(handing: uui
 
 
 @postgres_only
-def test_job_path__next_job_other_tenant__kept_slot_released_then_acquired(
+def test_job_path__next_job_other_tenant__kept_slot_released_and_its_taken_in_one_statement(
     handing: uuid.UUID,
 ) -> None:
     run(tasks.limited3, "t")
     second = str(uuid.uuid4())
     with CaptureQueriesContext(connection) as captured:
-        run(tasks.limited3, "u", second)
-    assert len(library_statements(captured)) == 2  # a release and an acquire, as without
+        assert run(tasks.limited3, "u", second) == "u:done"
+    statements = library_statements(captured)
+    assert len(statements) == 1, statements  # the release and the acquire together
     assert slot("t", "fair").current_jobs == 0
+    assert slot("u", "fair").current_jobs == 1  # kept in turn, for the next job
     assert SlotLease.objects.get().task_id == second
+    admission.release_kept()
+    assert slot("u", "fair").current_jobs == 0 and not SlotLease.objects.exists()
+
+
+@postgres_only
+def test_job_path__job_parked_on_kept_slot__next_job_other_tenant__parked_job_woken(
+    handing: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(tasks.limited3, "t")  # kept: 1 of 3
+    for other in ("o1", "o2"):
+        slot_store.try_acquire(
+            tenant="t", queue="fair", task_id=other, limit=3, process_id=handing, timeout=60
+        )
+    waiting = str(uuid.uuid4())
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setattr(handoff, "_kept", None)
+        with pytest.raises(Ignore):
+            run(tasks.limited3, "t", waiting)
+    assert run(tasks.limited3, "u") == "u:done"
+    # The kept slot was released in the next job's statement, and woke the parked job.
+    assert ParkedJob.objects.get(task_id=waiting).woken_at is not None
+    assert SlotLease.objects.filter(task_id=waiting, process__isnull=True).exists()
+    assert slot("t", "fair").current_jobs == 3
+
+
+@postgres_only
+def test_job_path__next_job_other_tenant_at_its_limit__kept_slot_released_job_parks(
+    handing: uuid.UUID,
+) -> None:
+    run(tasks.limited3, "t")
+    for other in ("o1", "o2", "o3"):
+        slot_store.try_acquire(
+            tenant="u", queue="fair", task_id=other, limit=3, process_id=handing, timeout=60
+        )
+    later = str(uuid.uuid4())
+    with pytest.raises(Ignore):
+        run(tasks.limited3, "u", later)
+    assert ParkedJob.objects.get().task_id == later
+    assert slot("t", "fair").current_jobs == 0 and handoff.take() is None
 
 
 @postgres_only
@@ -222,8 +407,13 @@ def test_job_path__not_postgresql__handoff_set__released_at_the_end(
 
 @postgres_only
 @pytest.mark.parametrize("error", [InterfaceError("cut"), KeyboardInterrupt()])
+@pytest.mark.parametrize(("step", "tenant"), [("hand_over", "t"), ("release_and_acquire", "u")])
 def test_job_path__hand_over_cut__kept_slot_and_new_lease_both_cleaned_later(
-    handing: uuid.UUID, monkeypatch: pytest.MonkeyPatch, error: BaseException
+    handing: uuid.UUID,
+    monkeypatch: pytest.MonkeyPatch,
+    error: BaseException,
+    step: str,
+    tenant: str,
 ) -> None:
     run(tasks.limited3, "t")
     kept = SlotLease.objects.get()
@@ -231,10 +421,13 @@ def test_job_path__hand_over_cut__kept_slot_and_new_lease_both_cleaned_later(
     def cut(**kwargs: Any) -> None:
         raise error
 
-    monkeypatch.setattr(slot_store, "hand_over", cut)
+    monkeypatch.setattr(slot_store, step, cut)
     task_id = str(uuid.uuid4())
     with pytest.raises(type(error)):
-        handoff.take_over(tenant="t", queue="fair", task_id=task_id, limit=3, eligible=True)
+        handoff.take_over(
+            tenant=tenant, queue="fair", task_id=task_id, limit=3, node=None, woken=False,
+            limited=False,
+        )  # fmt: skip
     # Whatever the error, the reply may be lost after a commit: the kept lease's release
     # and the new job's possible lease are both left to the heartbeat, none forgotten.
     with ends._holds_lock:

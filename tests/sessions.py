@@ -1,0 +1,54 @@
+"""Real PostgreSQL sessions for race tests: a second session of its own, a thread with its
+own Django connection, and a wait until one of them blocks on a row lock."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connection, connections
+
+from tests.conftest import wait_for
+
+
+def session(autocommit: bool = False) -> Any:
+    """A second PostgreSQL session of its own (not Django's), in a transaction unless
+    ``autocommit``."""
+    import psycopg
+
+    params = connection.get_connection_params()
+    return psycopg.connect(
+        autocommit=autocommit, **{k: v for k, v in params.items() if k != "cursor_factory"}
+    )
+
+
+def wait_until_blocked(thread: threading.Thread, what: str) -> None:
+    """Until a session of this database waits on a row lock (or ``thread`` has ended)."""
+    # Autocommit: inside one transaction pg_stat_activity keeps its first snapshot.
+    with session(autocommit=True) as look:
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        wait_for(
+            lambda: not thread.is_alive() or look.execute(waiting).fetchone() != (0,), 20, what
+        )
+
+
+def in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Run ``work`` in a thread with its own Django connection; its result or exception
+    lands in the returned list."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(work())
+        except BaseException as exc:
+            out.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
