@@ -52,6 +52,8 @@ class Command(BaseCommand):
     help = "Measure each step of a job: statements, client time, server planning and execution."
     held: Grant | None = None
     """The grant the handoff step hands on from call to call."""
+    traded: tuple[str, Grant] | None = None
+    """The tenant and grant the trade step releases at its next call."""
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--calls", type=int, default=1000, help="Calls per step per round.")
@@ -89,6 +91,11 @@ class Command(BaseCommand):
                 self._pair_statements,
             ),
             ("slots: hand over to the next job", self._hand_over, self._hand_over_statement),
+            (
+                "slots: release one tenant's slot and acquire another's, one statement",
+                self._trade,
+                self._trade_statement,
+            ),
             ("reroute: count (2 rules, rerouted)", self._count, self._count_statement),
             ("dispatch: enqueue", self._enqueue, self._enqueue_statement),
             (
@@ -172,6 +179,29 @@ class Command(BaseCommand):
         if handed is None:
             raise CommandError(f"the slot was not handed over: {held}")
         self.held = handed
+
+    def _trade(self, i: int) -> None:
+        # The slot handoff when the next job is another tenant's: the release of one and
+        # the acquire of the other, as one statement.
+        tenant, held = self.traded or ("acme-b", self._acquire("acme-b"))
+        other = "acme-a" if tenant == "acme-b" else "acme-b"
+        traded = slot_store.release_and_acquire(
+            held=held, tenant=other, queue=QUEUE, task_id=str(uuid.uuid4()), limit=10**6,
+            process_id=self.process_id, timeout=600, woken=False,
+        )  # fmt: skip
+        if traded is None or traded[0].grant is None or traded[1] is None:
+            raise CommandError(f"the slots were not traded: {traded}")
+        self.traded = (other, traded[0].grant)
+
+    def _trade_statement(self, explain: Explain) -> None:
+        tenant, held = self.traded or ("acme-b", self._acquire("acme-b"))
+        explain("release_and_acquire", {
+            "held_slot_id": held.slot_id, "held_task_id": held.task_id,
+            "held_token": held.token, "tenant": "acme-a" if tenant == "acme-b" else "acme-b",
+            "queue": QUEUE, "task_id": str(uuid.uuid4()), "limit": 10**6,
+            "process_id": self.process_id, "token": uuid.uuid4(), "timeout": 600,
+            "woken": False,
+        })  # fmt: skip
 
     def _acquire(self, tenant: str) -> Grant:
         acquired = slot_store.try_acquire(
