@@ -78,6 +78,7 @@ class Command(BaseCommand):
             )
         try:
             self.held = self._acquire("acme-handoff")  # what the handoff step hands on
+            self.traded = ("acme-b", self._acquire("acme-b"))  # what the trade releases
             self._measure(calls, rounds)
         finally:
             self._clean()
