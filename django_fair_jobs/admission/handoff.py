@@ -147,7 +147,7 @@ def _trade(
     """Release ``kept`` and acquire ``task_id``'s slot of ``tenant`` on ``queue``, in one
     statement; wake a job parked on the released slot."""
     with _uncertain_if_cut(kept, task_id, woken=woken):
-        traded = slot_store.release_and_acquire(
+        traded = slot_store.try_release_and_acquire(
             held=kept.grant, tenant=tenant, queue=queue, task_id=task_id, limit=limit,
             process_id=identity.current_process_id(node),
             timeout=fair_settings.WORKER_TIMEOUT, woken=woken,

@@ -41,10 +41,19 @@ def try_acquire(
     job (a re-published parked job) starts only while its parked row exists.
     """
     token = uuid.uuid4()
-    status, slot_id, still_waiting, spare = acquire(
+    taken = acquire(
         tenant=tenant, queue=queue, task_id=task_id, limit=limit, process_id=process_id,
         token=token, timeout=timeout, woken=woken,
     )  # fmt: skip
+    return _acquisition(taken, task_id=task_id, token=token)
+
+
+def _acquisition(
+    taken: tuple[AcquireStatus, int | None, int, bool], *, task_id: str, token: uuid.UUID
+) -> Acquisition:
+    """The answer to a job from :func:`acquire`'s row: its grant when held (a parked row
+    of the job still waiting is counted off its slot)."""
+    status, slot_id, still_waiting, spare = taken
     if status != "held":
         return Acquisition(status)
     if still_waiting:
@@ -245,7 +254,7 @@ def hand_over(*, held: Grant, task_id: str, limit: int) -> Grant | None:
     return Grant(slot_id=held.slot_id, task_id=task_id, token=token, spare=bool(rows[0][1]))
 
 
-def release_and_acquire(
+def try_release_and_acquire(
     *,
     held: Grant,
     tenant: str,
@@ -267,17 +276,43 @@ def release_and_acquire(
     lease meanwhile, so the whole statement rolled back; the caller releases ``held``
     alone, and the job is a duplicate delivery.
     """
+    token = uuid.uuid4()
+    traded = release_and_acquire(
+        held=held, tenant=tenant, queue=queue, task_id=task_id, limit=limit,
+        process_id=process_id, token=token, timeout=timeout, woken=woken,
+    )  # fmt: skip
+    if traded is None:
+        return None
+    status, slot_id, still_waiting, spare, released = traded
+    taken = (status, slot_id, still_waiting, spare)
+    return _acquisition(taken, task_id=task_id, token=token), released
+
+
+def release_and_acquire(
+    *,
+    held: Grant,
+    tenant: str,
+    queue: str,
+    task_id: str,
+    limit: int,
+    process_id: uuid.UUID,
+    token: uuid.UUID,
+    timeout: float,
+    woken: bool,
+) -> tuple[AcquireStatus, int | None, int, bool, int | None] | None:
+    """The ``release_and_acquire`` statement: :func:`acquire`'s answer followed by
+    :func:`release`'s for ``held``, or None if it rolled back whole (see
+    :func:`try_release_and_acquire`, which builds the answer from it)."""
     from django_fair_jobs.models import TenantQueueSlot
 
+    if held.slot_id is None or held.queue_limit_id is not None:
+        raise ValueError(f"release_and_acquire releases a tenant slot alone, not {held!r}")
     alias = router.db_for_write(TenantQueueSlot)
     if not db.uses_sql(alias):
         return store_orm.release_and_acquire(
             held=held, tenant=tenant, queue=queue, task_id=task_id, limit=limit,
-            process_id=process_id, timeout=timeout, woken=woken,
+            process_id=process_id, token=token, timeout=timeout, woken=woken,
         )  # fmt: skip
-    if held.slot_id is None or held.queue_limit_id is not None:
-        raise ValueError("release_and_acquire releases a tenant slot only, not " + repr(held))
-    token = uuid.uuid4()
     params: dict[str, Any] = {
         "held_slot_id": held.slot_id, "held_task_id": held.task_id, "held_token": held.token,
         "tenant": tenant, "queue": queue, "task_id": task_id, "limit": limit,
@@ -291,12 +326,7 @@ def release_and_acquire(
     except IntegrityError:
         return None  # two deliveries of task_id raced for the lease's unique key
     released = None if parked is None else int(parked)
-    if status != "held":
-        return Acquisition(status), released
-    if still_waiting:
-        leases.started_while_waiting(slot_id=slot_id)
-    grant = Grant(slot_id=slot_id, task_id=task_id, token=token, spare=bool(spare))
-    return Acquisition("held", grant), released
+    return status, slot_id, int(still_waiting or 0), bool(spare), released
 
 
 def wake_one(slot_id: int) -> Woken | None:

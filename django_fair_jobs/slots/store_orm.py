@@ -14,7 +14,7 @@ from django.db.models.functions import Coalesce, Greatest, Now
 
 from django_fair_jobs import db
 from django_fair_jobs.leases import store as leases
-from django_fair_jobs.leases.types import AcquireStatus, Acquisition, Grant, ParkOutcome, Woken
+from django_fair_jobs.leases.types import AcquireStatus, Grant, ParkOutcome, Woken
 
 
 def acquire(
@@ -207,31 +207,24 @@ def release_and_acquire(
     task_id: str,
     limit: int,
     process_id: uuid.UUID,
+    token: uuid.UUID,
     timeout: float,
     woken: bool,
-) -> tuple[Acquisition, int | None] | None:
+) -> tuple[AcquireStatus, int | None, int, bool, int | None] | None:
     """See :func:`django_fair_jobs.slots.store.release_and_acquire`: the release, then the
     acquire, in one transaction."""
     from django_fair_jobs.models import TenantQueueSlot
 
-    if held.slot_id is None or held.queue_limit_id is not None:
-        raise ValueError("release_and_acquire releases a tenant slot only, not " + repr(held))
-    token = uuid.uuid4()
     try:
         with transaction.atomic(using=router.db_for_write(TenantQueueSlot)):
             released = release(held)
-            status, slot_id, still_waiting, spare = acquire(
+            taken = acquire(
                 tenant=tenant, queue=queue, task_id=task_id, limit=limit,
                 process_id=process_id, token=token, timeout=timeout, woken=woken,
             )  # fmt: skip
     except IntegrityError:
         return None  # a copy of task_id took a lease meanwhile: nothing happened
-    if status != "held":
-        return Acquisition(status), released
-    if still_waiting:
-        leases.started_while_waiting(slot_id=slot_id)
-    grant = Grant(slot_id=slot_id, task_id=task_id, token=token, spare=spare)
-    return Acquisition("held", grant), released
+    return (*taken, released)
 
 
 def wake_one(slot_id: int) -> Woken | None:

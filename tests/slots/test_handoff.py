@@ -21,6 +21,7 @@ from django_fair_jobs.admission import ends, handoff
 from django_fair_jobs.leases.types import Grant
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
 from django_fair_jobs.slots import store as slot_store
+from django_fair_jobs.sql import queries
 from tests.conftest import run_as_worker, wait_for
 from tests.sessions import in_thread, session, wait_until_blocked
 from tests.testapp import tasks
@@ -33,9 +34,11 @@ postgres_only = pytest.mark.skipif(
 )
 
 
-def acquire(process: uuid.UUID, task_id: str, limit: int = 2) -> Grant:
+def acquire(
+    process: uuid.UUID, task_id: str, limit: int = 2, tenant: str = "acme", queue: str = "q"
+) -> Grant:
     grant = slot_store.try_acquire(
-        tenant="acme", queue="q", task_id=task_id, limit=limit, process_id=process, timeout=60
+        tenant=tenant, queue=queue, task_id=task_id, limit=limit, process_id=process, timeout=60
     ).grant
     assert grant is not None
     return grant
@@ -100,7 +103,7 @@ def test_hand_over__next_job_already_has_a_lease__refused(process: uuid.UUID) ->
 def trade(
     done: Grant, process: uuid.UUID, task_id: str, tenant: str = "other", limit: int = 2
 ) -> tuple[Any, int | None] | None:
-    return slot_store.release_and_acquire(
+    return slot_store.try_release_and_acquire(
         held=done, tenant=tenant, queue="q", task_id=task_id, limit=limit, process_id=process,
         timeout=60, woken=False,
     )  # fmt: skip
@@ -140,9 +143,7 @@ def test_release_and_acquire__next_tenant_at_its_limit__released_anyway_answer_f
     process: uuid.UUID,
 ) -> None:
     done = acquire(process, "j1")
-    slot_store.try_acquire(
-        tenant="other", queue="q", task_id="o1", limit=1, process_id=process, timeout=60
-    )
+    acquire(process, "o1", 1, tenant="other")
     traded = trade(done, process, "j2", limit=1)
     assert traded is not None
     assert traded[0].status == "full" and traded[0].grant is None and traded[1] == 0
@@ -165,9 +166,7 @@ def test_release_and_acquire__next_job_runs_already__duplicate_kept_slot_release
     process: uuid.UUID,
 ) -> None:
     done = acquire(process, "j1")
-    slot_store.try_acquire(
-        tenant="other", queue="q", task_id="j2", limit=2, process_id=process, timeout=60
-    )  # a live copy of j2
+    acquire(process, "j2", 2, tenant="other")  # a live copy of j2
     traded = trade(done, process, "j2")
     assert traded is not None and traded[0].status == "duplicate" and traded[1] == 0
     assert slot().current_jobs == 0 and slot("other").current_jobs == 1
@@ -183,13 +182,9 @@ def test_release_and_acquire__waiting_on_the_lower_row__holds_the_higher_one_fre
     # lower row holds nothing.
     if released == "the lower row":
         done = acquire(process, "j1")
-        slot_store.try_acquire(
-            tenant="other", queue="q", task_id="o1", limit=2, process_id=process, timeout=60
-        )
+        acquire(process, "o1", 2, tenant="other")
     else:
-        slot_store.try_acquire(
-            tenant="other", queue="q", task_id="o1", limit=2, process_id=process, timeout=60
-        )
+        acquire(process, "o1", 2, tenant="other")
         done = acquire(process, "j1")
     lower, higher = sorted([slot().pk, slot("other").pk])
     lock = "SELECT 1 FROM fair_jobs_tenantqueueslot WHERE id = %s FOR NO KEY UPDATE"
@@ -217,9 +212,7 @@ def test_release_and_acquire__a_copy_takes_its_lease_meanwhile__nothing_happened
     process: uuid.UUID,
 ) -> None:
     done = acquire(process, "j1")
-    slot_store.try_acquire(
-        tenant="other", queue="q", task_id="o1", limit=3, process_id=process, timeout=60
-    )
+    acquire(process, "o1", 3, tenant="other")
     copy = session()  # another delivery of j2, its acquire not yet committed
     copy.execute(
         "INSERT INTO fair_jobs_slotlease (slot_id, task_id, token, process_id, acquired_at)"
@@ -238,6 +231,17 @@ def test_release_and_acquire__a_copy_takes_its_lease_meanwhile__nothing_happened
     assert out == [None]
     assert slot().current_jobs == 1 and SlotLease.objects.filter(task_id="j1").exists()
     assert slot("other").current_jobs == 1  # o1; the copy's insert counted nothing
+
+
+def test_release_and_acquire__runs_acquire_as_written() -> None:
+    # The statement repeats acquire's steps (SQL has no way to share a CTE between two
+    # statements): they stay the same text, but for the wait on the locked rows, so that a
+    # change to acquire cannot miss the handoff's path.
+    acquire_steps = queries()["acquire"]
+    acquire_steps = acquire_steps[acquire_steps.index("existing AS (") :]
+    traded = queries()["release_and_acquire"]
+    assert acquire_steps not in traded
+    assert acquire_steps in traded.replace("       AND (SELECT count(*) FROM locked) >= 0\n", "")
 
 
 # -- the job path (PostgreSQL) --------------------------------------------------------------
@@ -304,9 +308,7 @@ def test_job_path__job_parked_on_kept_slot__next_job_other_tenant__parked_job_wo
 ) -> None:
     run(tasks.limited3, "t")  # kept: 1 of 3
     for other in ("o1", "o2"):
-        slot_store.try_acquire(
-            tenant="t", queue="fair", task_id=other, limit=3, process_id=handing, timeout=60
-        )
+        acquire(handing, other, 3, tenant="t", queue="fair")
     waiting = str(uuid.uuid4())
     with monkeypatch.context() as elsewhere:
         elsewhere.setattr(handoff, "_kept", None)
@@ -325,9 +327,7 @@ def test_job_path__next_job_other_tenant_at_its_limit__kept_slot_released_job_pa
 ) -> None:
     run(tasks.limited3, "t")
     for other in ("o1", "o2", "o3"):
-        slot_store.try_acquire(
-            tenant="u", queue="fair", task_id=other, limit=3, process_id=handing, timeout=60
-        )
+        acquire(handing, other, 3, tenant="u", queue="fair")
     later = str(uuid.uuid4())
     with pytest.raises(Ignore):
         run(tasks.limited3, "u", later)
@@ -341,9 +341,7 @@ def test_job_path__job_parked_on_kept_slot__woken_first_next_job_parks(
 ) -> None:
     run(tasks.limited3, "t")  # kept: 1 of 3
     for other in ("o1", "o2"):  # another process's jobs fill the limit
-        slot_store.try_acquire(
-            tenant="t", queue="fair", task_id=other, limit=3, process_id=handing, timeout=60
-        )
+        acquire(handing, other, 3, tenant="t", queue="fair")
     waiting = str(uuid.uuid4())
     with monkeypatch.context() as elsewhere:
         # Started by another process, which keeps no slot: it finds the slot held, parks.
@@ -407,7 +405,7 @@ def test_job_path__not_postgresql__handoff_set__released_at_the_end(
 
 @postgres_only
 @pytest.mark.parametrize("error", [InterfaceError("cut"), KeyboardInterrupt()])
-@pytest.mark.parametrize(("step", "tenant"), [("hand_over", "t"), ("release_and_acquire", "u")])
+@pytest.mark.parametrize(("step", "tenant"), [("hand_over", "t"), ("try_release_and_acquire", "u")])
 def test_job_path__hand_over_cut__kept_slot_and_new_lease_both_cleaned_later(
     handing: uuid.UUID,
     monkeypatch: pytest.MonkeyPatch,

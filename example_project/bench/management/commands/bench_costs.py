@@ -186,7 +186,7 @@ class Command(BaseCommand):
         # the acquire of the other, as one statement.
         tenant, held = self.traded or ("acme-b", self._acquire("acme-b"))
         other = "acme-a" if tenant == "acme-b" else "acme-b"
-        traded = slot_store.release_and_acquire(
+        traded = slot_store.try_release_and_acquire(
             held=held, tenant=other, queue=QUEUE, task_id=str(uuid.uuid4()), limit=10**6,
             process_id=self.process_id, timeout=600, woken=False,
         )  # fmt: skip
