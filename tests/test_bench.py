@@ -169,6 +169,10 @@ def test_flood_scenario_is_the_specified_one() -> None:
     spread = load("overhead16")
     assert len(spread.jobs) == 2000 and {j.seconds for j in spread.jobs} == {0.0}
     assert len({j.tenant for j in spread.jobs}) == 16 and spread.limit_for(4) == 1000
+    long = load("overhead16long")
+    assert len(long.jobs) == 12_000 and {j.seconds for j in long.jobs} == {0.0}
+    assert {j.tenant for j in long.jobs} == {j.tenant for j in spread.jobs}
+    assert long.limit_for(4) == 1000
 
 
 def test_steady_scenario__poisson_arrivals_are_seeded_and_one_tenant_turns_greedy() -> None:

@@ -9,7 +9,10 @@ start and end, the heartbeat), on one warm connection of this process, with no b
 2. **Client time**: wall time per call from Python, the round trip and the commit included,
    with the library's statements prepared (``FAIR_JOBS_PREPARED_STATEMENTS``, the default)
    and without, measured in interleaved rounds.
-3. **Server time**: ``EXPLAIN (ANALYZE)`` of the step's statement in a transaction that is
+3. **CPU time**, statements prepared: this thread's (Python, Django, psycopg), and that of
+   the PostgreSQL process serving the connection, read from ``/proc`` when the server runs
+   on this machine (``-`` otherwise; its clock ticks are 10 ms, a few percent of a round).
+4. **Server time**: ``EXPLAIN (ANALYZE)`` of the step's statement in a transaction that is
    rolled back, split into planning (what preparing saves) and execution.
 
 Every figure is the median of the rounds. Tables and rows are the benchmark database's; the
@@ -19,11 +22,13 @@ command removes what it made.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -108,15 +113,15 @@ class Command(BaseCommand):
         ]
         self.stdout.write(
             "| step | statements | client ms, prepared | client ms, not prepared "
-            "| server planning ms | server execution ms |"
+            "| CPU ms, Python | CPU ms, server | server planning ms | server execution ms |"
         )
-        self.stdout.write("|---|---|---|---|---|---|")
+        self.stdout.write("|---|---|---|---|---|---|---|---|")
         for label, step, statement in steps:
             # With DEBUG on, Django keeps the last 9,000 queries: a full log would count 0.
             connection.queries_log.clear()
             with CaptureQueriesContext(connection) as captured:
                 step(0)
-            timed: dict[bool, list[float]] = {True: [], False: []}
+            timed: dict[bool, list[Timing]] = {True: [], False: []}
             for r in range(rounds):
                 for prepared in (True, False) if r % 2 == 0 else (False, True):
                     timed[prepared].append(self._time(step, calls, prepared))
@@ -124,12 +129,17 @@ class Command(BaseCommand):
             if statement is not None:
                 planning, execution = self._server(statement)
                 server = f"| {planning:.3f} | {execution:.3f} |"
+            wall = statistics.median(t.wall for t in timed[True])
+            unprepared = statistics.median(t.wall for t in timed[False])
+            python = statistics.median(t.python for t in timed[True])
+            backend = [t.server for t in timed[True] if t.server is not None]
+            cpu = f"{statistics.median(backend):.3f}" if backend else "-"
             self.stdout.write(
-                f"| {label} | {len(captured)} | {statistics.median(timed[True]):.3f} "
-                f"| {statistics.median(timed[False]):.3f} {server}"
+                f"| {label} | {len(captured)} | {wall:.3f} | {unprepared:.3f} "
+                f"| {python:.3f} | {cpu} {server}"
             )
 
-    def _time(self, step: Callable[[int], Any], calls: int, prepared: bool) -> float:
+    def _time(self, step: Callable[[int], Any], calls: int, prepared: bool) -> Timing:
         """Milliseconds per call of ``step``, after a warm-up that prepares what it runs."""
         release_async = step == self._slot_pair_async
         with override_settings(
@@ -137,10 +147,14 @@ class Command(BaseCommand):
         ):
             for i in range(20):
                 step(i)
-            started = time.perf_counter()
+            backend = _backend_cpu()
+            started, python = time.perf_counter(), time.thread_time()
             for i in range(calls):
                 step(i)
-            return (time.perf_counter() - started) / calls * 1000
+            wall, python = time.perf_counter() - started, time.thread_time() - python
+            after = _backend_cpu()
+        server = None if backend is None or after is None else (after - backend) / calls * 1000
+        return Timing(wall / calls * 1000, python / calls * 1000, server)
 
     def _server(self, statements: Callable[[Explain], None]) -> tuple[float, float]:
         """Median planning and execution times (ms), summed over the step's statements, of
@@ -294,6 +308,31 @@ class Command(BaseCommand):
         DispatchJob.objects.filter(queue__startswith=QUEUE).delete()
         DispatchTenant.objects.filter(queue__startswith=QUEUE).delete()
         identity.retire_process(self.process_id)
+
+
+class Timing(NamedTuple):
+    """Per call of a step, in milliseconds: the wall time, the CPU time of the calling
+    thread (Python, psycopg, the driver), and the CPU time of the database server's
+    process for the connection (None when it runs on another machine)."""
+
+    wall: float
+    python: float
+    server: float | None
+
+
+def _backend_cpu() -> float | None:
+    """CPU seconds used so far by the PostgreSQL process serving Django's connection, read
+    from /proc: only when the server runs on this machine (None otherwise)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # utime and stime, the 14th and 15th fields of the line (the 12th and 13th after the
+    # process's name), in clock ticks.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ms(lines: list[str], label: str) -> float:
