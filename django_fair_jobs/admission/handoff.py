@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from django.db import close_old_connections, router
+from django.db import DatabaseError, close_old_connections, connections, router
 
 from django_fair_jobs import db, identity
 from django_fair_jobs.admission import ends
@@ -170,13 +170,36 @@ def _uncertain_if_cut(kept: Kept, task_id: str, *, woken: bool = False) -> Itera
     nobody has."""
     try:
         yield
-    except BaseException:
+    except BaseException as exc:
+        if _refused(exc):
+            # The server refused the statement, so nothing of it happened: the kept slot
+            # is released now (waking a job parked on it), not at the next heartbeat.
+            ends.release(kept.grant, app=kept.app)
+            raise
         holder = identity.registered_process_id()
         if holder is not None:
             ends.note_uncertain(task_id, holder, woken=woken, release=kept.grant)
         else:
             ends.retry_release(kept.grant)
         raise
+
+
+REFUSED_CLASSES = frozenset({"22", "23", "40"})
+"""SQLSTATE classes of errors that undo the whole statement and leave the connection
+usable: data exceptions, integrity violations, transaction rollbacks (a deadlock)."""
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server's refusal of a statement run in autocommit (so it
+    changed nothing), not a lost reply that may follow a commit."""
+    from django_fair_jobs.models import SlotLease
+
+    if not isinstance(exc, DatabaseError):
+        return False
+    cause = exc.__cause__
+    state = str(getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None) or "")
+    connection = connections[router.db_for_write(SlotLease)]
+    return state[:2] in REFUSED_CLASSES and not connection.in_atomic_block
 
 
 def release_kept() -> None:

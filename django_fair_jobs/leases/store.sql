@@ -47,11 +47,18 @@ WITH dead AS (
     RETURNING q.id, c.n
 ), counted AS (
     SELECT slot_id, count(*) AS n FROM gone WHERE slot_id IS NOT NULL GROUP BY slot_id
+), ordered AS (
+    -- The tenant rows in id order (after the queue rows): a process trading one slot for
+    -- another (release_and_acquire) holds the lower row while it waits for the higher.
+    SELECT id FROM fair_jobs_tenantqueueslot
+     WHERE id IN (SELECT slot_id FROM counted) AND (SELECT count(*) FROM queues) >= 0
+     ORDER BY id
+       FOR NO KEY UPDATE
 ), slots AS (
     UPDATE fair_jobs_tenantqueueslot AS s
        SET current_jobs = GREATEST(s.current_jobs - counted.n, 0), updated_at = now()
       FROM counted
-     WHERE s.id = counted.slot_id AND (SELECT count(*) FROM queues) >= 0
+     WHERE s.id = counted.slot_id AND (SELECT count(*) FROM ordered) >= 0
     RETURNING s.id, counted.n::int AS n
 )
 SELECT 'leases', NULL::bigint, (SELECT count(*) FROM gone)::int
@@ -80,12 +87,19 @@ WITH lost AS (
              WHERE queue_limit_id IS NOT NULL GROUP BY 1) AS c
      WHERE q.id = c.queue_limit_id
     RETURNING q.id
+), ordered AS (
+    -- The tenant rows in id order, after the queue rows (see reap).
+    SELECT id FROM fair_jobs_tenantqueueslot
+     WHERE id IN (SELECT slot_id FROM lost WHERE queue_limit_id IS NULL)
+       AND (SELECT count(*) FROM queues) >= 0
+     ORDER BY id
+       FOR NO KEY UPDATE
 ), slots AS (
     UPDATE fair_jobs_tenantqueueslot AS s
        SET parked_jobs = s.parked_jobs + c.n
       FROM (SELECT slot_id, count(*) AS n FROM lost
              WHERE queue_limit_id IS NULL GROUP BY 1) AS c
-     WHERE s.id = c.slot_id AND (SELECT count(*) FROM queues) >= 0
+     WHERE s.id = c.slot_id AND (SELECT count(*) FROM ordered) >= 0
     RETURNING s.id
 )
 SELECT id FROM queues UNION ALL SELECT id FROM slots;

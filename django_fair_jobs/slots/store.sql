@@ -152,11 +152,17 @@ WITH held(slot_id, task_id, token) AS (
      USING held AS h
      WHERE l.slot_id = h.slot_id AND l.task_id = h.task_id AND l.token = h.token
     RETURNING l.slot_id
+), ordered AS (
+    -- Several slot rows: locked in id order, as every statement that holds two does.
+    SELECT id FROM fair_jobs_tenantqueueslot
+     WHERE id IN (SELECT slot_id FROM gone)
+     ORDER BY id
+       FOR NO KEY UPDATE
 ), freed AS (
     UPDATE fair_jobs_tenantqueueslot AS s
        SET current_jobs = greatest(s.current_jobs - g.n, 0), updated_at = now()
       FROM (SELECT slot_id, count(*)::int AS n FROM gone GROUP BY slot_id) AS g
-     WHERE s.id = g.slot_id
+     WHERE s.id = g.slot_id AND (SELECT count(*) FROM ordered) >= 0
     RETURNING s.id, s.parked_jobs
 ), beat AS (
     UPDATE fair_jobs_workerprocess SET last_heartbeat_at = now()
@@ -201,11 +207,15 @@ RETURNING l.slot_id, s.current_jobs < COALESCE(s.max_jobs, %(limit)s);
 -- of two: release's and acquire's CTEs (see each), one transaction. The caller never
 -- passes the kept slot's own tenant and queue (one row would be updated twice; hand_over
 -- serves that case).
--- * locked: both slot rows are locked first, in id order (an InitPlan of the two writes
---   that lock a slot row), so two processes trading slots the other way round queue on
---   the lower row instead of deadlocking, each holding the row the other waits for. The
---   slot to take may have no row yet: acquire's INSERT creates it, and no other statement
---   waits on a second row while holding that one.
+-- * locked: both slot rows are locked in id order (an InitPlan of the writes that lock a
+--   slot row or come after one), so two processes trading slots the other way round queue
+--   on the lower row instead of deadlocking, each holding the row the other waits for.
+--   Statements that write several slot rows (reap, requeue_lost_wakes, confirm_releases)
+--   lock them in id order too. The slot to take may have no row yet: acquire's INSERT
+--   creates it.
+-- * The rows are locked in the order lease, slots, parked job, as release and reap (lease
+--   before slot) and park and wake (slot before parked job) do: a woken job's claim of its
+--   lease (own) comes first, its parked row (unparked) only once the slots are locked.
 -- * A copy of the next job taking a lease meanwhile collides on the lease's unique key
 --   and the whole statement rolls back, the release with it: the caller releases alone.
 -- Returns acquire's row, then the released slot's parked_jobs (NULL: the kept lease was
@@ -270,6 +280,7 @@ WITH locked AS (
     DELETE FROM fair_jobs_parkedjob AS p
      USING held
      WHERE p.task_id = %(task_id)s AND p.slot_id = held.slot_id
+       AND (SELECT count(*) FROM locked) >= 0
     RETURNING p.woken_at
 )
 SELECT CASE WHEN EXISTS (SELECT 1 FROM held) THEN 'held'

@@ -8,18 +8,21 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from celery.exceptions import Ignore
-from django.db import InterfaceError, connection
+from django.db import DataError, InterfaceError, connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
-from django_fair_jobs import admission
+from django_fair_jobs import admission, identity
 from django_fair_jobs.admission import ends, handoff
+from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.leases.types import Grant
-from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
+from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
 from django_fair_jobs.slots import store as slot_store
 from django_fair_jobs.sql import queries
 from tests.conftest import run_as_worker, wait_for
@@ -100,12 +103,20 @@ def test_hand_over__next_job_already_has_a_lease__refused(process: uuid.UUID) ->
     assert slot().current_jobs == 2
 
 
+LOCK_SLOT = "SELECT 1 FROM fair_jobs_tenantqueueslot WHERE id = %s FOR NO KEY UPDATE"
+
+
 def trade(
-    done: Grant, process: uuid.UUID, task_id: str, tenant: str = "other", limit: int = 2
+    done: Grant,
+    process: uuid.UUID,
+    task_id: str,
+    tenant: str = "other",
+    limit: int = 2,
+    woken: bool = False,
 ) -> tuple[Any, int | None] | None:
     return slot_store.try_release_and_acquire(
         held=done, tenant=tenant, queue="q", task_id=task_id, limit=limit, process_id=process,
-        timeout=60, woken=False,
+        timeout=60, woken=woken,
     )  # fmt: skip
 
 
@@ -187,15 +198,14 @@ def test_release_and_acquire__waiting_on_the_lower_row__holds_the_higher_one_fre
         acquire(process, "o1", 2, tenant="other")
         done = acquire(process, "j1")
     lower, higher = sorted([slot().pk, slot("other").pk])
-    lock = "SELECT 1 FROM fair_jobs_tenantqueueslot WHERE id = %s FOR NO KEY UPDATE"
     held = session()
-    held.execute(lock, [lower])
+    held.execute(LOCK_SLOT, [lower])
     thread, out = in_thread(lambda: trade(done, process, "j2"))
     try:
         wait_until_blocked(thread, "the trade to wait on the lower row")
         assert thread.is_alive(), out
         with session() as look:
-            look.execute(lock + " NOWAIT", [higher])  # raises if the trade holds it
+            look.execute(LOCK_SLOT + " NOWAIT", [higher])  # raises if the trade holds it
             look.rollback()
     finally:
         held.commit()
@@ -205,6 +215,76 @@ def test_release_and_acquire__waiting_on_the_lower_row__holds_the_higher_one_fre
     assert not isinstance(traded, BaseException), traded
     assert traded is not None and traded[0].status == "held"
     assert slot().current_jobs == 0 and slot("other").current_jobs == 2
+
+
+@postgres_only
+def test_reap__slots_of_a_dead_process__locked_in_id_order() -> None:
+    # reap writes several slot rows in one statement: in the table's order, it could hold
+    # the higher row while waiting for the lower one that a trade holds, while the trade
+    # waits for the higher one.
+    dead = uuid.uuid4()
+    identity.register_process(process_id=dead, node="dead@h", hostname="h", pid=2)
+    acquire(dead, "d1")
+    acquire(dead, "d2", tenant="other")
+    lower, higher = sorted([slot().pk, slot("other").pk])
+    # A newer version of the lower row lies behind the higher one: a scan meets it last.
+    TenantQueueSlot.objects.filter(pk=lower).update(updated_at=timezone.now())
+    long_ago = timezone.now() - timedelta(hours=1)
+    WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at=long_ago)
+    SlotLease.objects.filter(process_id=dead).update(acquired_at=long_ago)
+    held = session()
+    held.execute(LOCK_SLOT, [lower])
+    thread, out = in_thread(lambda: lease_store.reap(timeout=60))
+    try:
+        wait_until_blocked(thread, "the reaper to wait on the lower row")
+        assert thread.is_alive(), out
+        with session() as look:
+            look.execute(LOCK_SLOT + " NOWAIT", [higher])  # raises if the reaper holds it
+            look.rollback()
+    finally:
+        held.commit()
+        held.close()
+        thread.join(20)
+    (reaped,) = out
+    assert not isinstance(reaped, BaseException), reaped
+    assert not SlotLease.objects.exists()
+    assert slot().current_jobs == 0 and slot("other").current_jobs == 0
+
+
+@postgres_only
+def test_release_and_acquire__woken_job__its_parked_row_taken_only_once_the_slots_are_locked(
+    process: uuid.UUID,
+) -> None:
+    # A woken job claims the lease reserved for it (own) and takes its parked row
+    # (unparked). Wake and park lock the slot row before the parked row: the statement
+    # must not hold the parked row while it waits for the slot row, or the two deadlock.
+    done = acquire(process, "j1")
+    running = acquire(process, "o1", 1, tenant="other")
+    signature = '{"task": "t", "options": {"task_id": "tw"}}'
+    assert slot_store.try_park(
+        tenant="other", queue="q", task_id="tw", task_name="t", limit=1, signature=signature
+    ) == "parked"  # fmt: skip
+    assert slot_store.release(running) == 1
+    assert slot_store.wake_one(slot("other").pk) is not None  # tw's reservation
+    held = session()
+    held.execute(LOCK_SLOT, [slot("other").pk])
+    thread, out = in_thread(lambda: trade(done, process, "tw", limit=1, woken=True))
+    try:
+        wait_until_blocked(thread, "the trade to wait on the slot row")
+        assert thread.is_alive(), out
+        with session() as look:
+            # Raises if the trade holds the parked row.
+            look.execute("SELECT 1 FROM fair_jobs_parkedjob WHERE task_id = 'tw' FOR UPDATE NOWAIT")
+            look.rollback()
+    finally:
+        held.commit()
+        held.close()
+        thread.join(20)
+    (traded,) = out
+    assert not isinstance(traded, BaseException), traded
+    assert traded is not None and traded[0].status == "held"
+    assert not ParkedJob.objects.exists()
+    assert slot().current_jobs == 0 and slot("other").current_jobs == 1
 
 
 @postgres_only
@@ -435,6 +515,23 @@ def test_job_path__hand_over_cut__kept_slot_and_new_lease_both_cleaned_later(
         ends._uncertain.clear()
     assert kept.token in pending
     assert (task_id, handing) in uncertain
+
+
+@postgres_only
+def test_job_path__trade_refused_by_the_server__kept_slot_released_at_once(
+    handing: uuid.UUID,
+) -> None:
+    run(tasks.limited3, "t")
+    task_id = str(uuid.uuid4())
+    with pytest.raises(DataError):  # a tenant too long for its column: nothing happened
+        handoff.take_over(
+            tenant="u" * 300, queue="fair", task_id=task_id, limit=3, node=None, woken=False,
+            limited=False,
+        )  # fmt: skip
+    # Known undone, so the kept slot is released now, not left to the heartbeat.
+    assert slot("t", "fair").current_jobs == 0 and not SlotLease.objects.exists()
+    with ends._holds_lock:
+        assert not ends._pending_releases and not ends._uncertain
 
 
 @postgres_only
