@@ -1,5 +1,6 @@
 """Real PostgreSQL sessions for race tests: a second session of its own, a thread with its
-own Django connection, and a wait until one of them blocks on a row lock."""
+own Django connection, a wait until one of them blocks on a row lock, and the three
+together (:func:`run_while_locked`)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,31 @@ def in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     thread = threading.Thread(target=run)
     thread.start()
     return thread, out
+
+
+def run_while_locked(
+    lock: tuple[str, list[Any]],
+    work: Callable[[], Any],
+    what: str,
+    meanwhile: tuple[str, list[Any]],
+) -> Any:
+    """Run ``work`` in a thread while a second session holds the row locks the statement
+    ``lock`` takes; once the thread waits on them, run ``meanwhile`` (a ``... NOWAIT``
+    lock, which raises if ``work`` holds that row) in a third session. Then release the
+    locks and return what ``work`` returned."""
+    held = session()
+    held.execute(*lock)
+    thread, out = in_thread(work)
+    try:
+        wait_until_blocked(thread, what)
+        assert thread.is_alive(), out
+        with session() as look:
+            look.execute(*meanwhile)
+            look.rollback()
+    finally:
+        held.commit()
+        held.close()
+        thread.join(20)
+    (result,) = out
+    assert not isinstance(result, BaseException), result
+    return result

@@ -26,7 +26,7 @@ from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, Worke
 from django_fair_jobs.slots import store as slot_store
 from django_fair_jobs.sql import queries
 from tests.conftest import run_as_worker, wait_for
-from tests.sessions import in_thread, session, wait_until_blocked
+from tests.sessions import in_thread, run_while_locked, session, wait_until_blocked
 from tests.testapp import tasks
 from tests.testapp.models import JobRun
 
@@ -198,21 +198,11 @@ def test_release_and_acquire__waiting_on_the_lower_row__holds_the_higher_one_fre
         acquire(process, "o1", 2, tenant="other")
         done = acquire(process, "j1")
     lower, higher = sorted([slot().pk, slot("other").pk])
-    held = session()
-    held.execute(LOCK_SLOT, [lower])
-    thread, out = in_thread(lambda: trade(done, process, "j2"))
-    try:
-        wait_until_blocked(thread, "the trade to wait on the lower row")
-        assert thread.is_alive(), out
-        with session() as look:
-            look.execute(LOCK_SLOT + " NOWAIT", [higher])  # raises if the trade holds it
-            look.rollback()
-    finally:
-        held.commit()
-        held.close()
-        thread.join(20)
-    (traded,) = out
-    assert not isinstance(traded, BaseException), traded
+    traded = run_while_locked(
+        (LOCK_SLOT, [lower]), lambda: trade(done, process, "j2"),
+        "the trade to wait on the lower row",
+        (LOCK_SLOT + " NOWAIT", [higher]),  # raises if the trade holds it
+    )  # fmt: skip
     assert traded is not None and traded[0].status == "held"
     assert slot().current_jobs == 0 and slot("other").current_jobs == 2
 
@@ -232,21 +222,11 @@ def test_reap__slots_of_a_dead_process__locked_in_id_order() -> None:
     long_ago = timezone.now() - timedelta(hours=1)
     WorkerProcess.objects.filter(pk=dead).update(last_heartbeat_at=long_ago)
     SlotLease.objects.filter(process_id=dead).update(acquired_at=long_ago)
-    held = session()
-    held.execute(LOCK_SLOT, [lower])
-    thread, out = in_thread(lambda: lease_store.reap(timeout=60))
-    try:
-        wait_until_blocked(thread, "the reaper to wait on the lower row")
-        assert thread.is_alive(), out
-        with session() as look:
-            look.execute(LOCK_SLOT + " NOWAIT", [higher])  # raises if the reaper holds it
-            look.rollback()
-    finally:
-        held.commit()
-        held.close()
-        thread.join(20)
-    (reaped,) = out
-    assert not isinstance(reaped, BaseException), reaped
+    run_while_locked(
+        (LOCK_SLOT, [lower]), lambda: lease_store.reap(timeout=60),
+        "the reaper to wait on the lower row",
+        (LOCK_SLOT + " NOWAIT", [higher]),  # raises if the reaper holds it
+    )  # fmt: skip
     assert not SlotLease.objects.exists()
     assert slot().current_jobs == 0 and slot("other").current_jobs == 0
 
@@ -266,22 +246,13 @@ def test_release_and_acquire__woken_job__its_parked_row_taken_only_once_the_slot
     ) == "parked"  # fmt: skip
     assert slot_store.release(running) == 1
     assert slot_store.wake_one(slot("other").pk) is not None  # tw's reservation
-    held = session()
-    held.execute(LOCK_SLOT, [slot("other").pk])
-    thread, out = in_thread(lambda: trade(done, process, "tw", limit=1, woken=True))
-    try:
-        wait_until_blocked(thread, "the trade to wait on the slot row")
-        assert thread.is_alive(), out
-        with session() as look:
-            # Raises if the trade holds the parked row.
-            look.execute("SELECT 1 FROM fair_jobs_parkedjob WHERE task_id = 'tw' FOR UPDATE NOWAIT")
-            look.rollback()
-    finally:
-        held.commit()
-        held.close()
-        thread.join(20)
-    (traded,) = out
-    assert not isinstance(traded, BaseException), traded
+    traded = run_while_locked(
+        (LOCK_SLOT, [slot("other").pk]),
+        lambda: trade(done, process, "tw", limit=1, woken=True),
+        "the trade to wait on the slot row",
+        # Raises if the trade holds the parked row.
+        ("SELECT 1 FROM fair_jobs_parkedjob WHERE task_id = %s FOR UPDATE NOWAIT", ["tw"]),
+    )
     assert traded is not None and traded[0].status == "held"
     assert not ParkedJob.objects.exists()
     assert slot().current_jobs == 0 and slot("other").current_jobs == 1
