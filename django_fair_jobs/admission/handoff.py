@@ -19,6 +19,7 @@ serializes writers, and the keeper would write beside the job's thread).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -54,6 +55,12 @@ _kept: Kept | None = None
 _changed = threading.Condition()
 _keeper: tuple[int, threading.Thread] | None = None
 """The keeper thread of this process (by pid: a forked child starts its own)."""
+_keeper_deadline: float | None = None
+"""When the keeper thread, waiting on ``_changed``, wakes next (``math.inf``: only when
+woken); None while it is not waiting. :func:`keep` wakes it only for a slot due before
+then: in a busy worker each job's slot is due later than the one before, so the keeper
+sleeps through them instead of being woken at every job (two context switches and a
+contest for the GIL with the job's thread each time)."""
 
 
 def enabled() -> bool:
@@ -84,7 +91,8 @@ def keep(grant: Grant, *, tenant: str | None, queue: str, app: Celery | None) ->
         except RuntimeError:  # no thread to be had: nothing would release it in time
             return False
         earlier, _kept = _kept, kept
-        _changed.notify_all()
+        if _keeper_deadline is not None and kept.until < _keeper_deadline:
+            _changed.notify_all()
     if earlier is not None:  # two jobs ended at once (a threads pool): one slot is kept
         ends.release(earlier.grant, app=earlier.app)
     return True
@@ -211,8 +219,8 @@ def release_kept() -> None:
 
 def _forget_in_child() -> None:
     """A forked child keeps nothing of its parent's: not its kept slot, not its lock."""
-    global _kept, _changed
-    _kept, _changed = None, threading.Condition()
+    global _kept, _changed, _keeper_deadline
+    _kept, _changed, _keeper_deadline = None, threading.Condition(), None
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -230,11 +238,13 @@ def _start_keeper() -> None:
 
 def _keep() -> None:
     """The keeper thread: release each kept slot that no job took in time."""
-    global _kept
+    global _kept, _keeper_deadline
     while True:
         with _changed:
             while _kept is None or _kept.until > time.monotonic():
+                _keeper_deadline = math.inf if _kept is None else _kept.until
                 _changed.wait(None if _kept is None else _kept.until - time.monotonic())
+            _keeper_deadline = None
             expired, _kept = _kept, None
         # As Django around a request: a connection past CONN_MAX_AGE (or broken) is closed
         # before and after, so with CONN_MAX_AGE = 0 the thread holds none between releases.

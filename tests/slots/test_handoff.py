@@ -5,6 +5,7 @@ path on PostgreSQL with the keeper thread for real."""
 
 from __future__ import annotations
 
+import math
 import threading
 import uuid
 from collections.abc import Iterator
@@ -434,6 +435,40 @@ def test_job_path__kept_slot_no_job_takes__released_by_the_keeper(
     with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.2):
         run(tasks.limited3, "t")
         wait_for(lambda: not SlotLease.objects.exists(), 20, "the keeper to release the kept slot")
+    assert slot("t", "fair").current_jobs == 0
+    assert handoff.take() is None
+
+
+@postgres_only
+def test_keeper__busy_worker__not_woken_at_each_job_only_for_a_slot_due_sooner(
+    in_process_worker: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Waking the keeper thread at every job cost the worker two context switches and a
+    # fight for the GIL per job; it need wake only when a kept slot is due before the
+    # time it sleeps until.
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.2):  # whatever earlier tests left
+        run(tasks.limited3, "t")
+        wait_for(lambda: not SlotLease.objects.exists(), 20, "the keeper to release it")
+        wait_for(lambda: handoff._keeper_deadline == math.inf, 20, "the keeper to wait idle")
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=5):
+        run(tasks.limited3, "t")  # wakes the idle keeper, which sleeps until it is due
+        wait_for(lambda: handoff._keeper_deadline != math.inf, 20, "the keeper to wait for it")
+        wakes: list[None] = []
+        notify_all = handoff._changed.notify_all
+
+        def counted() -> None:
+            wakes.append(None)
+            notify_all()
+
+        monkeypatch.setattr(handoff._changed, "notify_all", counted)
+        for _ in range(3):
+            assert run(tasks.limited3, "t") == "t:done"
+        assert wakes == []  # each next job's slot is due later than the keeper wakes
+        assert slot("t", "fair").current_jobs == 1  # the last job's, kept
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.2):
+        run(tasks.limited3, "t")
+        assert len(wakes) == 1  # due sooner than the keeper's 5 s: it is woken
+        wait_for(lambda: not SlotLease.objects.exists(), 4, "the keeper to release it at once")
     assert slot("t", "fair").current_jobs == 0
     assert handoff.take() is None
 
