@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -471,6 +472,39 @@ def test_keeper__busy_worker__not_woken_at_each_job_only_for_a_slot_due_sooner(
         wait_for(lambda: not SlotLease.objects.exists(), 4, "the keeper to release it at once")
     assert slot("t", "fair").current_jobs == 0
     assert handoff.take() is None
+
+
+@postgres_only
+def test_keeper__next_slot_due_later__not_woken_sleeps_again_and_releases_it_when_due(
+    in_process_worker: uuid.UUID, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.2):  # whatever earlier tests left
+        run(tasks.limited3, "t")
+        wait_for(lambda: not SlotLease.objects.exists(), 20, "the keeper to release it")
+        wait_for(lambda: handoff._keeper_deadline == math.inf, 20, "the keeper to wait idle")
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.3):
+        run(tasks.limited3, "t")
+        wait_for(lambda: handoff._keeper_deadline != math.inf, 20, "the keeper to wait for it")
+    first_due = handoff._keeper_deadline
+    assert first_due is not None
+    wakes: list[None] = []
+    notify_all = handoff._changed.notify_all
+
+    def counted() -> None:
+        wakes.append(None)
+        notify_all()
+
+    monkeypatch.setattr(handoff._changed, "notify_all", counted)
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=2):
+        last = str(uuid.uuid4())
+        run(tasks.limited3, "t", last)
+    assert wakes == []
+    # The keeper wakes at the first slot's time, finds this one not due, and sleeps again.
+    time.sleep(max(0.0, first_due + 0.1 - time.monotonic()))
+    assert SlotLease.objects.get().task_id == last
+    wait_for(lambda: not SlotLease.objects.exists(), 20, "the keeper to release it when due")
+    assert slot("t", "fair").current_jobs == 0
+    assert wakes == []
 
 
 def test_job_path__handoff_off__released_at_the_end(in_process_worker: uuid.UUID) -> None:
