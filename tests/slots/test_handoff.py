@@ -440,6 +440,34 @@ def test_job_path__kept_slot_no_job_takes__released_by_the_keeper(
     assert handoff.take() is None
 
 
+def keeper_sleeping_for_a_slot(seconds: float) -> float:
+    """Leave the keeper thread idle whatever earlier tests left it doing, then keep a slot
+    due in ``seconds`` and return the time the keeper now sleeps until."""
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.2):
+        run(tasks.limited3, "t")
+        wait_for(lambda: not SlotLease.objects.exists(), 20, "the keeper to release it")
+        wait_for(lambda: handoff._keeper_deadline == math.inf, 20, "the keeper to wait idle")
+    with override_settings(FAIR_JOBS_SLOT_HANDOFF=seconds):
+        run(tasks.limited3, "t")  # wakes the idle keeper, which sleeps until it is due
+        wait_for(lambda: handoff._keeper_deadline != math.inf, 20, "the keeper to wait for it")
+    due = handoff._keeper_deadline
+    assert due is not None
+    return due
+
+
+def count_wakes(monkeypatch: pytest.MonkeyPatch) -> list[None]:
+    """A list that grows by one each time the keeper thread is woken from here on."""
+    wakes: list[None] = []
+    notify_all = handoff._changed.notify_all
+
+    def counted() -> None:
+        wakes.append(None)
+        notify_all()
+
+    monkeypatch.setattr(handoff._changed, "notify_all", counted)
+    return wakes
+
+
 @postgres_only
 def test_keeper__busy_worker__not_woken_at_each_job_only_for_a_slot_due_sooner(
     in_process_worker: uuid.UUID, monkeypatch: pytest.MonkeyPatch
@@ -447,21 +475,9 @@ def test_keeper__busy_worker__not_woken_at_each_job_only_for_a_slot_due_sooner(
     # Waking the keeper thread at every job cost the worker two context switches and a
     # fight for the GIL per job; it need wake only when a kept slot is due before the
     # time it sleeps until.
-    with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.2):  # whatever earlier tests left
-        run(tasks.limited3, "t")
-        wait_for(lambda: not SlotLease.objects.exists(), 20, "the keeper to release it")
-        wait_for(lambda: handoff._keeper_deadline == math.inf, 20, "the keeper to wait idle")
+    keeper_sleeping_for_a_slot(5)
+    wakes = count_wakes(monkeypatch)
     with override_settings(FAIR_JOBS_SLOT_HANDOFF=5):
-        run(tasks.limited3, "t")  # wakes the idle keeper, which sleeps until it is due
-        wait_for(lambda: handoff._keeper_deadline != math.inf, 20, "the keeper to wait for it")
-        wakes: list[None] = []
-        notify_all = handoff._changed.notify_all
-
-        def counted() -> None:
-            wakes.append(None)
-            notify_all()
-
-        monkeypatch.setattr(handoff._changed, "notify_all", counted)
         for _ in range(3):
             assert run(tasks.limited3, "t") == "t:done"
         assert wakes == []  # each next job's slot is due later than the keeper wakes
@@ -478,23 +494,8 @@ def test_keeper__busy_worker__not_woken_at_each_job_only_for_a_slot_due_sooner(
 def test_keeper__next_slot_due_later__not_woken_sleeps_again_and_releases_it_when_due(
     in_process_worker: uuid.UUID, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.2):  # whatever earlier tests left
-        run(tasks.limited3, "t")
-        wait_for(lambda: not SlotLease.objects.exists(), 20, "the keeper to release it")
-        wait_for(lambda: handoff._keeper_deadline == math.inf, 20, "the keeper to wait idle")
-    with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.3):
-        run(tasks.limited3, "t")
-        wait_for(lambda: handoff._keeper_deadline != math.inf, 20, "the keeper to wait for it")
-    first_due = handoff._keeper_deadline
-    assert first_due is not None
-    wakes: list[None] = []
-    notify_all = handoff._changed.notify_all
-
-    def counted() -> None:
-        wakes.append(None)
-        notify_all()
-
-    monkeypatch.setattr(handoff._changed, "notify_all", counted)
+    first_due = keeper_sleeping_for_a_slot(0.3)
+    wakes = count_wakes(monkeypatch)
     with override_settings(FAIR_JOBS_SLOT_HANDOFF=2):
         last = str(uuid.uuid4())
         run(tasks.limited3, "t", last)
