@@ -81,3 +81,23 @@ def run_while_locked(
     (result,) = out
     assert not isinstance(result, BaseException), result
     return result
+
+
+def finishes_while_held(lock: tuple[str, list[Any]], work: Callable[[], Any], what: str) -> Any:
+    """Run ``work`` in a thread while a second session holds the row locks the statement
+    ``lock`` takes, and fail if ``work`` waits on a lock instead of finishing meanwhile
+    (a step that must never wait for those rows). Returns what ``work`` returned."""
+    held = session()
+    held.execute(*lock)
+    thread, out = in_thread(work)
+    try:
+        wait_until_blocked(thread, what)
+        thread.join(2)
+        assert not thread.is_alive(), f"{what}: it waits on the rows the other session holds"
+    finally:
+        held.rollback()
+        held.close()
+        thread.join(20)
+    (result,) = out
+    assert not isinstance(result, BaseException), result
+    return result

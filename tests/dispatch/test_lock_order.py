@@ -1,0 +1,170 @@
+"""Fair dispatch's lock order, with real PostgreSQL sessions: a second session holds what
+another step holds at its longest, and the step under test must finish meanwhile, never
+wait on those rows out of order (deadlocks D1 a-d of the dispatch review), and no step of a
+job's path writes or waits for a row shared by the whole queue (D7, D11, D14).
+
+The order (docs/how-it-works.md, "Lock order"): a tenant's line, then its waiting or
+scheduled jobs; a dispatched or running job, then its line; a line held by another
+transaction is skipped, never waited for, by any step that did not come for that line.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+
+from django_fair_jobs import dispatch
+from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue
+from tests.sessions import (
+    finishes_while_held,
+    in_thread,
+    run_while_locked,
+    session,
+    wait_until_blocked,
+)
+from tests.testapp import tasks
+
+pytestmark = [
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="sessions racing need PostgreSQL"),
+    pytest.mark.django_db(transaction=True),
+]
+
+PROCESS = uuid.uuid4()
+
+
+@pytest.fixture(autouse=True)
+def published(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Nothing reaches a broker: the jobs dispatched are collected (row ids)."""
+    out: list[int] = []
+
+    def collect(app: object, ready: list[dispatch.Ready]) -> int:
+        out.extend(r.job_id for r in ready)
+        return len(ready)
+
+    monkeypatch.setattr(dispatch, "publish", collect)
+    return out
+
+
+def set_capacity(capacity: int, queue: str = "fair") -> None:
+    DispatchQueue.objects.update_or_create(queue=queue, defaults={"capacity": capacity})
+
+
+def job_of(task_id: str) -> int:
+    return DispatchJob.objects.values_list("pk", flat=True).get(task_id=task_id)
+
+
+def running(tenant: str) -> int:
+    """A job of ``tenant`` dispatched and started under :data:`PROCESS`."""
+    job = job_of(tasks.dispatched.delay(tenant).id)
+    assert dispatch.start(job, PROCESS).status == "started"
+    return job
+
+
+def due_countdown(tenant: str) -> int:
+    """A job of ``tenant`` stored with a countdown that has come due."""
+    job = job_of(tasks.dispatched.apply_async((tenant,), countdown=60).id)
+    DispatchJob.objects.filter(pk=job).update(not_before=timezone.now() - timedelta(seconds=1))
+    return job
+
+
+def line_lock(tenant: str, queue: str = "fair") -> tuple[str, list[object]]:
+    """What a step of ``tenant``'s line holds while it runs (an end, an enqueue, a cancel)."""
+    return (
+        "SELECT id FROM fair_jobs_dispatchtenant WHERE queue = %s AND tenant = %s FOR UPDATE",
+        [queue, tenant],
+    )
+
+
+QUEUE_ROW = ("SELECT queue FROM fair_jobs_dispatchqueue WHERE queue = %s FOR UPDATE", ["fair"])
+
+
+def test_d1a__an_end_never_waits_for_another_tenants_line_come_due() -> None:
+    set_capacity(10)
+    x = running("x")
+    running("y")
+    due_countdown("y")
+    # An end of y's job holds y's line; the end of x moves the countdowns come due into
+    # their lines: it skips y's (the next dispatch moves it) instead of waiting for it.
+    finishes_while_held(line_lock("y"), lambda: dispatch.end(x, PROCESS), "the end of x")
+    assert not DispatchJob.objects.filter(pk=x).exists()
+
+
+def test_d1b__an_enqueue_never_waits_for_another_tenants_line_come_due() -> None:
+    set_capacity(10)
+    running("z")
+    due_countdown("z")
+    finishes_while_held(line_lock("z"), lambda: tasks.dispatched.delay("w"), "delay() for w")
+    assert DispatchJob.objects.filter(tenant="w").count() == 1
+
+
+def test_d1c__the_due_poll_never_waits_for_a_line_another_step_holds() -> None:
+    set_capacity(10)
+    running("z")
+    due = due_countdown("z")
+    finishes_while_held(line_lock("z"), lambda: dispatch.dispatch("fair"), "the due poll")
+    # Once the line is free, the next dispatch moves it.
+    dispatch.dispatch("fair")
+    assert DispatchJob.objects.get(pk=due).state != 0
+
+
+def test_d1d__a_start_from_the_line_takes_the_line_before_the_job() -> None:
+    # A job went back to its line (its worker was presumed dead); the broker's copy of it
+    # starts while a dispatch holds the line and comes for the same job: the start must
+    # wait on the line first, never hold the job row while it waits.
+    set_capacity(10)
+    job = running("t")
+    dispatch.end(job, PROCESS, delay=0.0)  # back in line, as the reap puts it
+    assert DispatchJob.objects.get(pk=job).state == 1
+    started = run_while_locked(
+        line_lock("t"),
+        lambda: dispatch.start(job, uuid.uuid4()),
+        "the start to wait on the line",
+        ("SELECT id FROM fair_jobs_dispatchjob WHERE id = %s FOR UPDATE NOWAIT", [job]),
+    )
+    assert started.status == "started"
+
+
+def test_d7__delay_inside_atomic__holds_no_line_and_no_queue_row() -> None:
+    set_capacity(10)
+    other = running("x")
+    with transaction.atomic():
+        tasks.dispatched.delay("w")
+        # While the caller's transaction is open, the end of another job on the queue
+        # goes on, and the caller holds neither the queue's row nor w's line.
+        thread, out = in_thread(lambda: dispatch.end(other, PROCESS))
+        wait_until_blocked(thread, "the end of x")
+        thread.join(5)
+        assert not thread.is_alive(), "the end waits for the caller's transaction"
+        assert not isinstance(out[0], BaseException), out
+        for statement, params in (QUEUE_ROW, line_lock("w")):
+            with session() as look:
+                look.execute(statement + " NOWAIT", params)  # raises if the caller holds it
+    # After the commit the job enters its line and is dispatched.
+    assert DispatchJob.objects.get(tenant="w").state == 2
+
+
+def test_d11__refresh_capacity_never_waits_for_a_busy_queue() -> None:
+    set_capacity(1, queue="a")
+    set_capacity(1, queue="z")
+    finishes_while_held(
+        ("SELECT queue FROM fair_jobs_dispatchqueue WHERE queue = 'z' FOR UPDATE", []),
+        lambda: dispatch.refresh_capacity(slack_per_node=0, timeout=60),
+        "refresh_capacity",
+    )
+
+
+def test_d14__enqueue_start_end_and_dispatch_never_write_the_queue_row() -> None:
+    set_capacity(2)
+    jobs = [job_of(tasks.dispatched.delay("a").id) for _ in range(3)]
+
+    def a_jobs_life() -> None:
+        assert dispatch.start(jobs[0], PROCESS).status == "started"
+        dispatch.end(jobs[0], PROCESS)
+        tasks.dispatched.delay("b")
+        dispatch.dispatch("fair")
+
+    finishes_while_held(QUEUE_ROW, a_jobs_life, "a job's life on the queue")
