@@ -117,6 +117,7 @@ def test_d1d__a_start_from_the_line_takes_the_line_before_the_job() -> None:
     # wait on the line first, never hold the job row while it waits.
     set_capacity(10)
     job = running("t")
+    set_capacity(0)  # so that its end dispatches nothing: it stays in line
     dispatch.end(job, PROCESS, delay=0.0)  # back in line, as the reap puts it
     assert DispatchJob.objects.get(pk=job).state == 1
     started = run_while_locked(
