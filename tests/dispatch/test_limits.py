@@ -1,0 +1,200 @@
+"""Caps and queue limits are filters of fair dispatch's one selection and hold for every
+dispatched job (D2, D3, D10, D12 and the cap raised of D20 in the dispatch review): a
+tenant's cap is the running task's own, a queue limit or pause bounds the queue's room, a
+job the fence refuses goes back without its line cycling through the broker, and tenants
+that cannot be chosen stay out of the selection's index."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from django_fair_jobs import admission, dispatch, headers, queue_limits, slots
+from django_fair_jobs.dispatch.models import DISPATCHED, DispatchJob, DispatchQueue, DispatchTenant
+from django_fair_jobs.models import QueueLimit
+from tests.conftest import run_as_worker
+from tests.sessions import session
+from tests.testapp import tasks
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("engine")]
+
+RAN: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def published(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Nothing reaches a broker: the jobs dispatched are collected (row ids)."""
+    out: list[int] = []
+
+    def collect(app: Any, ready: list[dispatch.Ready]) -> int:
+        out.extend(r.job_id for r in ready)
+        return len(ready)
+
+    monkeypatch.setattr(dispatch, "publish", collect)
+    queue_limits._cache.loaded_at = 0.0
+    yield out
+    queue_limits._cache.loaded_at = 0.0
+
+
+def set_capacity(capacity: int, queue: str = "fair") -> None:
+    DispatchQueue.objects.update_or_create(queue=queue, defaults={"capacity": capacity})
+
+
+def pump(published: list[int]) -> None:
+    """Dispatch into the queue's room, as maintenance does, collecting what it dispatched."""
+    published.extend(r.job_id for r in dispatch.dispatch("fair"))
+
+
+def job_of(task_id: str) -> DispatchJob:
+    return DispatchJob.objects.get(task_id=task_id)
+
+
+def deliver(job: DispatchJob, task: Any = tasks.dispatched) -> str:
+    """Run a dispatched job's message as a worker would; "ran" or "not run"."""
+    from celery.exceptions import Ignore
+
+    try:
+        run_as_worker(
+            task, (job.tenant,), task_id=job.task_id, headers={headers.DISPATCH: job.pk}
+        )
+    except Ignore:
+        return "not run"
+    return "ran"
+
+
+def test_d2__a_paused_queue__nothing_dispatched(published: list[int]) -> None:
+    queue_limits.set_limits("fair", max_jobs=0)
+    set_capacity(2)
+    tasks.dispatched.delay("acme")
+    tasks.dispatched.delay("acme")
+    assert published == []
+    assert dispatch.dispatch("fair") == []
+
+
+def test_d2__a_queue_limit_bounds_the_queues_room(published: list[int]) -> None:
+    queue_limits.set_limits("fair", max_jobs=1)
+    set_capacity(3)
+    for tenant in ("a", "b", "c"):
+        tasks.dispatched.delay(tenant)
+    assert len(published) == 1
+
+
+def test_d2__a_job_without_a_cap__takes_its_queue_place__refused_when_paused(
+    published: list[int],
+) -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    assert published == [job.pk]
+    queue_limits.set_limits("fair", max_jobs=0)  # paused after the job was dispatched
+    assert deliver(job) == "not run"
+    assert DispatchJob.objects.get(pk=job.pk).state in (0, 1)  # back, not lost
+    queue_limits.set_limits("fair", max_jobs=1)
+    DispatchJob.objects.filter(pk=job.pk, state=0).update(
+        not_before=timezone.now() - timedelta(seconds=1)
+    )
+    dispatch.dispatch("fair")
+    job = DispatchJob.objects.get(pk=job.pk)
+    assert job.state == DISPATCHED
+    assert deliver(job) == "ran"
+    assert QueueLimit.objects.get(queue="fair").current_jobs == 0  # its place given back
+
+
+def test_d3__another_tasks_enqueue_never_removes_a_tasks_cap(published: list[int]) -> None:
+    capped = [job_of(tasks.dispatched_capped.delay("acme").id) for _ in range(5)]
+    tasks.dispatched.delay("acme")  # a task without a cap, for the same tenant and queue
+    set_capacity(6)
+    pump(published)
+    assert len([j for j in published if j in {c.pk for c in capped}]) == 2
+    started = dispatch.start(capped[0].pk, uuid.uuid4())
+    assert (started.status, started.cap) == ("started", 2)
+
+
+def test_d3__a_capped_tasks_enqueue_never_caps_another_task(published: list[int]) -> None:
+    free = [job_of(tasks.dispatched.delay("acme").id) for _ in range(4)]
+    tasks.dispatched_capped.delay("acme")
+    set_capacity(4)
+    pump(published)
+    assert sorted(published) == sorted(j.pk for j in free)
+    assert dispatch.start(free[0].pk, uuid.uuid4()).cap is None
+
+
+def test_d10__a_refused_fence__the_tenants_line_does_not_cycle(published: list[int]) -> None:
+    set_capacity(1)
+    jobs = [job_of(tasks.dispatched_capped.delay("acme").id) for _ in range(3)]
+    assert published == [jobs[0].pk]
+    # Jobs of another task fill acme's slot between the dispatch and the start.
+    for _ in range(2):
+        admission.acquire(
+            tenant="acme", queue="fair", task_id=str(uuid.uuid4()), limit=2, node=None,
+            woken=False,
+        )  # fmt: skip
+    assert deliver(jobs[0], tasks.dispatched_capped) == "not run"
+    # The job is back; no other job of acme's was dispatched into the room it left, and
+    # the next dispatch does not pick acme's line again while its slot is full.
+    pump(published)
+    assert published == [jobs[0].pk]
+    assert not DispatchJob.objects.filter(state=DISPATCHED).exists()
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's tuple counts")
+def test_d12__ineligible_tenants__the_choice_reads_as_few_rows_as_when_all_are_eligible(
+    engine: str,
+) -> None:
+    if engine != "sql":
+        pytest.skip("the statement's tuple counts are the PostgreSQL store's")
+
+    def buffers_of_one_dispatch() -> int:
+        """The shared buffers one dispatch of one job reads, from the plan of its
+        statement (auto_explain, which counts the function's own statements in it)."""
+        with session() as look:
+            notices: list[str] = []
+            look.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
+            for setting in (
+                "LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                "SET auto_explain.log_analyze = on", "SET auto_explain.log_buffers = on",
+                "SET client_min_messages = log",
+            ):  # fmt: skip
+                look.execute(setting)
+            # Twice: the first call of a session also reads the catalogs to plan.
+            for _ in range(2):
+                notices.clear()
+                look.execute("SELECT * FROM fair_jobs_dispatch('fair', 1)").fetchall()
+            look.rollback()
+        (plan,) = [n for n in notices if "fair_jobs_dispatch('fair', 1)" in n]
+        found = re.search(r"Buffers: shared hit=(\d+)(?: read=(\d+))?", plan)
+        assert found is not None, plan
+        return int(found.group(1)) + int(found.group(2) or 0)
+
+    set_capacity(0)
+    tenants = [f"t{i:04d}" for i in range(400)]
+    dispatch.enqueue_many(
+        [
+            dispatch.Job(
+                queue="fair", tenant=t, task_name=tasks.dispatched.name, task_id=f"id-{t}",
+                signature="{}", not_before=None, weight=None, cap=None,
+            )  # fmt: skip
+            for t in tenants
+        ]
+    )
+    set_capacity(1000)
+    eligible = buffers_of_one_dispatch()
+    for tenant in tenants[:-1]:
+        slots.set_tenant_limit(tenant, "fair", 0)  # paused, as an operator pauses them
+    paused = buffers_of_one_dispatch()
+    assert paused <= 1.3 * eligible + 2, (paused, eligible)
+
+
+def test_d20__a_cap_raised__dispatches_at_once(published: list[int]) -> None:
+    set_capacity(4)
+    slots.set_tenant_limit("acme", "fair", 0)
+    tasks.dispatched.delay("acme")
+    assert published == []
+    slots.set_tenant_limit("acme", "fair", 2)
+    assert len(published) == 1
+    assert DispatchTenant.objects.get(tenant="acme").in_flight == 1
