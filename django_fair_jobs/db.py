@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import ProgrammingError, connections, models, transaction
+from django.db import OperationalError, ProgrammingError, connections, models, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Now
 
@@ -66,6 +66,13 @@ def run_on(
             with statement_cursor(connection) as cursor:
                 cursor.execute(queries()[name], params)
                 return list(cursor.fetchall())
+        except OperationalError as exc:
+            # A lock wait past the statement's lock_timeout (fair dispatch's functions set
+            # one, so that a wait the lock order allows fails fast instead of stalling a
+            # queue): in autocommit nothing was done, and the next try usually finds the
+            # row free.
+            if not _lock_timed_out(exc) or attempt == 2 or connection.in_atomic_block:
+                raise
         except ProgrammingError as exc:
             # The session lost the connection's prepared statements behind psycopg's back
             # (a DISCARD ALL or DEALLOCATE of the caller's, a pooler's reset): psycopg's
@@ -76,6 +83,11 @@ def run_on(
             if connection.in_atomic_block:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _lock_timed_out(exc: Exception) -> bool:
+    """Whether ``exc`` is a lock wait that ran past its ``lock_timeout``."""
+    return psycopg is not None and isinstance(exc.__cause__, psycopg.errors.LockNotAvailable)
 
 
 def _lost_prepared(connection: BaseDatabaseWrapper, exc: Exception) -> bool:

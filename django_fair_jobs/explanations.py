@@ -318,16 +318,20 @@ def _place(ahead: Any) -> int | str:
 
 
 def _dispatched(job: Any, now: datetime) -> Explanation:
+    from django_fair_jobs import dispatch
     from django_fair_jobs.dispatch.models import (
         DISPATCHED,
+        FAILED,
         RUNNING,
         SCHEDULED,
+        DispatchJob,
         DispatchQueue,
         DispatchTenant,
     )
 
     line = DispatchTenant.objects.filter(queue=job.queue, tenant=job.tenant).first()
     queue = DispatchQueue.objects.filter(queue=job.queue).first()
+    flight = DispatchJob.objects.filter(queue=job.queue, state__in=[DISPATCHED, RUNNING])
     details: dict[str, Any] = {
         "queue": job.queue,
         "tenant": job.tenant,
@@ -336,9 +340,19 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
         "waited_seconds": age(now, job.enqueued_at),
         "tenant_in_flight": None if line is None else line.in_flight,
         "tenant_cap": None if line is None else line.cap,
-        "queue_in_flight": None if queue is None else queue.in_flight,
+        "queue_in_flight": flight.count(),
         "queue_capacity": None if queue is None else queue.capacity + queue.slack,
+        "queue_room": dispatch.room().get(job.queue, 0),
+        "publish_failures": job.publish_failures,
     }
+    if job.state == FAILED:
+        return Explanation(
+            job.task_id, "failed",
+            f"Its message could not be published {job.publish_failures} times (a broker or "
+            "serializer that refuses it): it will not run. Fix the cause, then cancel it "
+            "(manage.py fair_jobs_cancel) or delay() it again.",
+            details,
+        )  # fmt: skip
     if job.state == RUNNING:
         return _dispatched_running(job, now, details)
     if job.state == DISPATCHED:
@@ -392,10 +406,13 @@ def _dispatch_waiting(job: Any, line: Any, queue: Any, details: dict[str, Any]) 
     )  # fmt: skip
     details["tenant_waiting"] = None if line is None else line.waiting
     cause = (
-        f"its tenant is at its cap ({line.in_flight} in flight, cap {line.cap})"
-        if line is not None and line.cap is not None and line.in_flight >= line.cap
+        f"its tenant is at its cap or paused ({line.in_flight} in flight, task cap "
+        f"{line.cap}, or its tenant slot's override)"
+        if line is not None and line.blocked
         else "every worker process of the queue is busy"
-        if queue is not None and queue.in_flight >= queue.capacity + queue.slack
+        if (details["queue_capacity"] or 0) <= details["queue_in_flight"]
+        else "its queue limit is reached, or the queue is paused"
+        if details["queue_room"] <= 0
         else "the next free worker process takes the tenant with the fewest jobs in flight"
     )
     summary = (

@@ -338,8 +338,10 @@ class FairJobsCollector(Collector):
     def _dispatch(self, out: _Families) -> None:
         from django.db.models import Sum
 
+        from django_fair_jobs import dispatch
         from django_fair_jobs.dispatch.models import DispatchQueue, DispatchTenant
 
+        in_flight = dispatch.in_flight()
         waiting = dict(
             DispatchTenant.objects.filter(waiting__gt=0)
             .values("queue")
@@ -348,7 +350,7 @@ class FairJobsCollector(Collector):
         )
         for q in DispatchQueue.objects.order_by("queue"):
             out.add("fair_jobs_queue_depth", [q.queue], waiting.pop(q.queue, 0))
-            out.add("fair_jobs_queue_in_flight", [q.queue], q.in_flight)
+            out.add("fair_jobs_queue_in_flight", [q.queue], in_flight.get(q.queue, 0))
             out.add("fair_jobs_queue_capacity", [q.queue], q.capacity + q.slack)
         for queue, n in waiting.items():  # lines of a queue with no row yet
             out.add("fair_jobs_queue_depth", [queue], n)

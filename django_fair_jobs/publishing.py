@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery.utils import uuid
-from django.db import close_old_connections
+from django.db import close_old_connections, connections
 from kombu.utils.json import dumps
 
 from django_fair_jobs import decisions, dispatch, planner, reroute, tenants, validation
@@ -93,11 +93,26 @@ def hold_for_dispatch(
     kwargs: Any,
     options: dict[str, Any],
 ) -> AsyncResult[Any]:
-    """Store a job of a ``fair_dispatch`` task in its tenant's line (one round trip) and
-    publish whatever that dispatched at once (this job, while its queue has room);
-    returns its ``AsyncResult``. See :mod:`django_fair_jobs.dispatch`."""
+    """Store a job of a ``fair_dispatch`` task in its tenant's line and publish whatever
+    that dispatched at once (this job, while its queue has room); returns its
+    ``AsyncResult``. See :mod:`django_fair_jobs.dispatch`.
+
+    In autocommit that is one round trip. Inside the caller's ``atomic()`` only the job's
+    row is written (it commits with the caller's data, and holds no line or queue row
+    while the caller's transaction lasts); it enters its line and is dispatched once the
+    transaction commits. A ``self.retry()`` of a dispatched job inside the job's own
+    ``atomic()`` is stored when the job's run ends instead, as Celery's retry is published
+    whether the job's transaction commits or not."""
     job = dispatch.prepare(task, _dispatch_options(task), tenant, args, kwargs, options)
-    _publish_after_commit(task, dispatch.enqueue(job))
+    alias = dispatch.alias()
+    request = task.request
+    if getattr(request, "fair_retrying", False) and connections[alias].in_atomic_block:
+        deferred = [*getattr(request, "fair_deferred_retries", []), job]
+        setattr(request, "fair_deferred_retries", deferred)  # noqa: B010  (Context's stub)
+    elif connections[alias].in_atomic_block:
+        _store_until_commit(task, [job])
+    else:
+        dispatch.publish(task.app, dispatch.enqueue(job))
     result = task.AsyncResult(job.task_id)
     parent = task.app.current_worker_task
     if parent is not None and options.get("add_to_parent", True):
@@ -109,22 +124,25 @@ def hold_many_for_dispatch(
     task: Task[Any, Any], items: list[tuple[str | None, Any, Any, dict[str, Any]]]
 ) -> list[AsyncResult[Any]]:
     """Store many jobs of a ``fair_dispatch`` task, ``(tenant, args, kwargs, options)``
-    each, in their lines in one round trip, and publish what that dispatched; returns
-    their ``AsyncResult``s in the order given."""
+    each, in their lines in one round trip, and publish what that dispatched (inside the
+    caller's ``atomic()``, once it commits); returns their ``AsyncResult``s in the order
+    given."""
     options = _dispatch_options(task)
     jobs = [dispatch.prepare(task, options, t, a, k, o) for t, a, k, o in items]
-    _publish_after_commit(task, dispatch.enqueue_many(jobs))
+    if connections[dispatch.alias()].in_atomic_block:
+        _store_until_commit(task, jobs)
+    else:
+        dispatch.publish(task.app, dispatch.enqueue_many(jobs))
     return [task.AsyncResult(job.task_id) for job in jobs]
 
 
-def _publish_after_commit(task: Task[Any, Any], ready: list[dispatch.Ready]) -> None:
-    """Publish what an enqueue dispatched; inside the caller's ``atomic()``, once it
-    commits (the rows are the caller's until then: a worker would not find them)."""
-    if not ready:
-        return
-    app = task.app
-    if not after_commit(lambda: dispatch.publish(app, ready), dispatch.alias()):
-        dispatch.publish(app, ready)
+def _store_until_commit(task: Task[Any, Any], jobs: list[dispatch.Job]) -> None:
+    """Inside the caller's ``atomic()``: write the jobs' rows alone (one statement), and
+    dispatch their queues once the caller's transaction commits."""
+    dispatch.stage(jobs)
+    app, alias = task.app, dispatch.alias()
+    for queue in sorted({job.queue for job in jobs}):
+        after_commit(lambda q=queue: dispatch.publish(app, dispatch.dispatch(q)), alias)  # type: ignore[misc]
 
 
 def _dispatch_options(task: Task[Any, Any]) -> dispatch.Options:

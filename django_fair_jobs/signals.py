@@ -16,11 +16,14 @@ from celery.signals import (
     worker_ready,
     worker_shutdown,
 )
+from django.dispatch import receiver
 
 from django_fair_jobs import (
     admission,
     checks,
+    db,
     dispatch,
+    events,
     identity,
     maintenance,
     plain_tasks,
@@ -206,13 +209,42 @@ def _drop(task_id: str, *, terminated: bool) -> None:
 
 
 def _pool_pids_running(task_id: str) -> list[int]:
-    """The pool processes of this node, other than this one, whose leases say they run
-    ``task_id`` (the prefork children a terminate signals)."""
+    """The pool processes of this node, other than this one, whose leases or dispatched
+    rows say they run ``task_id`` (the prefork children a terminate signals)."""
     import socket
 
-    from django_fair_jobs.models import SlotLease
+    from django_fair_jobs.dispatch.models import RUNNING, DispatchJob
+    from django_fair_jobs.models import SlotLease, WorkerProcess
 
-    pids = SlotLease.objects.filter(
-        task_id=task_id, process__hostname=socket.gethostname()
-    ).values_list("process__pid", flat=True)
+    host = socket.gethostname()
+    pids = set(
+        SlotLease.objects.filter(task_id=task_id, process__hostname=host).values_list(
+            "process__pid", flat=True
+        )
+    )
+    dispatched = DispatchJob.objects.filter(task_id=task_id, state=RUNNING).values("process_id")
+    pids |= set(
+        WorkerProcess.objects.filter(id__in=dispatched, hostname=host).values_list("pid", flat=True)
+    )
     return sorted({pid for pid in pids if pid is not None and pid != os.getpid()})
+
+
+@receiver(events.limit_changed)
+def _on_limit_changed(
+    sender: Any, tenant: str | None = None, queue: str | None = None, app: Any = None, **kwargs: Any
+) -> None:
+    # A limit raised, a tenant or queue resumed: the lines it frees come back into fair
+    # dispatch's selection and the queue is dispatched now, not at the next end or pass
+    # (after the caller's transaction commits, as the change is then visible).
+    from celery import current_app
+
+    def dispatch_now() -> None:
+        try:
+            dispatch.unblock(app or current_app, tenant=tenant, queue=queue)
+            if queue is not None:
+                dispatch.publish(app or current_app, dispatch.dispatch(queue))
+        except Exception:
+            logger.exception("Could not dispatch %s after its limit changed", queue)
+
+    if not db.after_commit(dispatch_now, dispatch.alias()):
+        dispatch_now()

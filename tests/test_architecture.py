@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "routing": 0,
     "broker": 0,
     "db": 0,
+    "events": 0,
     "sql": 0,
     # L1: tenants, the schema, the one place a job is re-sent.
     "tenants": 1,

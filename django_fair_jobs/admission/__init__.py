@@ -14,9 +14,10 @@ The only module besides ``publishing`` that combines the mechanism rooms. A job'
    that can run now.
 
 A dispatched job (``fair_dispatch``) marks its row running (one round trip; a second copy
-of the message is dropped), takes its tenant slot only when its tenant has a cap (the
-fence that keeps the limit whatever was dispatched), runs, and ends its row in the round
-trip that dispatches the next job (:func:`dispatched_run`). :func:`holding` runs it all
+of the message is dropped), takes its tenant slot when its task or slot has a cap and its
+queue place on a limited queue (the fence that keeps the limits whatever was dispatched),
+runs, and ends its row in the round trip that dispatches the next job
+(:func:`dispatched_run`). :func:`holding` runs it all
 around a ``FairTask`` job. Plain tasks on a limited queue
 (``FAIR_JOBS_LIMIT_PLAIN_TASKS``) go through :func:`enter` too (:func:`install`).
 """
@@ -24,18 +25,14 @@ around a ``FairTask`` job. Plain tasks on a limited queue
 from __future__ import annotations
 
 import logging
-import random
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from celery import Task as CeleryTask
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 from django.db import DatabaseError, DataError, close_old_connections
-from kombu.exceptions import EncodeError
-from kombu.utils.json import dumps
 
 from django_fair_jobs import (
     decisions,
@@ -52,7 +49,7 @@ from django_fair_jobs import (
     waits,
 )
 from django_fair_jobs import headers as fair_headers
-from django_fair_jobs.admission import ends, handoff
+from django_fair_jobs.admission import deferral, ends, handoff
 from django_fair_jobs.admission.ends import confirm_releases as confirm_releases
 from django_fair_jobs.admission.ends import drop_task as drop_task
 from django_fair_jobs.admission.ends import end as end
@@ -185,39 +182,110 @@ def dispatched_run(
     tenant: str | None,
     queue: str,
 ) -> Iterator[None]:
-    """Hold a dispatched job's run: start its row, take its tenant slot if its tenant has a
-    cap, let the job run, then end the row and publish the jobs its room went to.
+    """Hold a dispatched job's run: start its row, take the fence (its tenant slot with its
+    task's cap, its queue place on a limited queue), let the job run, then end the row and
+    publish the jobs its room went to.
 
     Raises ``Ignore`` (the message is acknowledged, nothing runs) for a second copy of a
-    job, when the database cannot mark the start (the row stays dispatched and is
-    published again after ``FAIR_JOBS_DISPATCH_LOST_AFTER``), and when the tenant slot is
-    full (the job goes back to its line for :data:`~django_fair_jobs.dispatch.FENCE_DELAY`).
+    job; when the database cannot mark the start (the row stays dispatched and is
+    published again later, or, if the start committed with its reply lost, goes back to
+    its line at the next heartbeat); when the fence refuses or fails (the job goes back,
+    and its line waits out of the selection until its room comes back). A
+    ``Reject(requeue=True)`` puts the row back in its line for the redelivered copy.
     """
     process = _process_id()
+    task_id = str(task.request.id)
+    started = _start_dispatched(task, job_id, process)
+    ends.mark_running(task_id)
     try:
-        started = dispatch.start(job_id, process)
-    except DatabaseError:
-        logger.exception("Could not start dispatched job %s; it is published again later", job_id)
-        raise Ignore() from None
-    if started.status != "started":
+        _dispatch_fence(task, job_id, process, started, tenant, queue)
+        started_now(task, queue, tenant)
+        outcome: dispatch.Outcome = "end"
+        try:
+            yield
+        except Reject as exc:
+            if getattr(exc, "requeue", False):  # Celery sets it; its stub does not say so
+                outcome = "back"  # the broker redelivers the message; its row waits for it
+            raise
+        finally:
+            release_held(task)
+            _store_deferred_retries(task)
+            ends.end(task, job_id, process, outcome=outcome)
+    finally:
+        ends.unmark_running(task_id)
+
+
+def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> dispatch.Started:
+    """Mark a dispatched job's row running under ``process``, tried again on a new
+    connection after a database error (a failover or a pooler restart cuts the reply,
+    often after the start committed: the next try answers "again"). Raises ``Ignore`` for
+    a copy that must not run, or when the database does not answer."""
+    task_id = str(task.request.id)
+    for delay in (*REPLY_RETRY_DELAYS, None):
+        try:
+            started = dispatch.start(job_id, process)
+            break
+        except DatabaseError:
+            if delay is None:
+                logger.exception("Could not start dispatched job %s; it goes back later", job_id)
+                ends.end_later(job_id, process, outcome="back")
+                raise Ignore() from None
+            close_old_connections()
+            time.sleep(delay)
+    if started.status == "again" and ends.is_running(task_id):
+        started = dispatch.Started("duplicate")
+    if started.status not in ("started", "again"):
         logger.info("Job %s (%s) already ran or runs: this copy is dropped", job_id, task.name)
         raise Ignore()
-    if started.cap is not None and tenant is not None:
-        acquired = acquire(
-            tenant=tenant, queue=queue, task_id=str(task.request.id), limit=started.cap,
-            node=task.request.hostname, woken=False,
-        )  # fmt: skip
-        if acquired.grant is None:
-            # Taken between dispatch and start (another task's job, a lowered limit).
-            dispatch.publish(task.app, dispatch.end(job_id, process, delay=dispatch.FENCE_DELAY))
-            raise Ignore()
-        keep_grant(task, acquired.grant)
-    started_now(task, queue, tenant)
+    ends.forget_end(job_id)  # a start that committed with its reply lost: it runs now
+    return started
+
+
+def _dispatch_fence(
+    task: Task[Any, Any],
+    job_id: int,
+    process: uuid.UUID,
+    started: dispatch.Started,
+    tenant: str | None,
+    queue: str,
+) -> None:
+    """Take a started dispatched job's tenant slot (with its own task's cap, or its slot's
+    override) and, on a limited queue, its queue place: the limits hold whatever was
+    dispatched. Refused, the job goes aside for ``FENCE_DELAY`` and its line out of the
+    selection until its room comes back; a database error puts it back in its line (a
+    lease its acquire may have taken is released later). Either raises ``Ignore``."""
+    capped = started.cap is not None and tenant is not None
+    if not capped and not queue_limits.is_limited(queue):
+        return
     try:
-        yield
-    finally:
-        release_held(task)
-        ends.end(task, job_id, process)
+        acquired = acquire(
+            tenant=tenant if capped else None, queue=queue, task_id=str(task.request.id),
+            limit=started.cap or 0, node=task.request.hostname, woken=False,
+        )  # fmt: skip
+    except DatabaseError:
+        logger.exception("The fence of dispatched job %s failed; it goes back in line", job_id)
+        _uncertain_acquire(task, woken=False)
+        ends.end_later(job_id, process, outcome="back")
+        raise Ignore() from None
+    if acquired.grant is None:
+        # Taken between dispatch and start (another task's job, a lowered limit): nothing
+        # is dispatched into the room it leaves, so its line does not cycle.
+        ends.end(task, job_id, process, outcome="later", delay=dispatch.FENCE_DELAY, block=True)
+        raise Ignore()
+    keep_grant(task, acquired.grant)
+
+
+def _store_deferred_retries(task: Task[Any, Any]) -> None:
+    """Store the retries a dispatched job asked for inside its own ``atomic()`` block
+    (:func:`~django_fair_jobs.publishing.hold_for_dispatch` kept them on the request), now
+    that the block is over, whether it committed or not: Celery's retry is in the broker
+    either way."""
+    deferred = getattr(task.request, "fair_deferred_retries", None)
+    if not deferred:
+        return
+    setattr(task.request, "fair_deferred_retries", [])  # noqa: B010  (Context's stub)
+    for job in deferred:
+        dispatch.publish(task.app, dispatch.enqueue(job))
 
 
 _PARK_ATTEMPTS = 20
@@ -477,9 +545,9 @@ def defer(
     headers.pop(fair_headers.WAKE, None)
     signature = None
     if on_limit != "retry":
-        signature = _stored_signature(task, args, kwargs, headers, retry_countdown)
+        signature = deferral.stored_signature(task, args, kwargs, headers, retry_countdown)
     if signature is None:
-        _reschedule(task, tenant, queue, limited, retry_countdown, args, kwargs, headers)
+        deferral.reschedule(task, tenant, queue, limited, retry_countdown, args, kwargs, headers)
         return None
     for _ in range(_PARK_ATTEMPTS):
         if limited or tenant is None:
@@ -515,58 +583,3 @@ def defer(
         reason=f"could not park or start after {_PARK_ATTEMPTS} tries",
     )  # fmt: skip
     return None
-
-
-def _reschedule(
-    task: Task[Any, Any],
-    tenant: str | None,
-    queue: str,
-    limited: bool,
-    retry_countdown: float,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    headers: dict[str, Any],
-) -> None:
-    """``fair_on_limit = "retry"`` (or a job that cannot be parked): publish it again with
-    a jittered countdown, and count the deferral."""
-
-    request = task.request
-    countdown = retry_countdown * random.uniform(0.5, 1.5)
-    # Like Task.retry(), but keeping request.retries: deferral is not a failure.
-    sig = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
-    if limited:
-        queue_store.count_deferral(queue)
-    elif tenant is not None:
-        slot_store.count_deferral(tenant=tenant, queue=queue)
-    try:
-        sig.apply_async()
-    except EncodeError:
-        # Arguments JSON cannot store (FairArgumentsError): straight to the broker in
-        # the job's own serializer, which FairTask.apply_async refuses at a first publish.
-        CeleryTask.apply_async(task, sig.args, sig.kwargs, **sig.options)
-    logger.debug(
-        "Deferred %s[%s]: tenant %s at its limit on %s; retrying in %.1f s",
-        task.name, request.id, for_log(tenant), queue, countdown,
-    )  # fmt: skip
-
-
-def _stored_signature(
-    task: Task[Any, Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    headers: dict[str, Any],
-    retry_countdown: float,
-) -> str | None:
-    """The current job's signature as kombu JSON, to park it; None if JSON cannot hold it."""
-    request = task.request
-    try:
-        return dumps(dict(task.signature_from_request(request, args, kwargs, headers=headers)))
-    except (TypeError, ValueError) as exc:
-        # Only a job published by name with a serializer richer than JSON gets here
-        # (FairTask.apply_async refuses such arguments): it cannot be stored, so it
-        # waits through the broker instead, never lost.
-        logger.warning(
-            "%s[%s]: cannot park (%s: its arguments are not JSON); re-published to "
-            "retry in %.1f s instead", task.name, request.id, exc, retry_countdown,
-        )  # fmt: skip
-        return None

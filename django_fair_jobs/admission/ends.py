@@ -25,7 +25,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("django_fair_jobs.admission")
 
 
-_pending_ends: list[tuple[int, uuid.UUID]] = []
+_pending_ends: dict[int, tuple[uuid.UUID, dispatch.Outcome]] = {}
+"""Dispatched jobs whose end failed, or whose start may have committed with its reply
+lost (``"back"``): job id to (process, outcome), tried again at each heartbeat and at
+shutdown. Guarded by ``_pending_lock``."""
 
 
 _pending_lock = threading.Lock()
@@ -50,8 +53,10 @@ heartbeat, or before the job's next copy starts here. Guarded by ``_holds_lock``
 
 
 _running: set[str] = set()
-"""Task ids of the jobs holding a grant in this process (``enter`` to ``release``): their
-leases are never mistaken for those of a lost reply. Guarded by ``_holds_lock``."""
+"""Task ids of the jobs holding a grant in this process (``enter`` to ``release``), or
+running a dispatched row: their leases are never mistaken for those of a lost reply, and a
+second copy of a dispatched job delivered here is not taken for this process's own start
+whose reply was lost. Guarded by ``_holds_lock``."""
 
 
 _woken_claims: set[str] = set()
@@ -75,6 +80,12 @@ def mark_running(task_id: str) -> None:
     one of a lost reply."""
     with _holds_lock:
         _running.add(task_id)
+
+
+def is_running(task_id: str) -> bool:
+    """Whether ``task_id`` holds a grant, or runs a dispatched row, in this process now."""
+    with _holds_lock:
+        return task_id in _running
 
 
 def unmark_running(task_id: str) -> None:
@@ -285,33 +296,58 @@ def drop_task(task_id: str, *, terminated: bool, app: Celery | None = None) -> N
         slots.wake(slot_id, limit=1, app=app)
 
 
-def end(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> None:
-    """End a dispatched job's row and publish the jobs dispatched into its room. If the
-    database cannot be reached, the end is kept and tried again at the next heartbeat
-    (:func:`retry_pending_ends`), so the room is not lost while the process lives."""
+def end(
+    task: Task[Any, Any],
+    job_id: int,
+    process: uuid.UUID,
+    *,
+    outcome: dispatch.Outcome = "end",
+    delay: float = 0.0,
+    block: bool = False,
+) -> None:
+    """End a dispatched job's row (or put it back, see :func:`django_fair_jobs.dispatch.end`)
+    and publish the jobs dispatched into its room; a job the fence refused (``block``)
+    dispatches nothing. If the database cannot be reached, the end is kept and tried again
+    at the next heartbeat (:func:`retry_pending_ends`), so the room is not lost while the
+    process lives."""
     try:
-        ready = dispatch.end(job_id, process)
+        ready = dispatch.end(
+            job_id, process, outcome=outcome, delay=delay, block=block,
+            limit=0 if block else dispatch.BATCH,
+        )  # fmt: skip
     except DatabaseError:
         logger.exception("Could not end dispatched job %s; retrying at the next heartbeat", job_id)
-        with _pending_lock:
-            _pending_ends.append((job_id, process))
+        end_later(job_id, process, outcome="later" if block else outcome)
         return
     dispatch.publish(task.app, ready)
+
+
+def end_later(job_id: int, process: uuid.UUID, *, outcome: dispatch.Outcome) -> None:
+    """Keep the end of ``job_id`` (fenced by ``process``) for the next heartbeat."""
+    with _pending_lock:
+        _pending_ends[job_id] = (process, outcome)
+
+
+def forget_end(job_id: int) -> None:
+    """Drop a kept end of ``job_id``: a start whose reply was lost did commit, and the job
+    runs here now (its own end follows)."""
+    with _pending_lock:
+        _pending_ends.pop(job_id, None)
 
 
 def retry_pending_ends(app: Any) -> int:
     """End the rows whose end failed earlier in this process; returns how many ended."""
     with _pending_lock:
-        pending = list(_pending_ends)
-        _pending_ends.clear()
+        pending = dict(_pending_ends)
     done = 0
-    for position, (job_id, process) in enumerate(pending):
+    for job_id, (process, outcome) in pending.items():
         try:
-            ready = dispatch.end(job_id, process)
+            ready = dispatch.end(job_id, process, outcome=outcome)
         except DatabaseError:
-            with _pending_lock:
-                _pending_ends.extend(pending[position:])
             break
+        with _pending_lock:
+            if _pending_ends.get(job_id) == (process, outcome):
+                del _pending_ends[job_id]
         dispatch.publish(app, ready)
         done += 1
     return done

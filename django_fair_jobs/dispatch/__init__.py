@@ -8,10 +8,15 @@ live worker processes consuming it) plus a small **slack** (``FAIR_JOBS_DISPATCH
 per worker node), counting jobs published and not started and jobs running.
 
 **When.** A job's end dispatches the next job in the same statement that ends it; an
-enqueue dispatches at once while the queue has room; a worker process that starts or
-stops changes the capacity and dispatches; the maintenance pass (every heartbeat
-interval) repairs what was missed: a lost message, a purged queue, a crashed publisher, a
-worker that died mid-job.
+enqueue dispatches at once while the queue has room (inside the caller's transaction only
+the job's row is written, and it enters its line and is dispatched after the commit); a
+worker process that starts or stops changes the capacity and dispatches; the maintenance
+pass (every heartbeat interval) repairs what was missed: a lost message, a purged queue, a
+crashed publisher, a worker that died mid-job, a count that drifted.
+
+**Room.** A queue's room is its live capacity plus slack, less its jobs dispatched or
+running (counted from their rows), bounded by its queue limit and per-worker limit (a
+paused queue has none). No step of a job writes a row shared by the whole queue.
 
 **Who.** One rule, per queue: among tenants with jobs due and below their cap, the one
 with the fewest jobs in flight per weight (``floor(in_flight / weight)``: max-min fair),
@@ -19,17 +24,23 @@ then the lowest virtual time (stride: each dispatch adds ``1 / weight``; a tenan
 line was empty re-enters at the queue's virtual time, so idleness banks no credit), then
 the oldest job. It is an index scan in that order, whatever the number of tenants.
 
-**Caps are filters.** A tenant at its cap (the task's ``fair_max_jobs``, or its tenant
-slot's ``max_jobs`` override, boost or pause) is skipped and the room goes to the next
-tenant; at start the job still takes its tenant slot, the fence that keeps the limit.
+**Caps are filters.** A tenant at its cap (the ``fair_max_jobs`` of the task of its oldest
+waiting job, or its tenant slot's ``max_jobs`` override, boost or pause) is skipped and the
+room goes to the next tenant; its line is marked blocked, out of the selection's index,
+until its room comes back. At start the job takes its tenant slot with its own task's cap
+and, on a limited queue, its queue place: the fence that keeps the limits. A job the fence
+refuses goes back aside and its line stays blocked, so the line does not cycle through
+the broker.
 
 **At-least-once.** A dispatched job's row is marked before its message is published: a
 publisher that dies in between leaves a row the maintenance pass publishes again. Every
 copy of a message names its row, and only the first copy to start runs (the row moves to
 running under one conditional UPDATE); later copies are acknowledged without running. A
-job whose worker process died while running it goes back to its line if the task has
-``acks_late`` (Celery would redeliver it), and is dropped otherwise (Celery acknowledged
-it when it started).
+start whose reply was lost is sent again and answers "again" (the row already runs under
+this process), so the job runs. A job whose worker process died while running it goes
+back to its line as Celery would redeliver it: with ``acks_late`` and
+``reject_on_worker_lost`` always, with ``acks_late`` alone when its whole node is gone;
+otherwise it is dropped (Celery acknowledged it and records the failure).
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.dispatch.types import BATCH as BATCH
 from django_fair_jobs.dispatch.types import Job as Job
+from django_fair_jobs.dispatch.types import Outcome as Outcome
 from django_fair_jobs.dispatch.types import Ready as Ready
 from django_fair_jobs.dispatch.types import Started as Started
 from django_fair_jobs.errors import (
@@ -78,8 +90,8 @@ MIN_WEIGHT = validation.MIN_WEIGHT
 MAX_WEIGHT = validation.MAX_WEIGHT
 
 FENCE_DELAY = 1.0
-"""Seconds a job waits in line again when its tenant slot was full at start (a job of
-another task, or an operator's lowered limit, took the room after it was dispatched)."""
+"""Seconds a job waits aside when the fence refused it at start (its tenant slot or queue
+place was taken after it was dispatched: a job of another task, a lowered limit)."""
 
 
 @dataclass(frozen=True)
@@ -181,8 +193,11 @@ def prepare(
         if isinstance(eta, str):
             eta = datetime.fromisoformat(eta)
         not_before = eta if timezone.is_aware(eta) else timezone.make_aware(eta, UTC)
-    elif countdown:
-        not_before = timezone.now() + timedelta(seconds=float(countdown))
+    expires = publish_options.get("expires")
+    if isinstance(expires, int | float) and not isinstance(expires, bool):
+        # Celery counts a number of seconds from the publish; the job's clock starts at
+        # delay(), however long it waits in its line.
+        publish_options["expires"] = (timezone.now() + timedelta(seconds=expires)).isoformat()
     # The job's lineage is what Celery would give it now, at delay(): it is published
     # later, from whatever job's end has room for it, which must not become its parent.
     parent = task.app.current_worker_task
@@ -211,7 +226,21 @@ def prepare(
         not_before=not_before,
         weight=weight_of(options, queue, str(tenant), task.name),
         cap=getattr(task, "fair_max_jobs", None),
+        delay=float(countdown or 0.0) if eta is None else 0.0,
+        on_loss=on_loss(task),
     )
+
+
+def on_loss(task: Task[Any, Any]) -> int:
+    """What the reap does with ``task``'s job if its process dies, as Celery would: see
+    :data:`~django_fair_jobs.dispatch.models.DROP_ON_LOSS` and the two after it."""
+    from django_fair_jobs.dispatch import models
+
+    if not getattr(task, "acks_late", False):
+        return models.DROP_ON_LOSS
+    if getattr(task, "reject_on_worker_lost", None):
+        return models.REQUEUE_ON_LOSS
+    return models.REQUEUE_IF_NODE_LOST
 
 
 def alias() -> str:
@@ -235,15 +264,24 @@ def _store() -> Any:
 
 
 def enqueue(job: Job) -> list[Ready]:
-    """Store ``job`` in its line and dispatch at once while its queue has room; returns
-    the jobs to publish now."""
+    """Store ``job`` in its line and dispatch at once while its queue has room (one round
+    trip, in autocommit); returns the jobs to publish now."""
     return _store().enqueue(job)  # type: ignore[no-any-return]
+
+
+def stage(jobs: list[Job]) -> None:
+    """Write the jobs' rows alone (one statement), aside and due at once (or at their
+    countdown or ETA), inside the caller's transaction: they commit with the caller's data
+    and lock nothing another step waits for. :func:`dispatch` of their queues after the
+    commit (or the due poll) puts them in their lines."""
+    if jobs:
+        _store().stage(jobs)
 
 
 def enqueue_many(jobs: list[Job]) -> list[Ready]:
     """Store ``jobs`` in their lines in one round trip (one transaction), then dispatch
     each of their queues while it has room; returns the jobs to publish now. The jobs are
-    taken in (queue, tenant) order, so that concurrent calls lock tenant rows in one order."""
+    taken in (queue, tenant) order, so that concurrent calls lock lines in one order."""
     if not jobs:
         return []
     ordered = sorted(jobs, key=lambda j: (j.queue, j.tenant))
@@ -251,15 +289,27 @@ def enqueue_many(jobs: list[Job]) -> list[Ready]:
 
 
 def start(job_id: int, process_id: uuid.UUID) -> Started:
-    """A dispatched job starts in ``process_id``; one round trip."""
+    """A dispatched job starts in ``process_id``; one round trip. Sent again after a lost
+    reply, it answers ``"again"``."""
     return _store().start(job_id, process_id)  # type: ignore[no-any-return]
 
 
-def end(job_id: int, process_id: uuid.UUID, *, delay: float | None = None) -> list[Ready]:
-    """A running job ends (``delay`` None), or goes back to its line (after ``delay``
-    seconds); either way the room it leaves is dispatched in the same round trip.
-    Returns the jobs to publish."""
-    return _store().end(job_id, process_id, delay=delay)  # type: ignore[no-any-return]
+def end(
+    job_id: int,
+    process_id: uuid.UUID | None,
+    *,
+    outcome: Outcome = "end",
+    delay: float = 0.0,
+    block: bool = False,
+    limit: int = BATCH,
+) -> list[Ready]:
+    """Take a job out of flight (see :data:`~django_fair_jobs.dispatch.types.Outcome`):
+    fenced by ``process_id`` for a running job, None for a dispatched one. ``block`` keeps
+    its line out of the selection until its room comes back. The room it leaves is
+    dispatched in the same round trip (up to ``limit`` jobs); returns the jobs to publish."""
+    return _store().end(  # type: ignore[no-any-return]
+        job_id, process_id, outcome=outcome, delay=delay, block=block, limit=limit
+    )
 
 
 def dispatch(queue: str, limit: int = BATCH) -> list[Ready]:
@@ -276,28 +326,49 @@ def due_queues(queues: list[str]) -> list[str]:
 
 
 def publish(app: Celery, ready: list[Ready]) -> int:
-    """Publish dispatched jobs. One that cannot be published (a broker error, a message
-    the serializer refuses) goes back to its line after a growing delay, and the room it
-    leaves goes to the next job: a poison job never stalls the others. Returns how many
-    were published."""
+    """Publish dispatched jobs; returns how many were published.
+
+    A job that cannot be published goes aside for a delay that doubles with each failure
+    (at most a minute), and after :data:`~django_fair_jobs.dispatch.store.PUBLISH_ATTEMPTS`
+    failures ends failed; nothing is dispatched into the room it leaves. After a broker
+    error the rest are not tried: they stay dispatched, and the lost-message repair
+    publishes them again once the broker is back. So one call makes at most one failed
+    attempt and returns (a ``delay()`` fails as fast as plain Celery's), and a poison job
+    never stalls the others."""
     published = 0
-    pending = list(ready)
-    while pending:
-        item = pending.pop(0)
+    for position, item in enumerate(ready):
         try:
             signature = app.signature(loads(item.signature))
             with _outside_any_task():
                 signature.apply_async(fair_dispatched=item.job_id)
-            published += 1
         except Exception:
-            logger.exception(
-                "Could not publish dispatched job %s; it goes back in line", item.job_id
-            )
-            try:
-                pending.extend(_store().requeue(item.job_id))
-            except Exception:
-                logger.exception("Could not put job %s back in line; maintenance will", item.job_id)
+            logger.exception("Could not publish dispatched job %s; it goes aside", item.job_id)
+            _set_aside(item.job_id)
+            if position + 1 < len(ready):
+                logger.warning(
+                    "%d dispatched jobs are published again by the lost-message repair",
+                    len(ready) - position - 1,
+                )
+            break
+        published += 1
     return published
+
+
+def _set_aside(job_id: int) -> None:
+    """A job whose publish failed: aside after a growing delay, or failed for good."""
+    from django_fair_jobs.dispatch.store import MAX_BACKOFF, PUBLISH_ATTEMPTS
+
+    store_ = _store()
+    try:
+        failures = store_.failures(job_id) + 1
+        if failures >= PUBLISH_ATTEMPTS:
+            logger.error("Dispatched job %s failed %d publishes: it ends failed", job_id, failures)
+            store_.end(job_id, None, outcome="failed", limit=0)
+        else:
+            delay = min(2.0**failures, MAX_BACKOFF)
+            store_.end(job_id, None, outcome="later", delay=delay, limit=0)
+    except Exception:
+        logger.exception("Could not set job %s aside; the lost-message repair will", job_id)
 
 
 @contextmanager
@@ -320,7 +391,46 @@ def _outside_any_task() -> Iterator[None]:
 def drop(app: Celery, task_id: str, *, terminated: bool) -> None:
     """A revoked job's message was dropped by the worker: its dispatched row goes (and a
     terminated running one), and the room it leaves is dispatched."""
-    publish(app, _store().drop(task_id, terminated=terminated))
+    store_ = _store()
+    for job_id, process_id in store_.running_rows(task_id, terminated=terminated):
+        publish(app, store_.end(job_id, process_id))
+
+
+def unblock(
+    app: Celery | None = None, *, tenant: str | None = None, queue: str | None = None
+) -> int:
+    """Put back in the selection the blocked lines (of ``tenant``, on ``queue``; every one
+    if both are None) whose room came back, and dispatch their queues; returns how many
+    jobs that published. Called when a limit changes, and by maintenance."""
+    from celery import current_app
+
+    published = 0
+    for name in _store().unblock(tenant, queue):
+        published += publish(app or current_app, dispatch(name))
+    return published
+
+
+def recount() -> int:
+    """Set every line's counts of jobs waiting and in flight from the job rows, logging each
+    that drifted (a count should never drift: each is a sign of a defect); returns how many
+    lines were set."""
+    drift = _store().recount()
+    for queue, tenant, waiting_was, waiting, in_flight_was, in_flight in drift:
+        logger.warning(
+            "The line of %s on %s counted %s waiting and %s in flight; its jobs say %s and %s",
+            for_log(tenant), queue, waiting_was, in_flight_was, waiting, in_flight,
+        )  # fmt: skip
+    return len(drift)
+
+
+def in_flight() -> dict[str, int]:
+    """``{queue: jobs dispatched or running}``, counted from the job rows."""
+    return _store().in_flight()  # type: ignore[no-any-return]
+
+
+def room() -> dict[str, int]:
+    """``{queue: how many more jobs it may have in flight now}``."""
+    return _store().room()  # type: ignore[no-any-return]
 
 
 def cancel(queue: str, tenant: str, task_name: str | None = None, limit: int = BATCH) -> list[str]:
@@ -358,16 +468,17 @@ def refresh_capacity(slack_per_node: int, timeout: float) -> dict[str, int]:
 
 def repair(app: Celery, *, timeout: float, lost_after: float, slack_per_node: int) -> Repaired:
     """The maintenance of dispatch: capacity from live processes; running jobs of dead
-    processes back to line (``acks_late`` tasks) or dropped; dispatched jobs not started
-    within ``lost_after`` seconds published again (a copy that arrives twice runs once);
-    every queue with room and jobs waiting dispatched."""
-    store = _store()
-    store.refresh_capacity(slack_per_node, timeout)
-    requeue_tasks = [name for name, task in app.tasks.items() if getattr(task, "acks_late", False)]
-    requeued, dropped = store.reap(timeout, requeue_tasks)
-    lost = store.lost(lost_after)
-    republished = publish(app, lost)
+    processes back to line or dropped, as Celery would; dispatched jobs not started within
+    ``lost_after`` seconds (doubling with each copy) published again while their queue has
+    live capacity (a copy that arrives twice runs once); counts recounted; blocked lines
+    whose room came back unblocked; every queue with room and jobs waiting dispatched."""
+    store_ = _store()
+    store_.refresh_capacity(slack_per_node, timeout)
+    requeued, dropped = store_.reap(timeout)
+    republished = publish(app, store_.lost(lost_after))
+    recount()
+    store_.unblock(None, None)
     dispatched = 0
-    for queue in store.queues_with_room():
-        dispatched += publish(app, store.dispatch(queue, BATCH))
+    for queue in store_.queues_with_room():
+        dispatched += publish(app, store_.dispatch(queue, BATCH))
     return Repaired(requeued, dropped, republished, dispatched)

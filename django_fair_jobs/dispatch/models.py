@@ -1,10 +1,13 @@
 """The rows of fair dispatch: each queue's capacity, each tenant's line, each job.
 
-A job's state says where it is: ``SCHEDULED`` (a countdown or ETA not yet due),
-``WAITING`` (due, in its tenant's line), ``DISPATCHED`` (published, not yet started),
-``RUNNING``. A job's row is deleted when it ends. ``in_flight`` counters count the jobs
-dispatched or running; ``waiting`` counters count the jobs waiting. Both only change
-inside the statements of :mod:`django_fair_jobs.dispatch.store` (one transaction each).
+A job's state says where it is: ``SCHEDULED`` (a countdown or ETA not yet due, or a job
+stored inside its caller's transaction and not yet in its line), ``WAITING`` (due, in its
+tenant's line), ``DISPATCHED`` (published, not yet started), ``RUNNING``, ``FAILED`` (its
+message could never be published). A job's row is deleted when it ends. A line's
+``in_flight`` counts its jobs dispatched or running and ``waiting`` its jobs waiting; both
+only change inside the statements of :mod:`django_fair_jobs.dispatch.store` (one
+transaction each), and maintenance recounts them from the job rows. A queue's jobs in
+flight are counted from the job rows: no step of a job writes its queue's row.
 """
 
 from __future__ import annotations
@@ -20,14 +23,21 @@ from django_fair_jobs.tenants import TENANT_MAX_LENGTH
 #: so that PostgreSQL matches the index.
 LOAD = Floor(F("in_flight") / F("weight"))
 
-SCHEDULED, WAITING, DISPATCHED, RUNNING = 0, 1, 2, 3
+SCHEDULED, WAITING, DISPATCHED, RUNNING, FAILED = 0, 1, 2, 3, 4
 STATES = ((SCHEDULED, "scheduled"), (WAITING, "waiting"), (DISPATCHED, "dispatched"),
-          (RUNNING, "running"))  # fmt: skip
+          (RUNNING, "running"), (FAILED, "failed"))  # fmt: skip
+
+#: What the reap does with a running job whose process died: drop it (Celery acknowledged
+#: it at start), put it back in line when its whole node is gone (``acks_late``: the broker
+#: redelivers an unacknowledged message), or always (``acks_late`` with
+#: ``reject_on_worker_lost``: Celery rejects a lost pool child's job back to the queue).
+DROP_ON_LOSS, REQUEUE_IF_NODE_LOST, REQUEUE_ON_LOSS = 0, 1, 2
 
 
 class DispatchQueue(models.Model):
-    """One Celery queue's capacity (the live worker processes that consume it) and the
-    jobs dispatched to it and not yet ended."""
+    """One Celery queue's capacity: the live worker processes that consume it, their nodes
+    and the slack. Written by maintenance only (a worker process starting or stopping, the
+    maintenance pass); no step of a job writes or locks it."""
 
     queue = models.CharField(max_length=255, primary_key=True)
     capacity = models.PositiveIntegerField(
@@ -38,11 +48,9 @@ class DispatchQueue(models.Model):
         help_text="Messages allowed beyond the capacity, so that a freed process finds its "
         "next job already delivered (FAIR_JOBS_DISPATCH_SLACK per live worker node).",
     )
-    in_flight = models.PositiveIntegerField(default=0, help_text="Jobs dispatched or running.")
-    virtual_time = models.FloatField(
-        default=0.0, help_text="The virtual time of the last tenant served (stride floor)."
+    nodes = models.PositiveIntegerField(
+        default=0, help_text="Live worker nodes that consume this queue (per-worker limits)."
     )
-    dispatched_total = models.PositiveBigIntegerField(default=0)
     updated_at = models.DateTimeField(db_default=Now())
 
     class Meta:
@@ -63,12 +71,20 @@ class DispatchTenant(models.Model):
     cap = models.PositiveIntegerField(
         null=True,
         blank=True,
-        help_text="The task's fair_max_jobs; a tenant slot's max_jobs override wins. "
-        "Empty: no tenant cap.",
+        help_text="The fair_max_jobs of the task of the line's oldest waiting job; a tenant "
+        "slot's max_jobs override wins. Empty: no tenant cap.",
+    )
+    blocked = models.BooleanField(
+        default=False,
+        help_text="At its cap, paused, or refused by the fence: out of the selection until "
+        "its room comes back (an end of its jobs, a limit changed, the maintenance pass).",
     )
     waiting = models.PositiveIntegerField(default=0)
     in_flight = models.PositiveIntegerField(default=0)
     pass_value = models.FloatField(default=0.0)
+    served_pass = models.FloatField(
+        default=0.0, help_text="The pass at which the line was last served (stride floor)."
+    )
     head_id = models.BigIntegerField(null=True, blank=True)
     dispatched_total = models.PositiveBigIntegerField(default=0)
 
@@ -83,7 +99,8 @@ class DispatchTenant(models.Model):
         ]
         indexes = [
             # The selection rule, in index order: fewest in flight per weight (LOAD),
-            # lowest virtual time, oldest job; only tenants with jobs waiting. An
+            # lowest virtual time, oldest job; only tenants with jobs waiting and not
+            # blocked, so that tenants that cannot be chosen are never read. An
             # expression, not a generated column: Django's check of a generated column
             # asks the database for its features, so a worker could not start while the
             # database is down.
@@ -93,8 +110,10 @@ class DispatchTenant(models.Model):
                 F("pass_value"),
                 F("head_id"),
                 name="fair_jobs_dispatch_next",
-                condition=models.Q(waiting__gt=0),
+                condition=models.Q(waiting__gt=0, blocked=False),
             ),
+            # The queue's virtual time: the highest pass served (fair_jobs_dispatch_vt).
+            models.Index(fields=["queue", "served_pass"], name="fair_jobs_dispatch_served"),
         ]
 
     def __str__(self) -> str:
@@ -118,6 +137,20 @@ class DispatchJob(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     process_id = models.UUIDField(null=True, blank=True)
     publish_failures = models.PositiveIntegerField(default=0)
+    republished = models.PositiveIntegerField(
+        default=0, help_text="Copies published by the lost-message repair (each doubles its wait)."
+    )
+    cap = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The task's fair_max_jobs at delay(). Empty: no cap."
+    )
+    weight = models.FloatField(
+        null=True, blank=True, help_text="The tenant's weight asked at delay(), if asked."
+    )
+    on_loss = models.SmallIntegerField(
+        default=DROP_ON_LOSS,
+        help_text="What the reap does if the job's process dies: 0 drop, 1 back in line if "
+        "its node is gone (acks_late), 2 back in line (acks_late, reject_on_worker_lost).",
+    )
 
     class Meta:
         db_table = "fair_jobs_dispatchjob"
@@ -135,9 +168,10 @@ class DispatchJob(models.Model):
                 name="fair_jobs_dispatch_due",
                 condition=models.Q(state=SCHEDULED),
             ),
-            # Jobs in flight (few: at most the capacity plus the slack per queue).
+            # Jobs in flight (few: at most the capacity plus the slack per queue), counted
+            # for a queue's room.
             models.Index(
-                fields=["queue", "tenant"],
+                fields=["queue", "tenant", "state"],
                 name="fair_jobs_dispatch_flight",
                 condition=models.Q(state__in=[DISPATCHED, RUNNING]),
             ),

@@ -12,10 +12,17 @@ from django.db import transaction
 
 from django_fair_jobs import db
 from django_fair_jobs.dispatch.models import DISPATCHED, RUNNING
-from django_fair_jobs.dispatch.types import BATCH, Job, Ready, Started
+from django_fair_jobs.dispatch.types import BATCH, Job, Outcome, Ready, Started
 
 MAX_BACKOFF = 60.0
 """Longest wait before a job whose publish failed is tried again (seconds)."""
+
+PUBLISH_ATTEMPTS = 5
+"""Publishes a job may fail before it ends in the failed state (a message the broker or
+the serializer always refuses), shown by explain, status and the admin."""
+
+
+_PLURAL = {"on_loss": "on_losses"}
 
 
 class Store:
@@ -33,102 +40,75 @@ class Store:
 
         return [Ready(int(job_id), signature) for job_id, signature in rows if job_id is not None]
 
+    @staticmethod
+    def _job(job: Job) -> dict[str, Any]:
+        return {
+            "queue": job.queue,
+            "tenant": job.tenant,
+            "task_name": job.task_name,
+            "task_id": job.task_id,
+            "signature": job.signature,
+            "delay": job.delay,
+            "not_before": job.not_before,
+            "weight": job.weight,
+            "cap": job.cap,
+            "on_loss": job.on_loss,
+        }
+
     def enqueue(self, job: Job) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue`."""
-        return self._ready(
-            self._rows(
-                "dispatch_enqueue",
-                {
-                    "queue": job.queue,
-                    "tenant": job.tenant,
-                    "task_name": job.task_name,
-                    "task_id": job.task_id,
-                    "signature": job.signature,
-                    "not_before": job.not_before,
-                    "weight": job.weight,
-                    "cap": job.cap,
-                },
-            )
-        )
+        return self._ready(self._rows("dispatch_enqueue", self._job(job)))
+
+    def _columns(self, jobs: list[Job]) -> dict[str, list[Any]]:
+        rows = [self._job(j) for j in jobs]
+        # One array per column, named as the statements name them (queues, tenants, ...).
+        return {_PLURAL.get(key, f"{key}s"): [row[key] for row in rows] for key in rows[0]}
+
+    def stage(self, jobs: list[Job]) -> None:
+        """See :func:`django_fair_jobs.dispatch.stage`."""
+        self._rows("dispatch_stage", self._columns(jobs))
 
     def enqueue_many(self, jobs: list[Job]) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue_many`."""
-        return self._ready(
-            self._rows(
-                "dispatch_enqueue_many",
-                {
-                    "queues": [j.queue for j in jobs],
-                    "tenants": [j.tenant for j in jobs],
-                    "task_names": [j.task_name for j in jobs],
-                    "task_ids": [j.task_id for j in jobs],
-                    "signatures": [j.signature for j in jobs],
-                    "not_befores": [j.not_before for j in jobs],
-                    "weights": [j.weight for j in jobs],
-                    "caps": [j.cap for j in jobs],
-                },
-            )
-        )
+        return self._ready(self._rows("dispatch_enqueue_many", self._columns(jobs)))
 
     def start(self, job_id: int, process_id: uuid.UUID) -> Started:
         """See :func:`django_fair_jobs.dispatch.start`."""
-
-        rows = self._rows("dispatch_start", {"job": job_id, "process": process_id})
-        if not rows:  # the tenant row is gone: the job still started
-            return Started("started", None)
-        status, cap = rows[0]
+        ((status, cap),) = self._rows("dispatch_start", {"job": job_id, "process": process_id})
         return Started(str(status), None if cap is None else int(cap))
 
-    def end(self, job_id: int, process_id: uuid.UUID, *, delay: float | None) -> list[Ready]:
+    def end(
+        self,
+        job_id: int,
+        process_id: uuid.UUID | None,
+        *,
+        outcome: Outcome = "end",
+        delay: float = 0.0,
+        block: bool = False,
+        limit: int = BATCH,
+    ) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.end`."""
-        return self._ready(
-            self._rows(
-                "dispatch_end",
-                {
-                    "job": job_id,
-                    "process": process_id,
-                    "ended": delay is None,
-                    "delay": delay or 0.0,
-                    "max": _batch(),
-                },
-            )
-        )
+        params = {
+            "job": job_id, "process": process_id, "outcome": outcome, "delay": delay,
+            "block": block, "max": limit,
+        }  # fmt: skip
+        return self._ready(self._rows("dispatch_end", params))
 
-    def requeue(self, job_id: int) -> list[Ready]:
-        """A dispatched job whose publish failed goes back to its line after a delay that
-        doubles with each failure (at most :data:`MAX_BACKOFF`)."""
+    def failures(self, job_id: int) -> int:
+        """How often publishing ``job_id`` failed so far."""
         rows = self._rows("dispatch_failures", {"job": job_id})
-        failures = int(rows[0][0]) if rows else 0
-        delay = min(2.0**failures, MAX_BACKOFF)
-        return self._ready(
-            self._rows(
-                "dispatch_end",
-                {"job": job_id, "process": None, "ended": False, "delay": delay, "max": _batch()},
-            )
-        )
+        return int(rows[0][0]) if rows else 0
 
     def dispatch(self, queue: str, limit: int) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.dispatch`."""
         return self._ready(self._rows("dispatch_next", {"queue": queue, "max": limit}))
 
-    def drop(self, task_id: str, *, terminated: bool) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.drop`."""
+    def running_rows(self, task_id: str, *, terminated: bool) -> list[tuple[int, Any]]:
+        """``(job id, process id)`` of ``task_id``'s rows dispatched (and running, if
+        ``terminated``)."""
         states = [DISPATCHED, RUNNING] if terminated else [DISPATCHED]
         rows = self._rows("dispatch_task_rows", {"task_id": task_id, "states": states})
-        ready: list[Ready] = []
-        for job_id, process_id in rows:
-            ready += self._ready(
-                self._rows(
-                    "dispatch_end",
-                    {
-                        "job": job_id,
-                        "process": process_id,
-                        "ended": True,
-                        "delay": 0.0,
-                        "max": _batch(),
-                    },
-                )
-            )
-        return ready
+        return [(int(job_id), process_id) for job_id, process_id in rows]
 
     def cancel(self, queue: str, tenant: str, task_name: str | None, limit: int) -> list[str]:
         """See :func:`django_fair_jobs.dispatch.cancel`."""
@@ -138,53 +118,28 @@ class Store:
             return [str(task_id) for (task_id,) in self._rows("dispatch_cancel", params)]
 
     def refresh_capacity(self, slack_per_node: int, timeout: float) -> dict[str, int]:
-        """See :func:`django_fair_jobs.dispatch.refresh_capacity`."""
+        """See :func:`django_fair_jobs.dispatch.refresh_capacity`: each queue's row in a
+        statement of its own, so that no transaction holds two queues' rows."""
         from django_fair_jobs.dispatch.models import DispatchQueue
 
         capacity, nodes = live_capacity(self.alias, timeout)
+        known = DispatchQueue.objects.using(self.alias).values_list("queue", flat=True)
         grown: dict[str, int] = {}
-        with transaction.atomic(using=self.alias):
-            known = {
-                q.queue: q
-                for q in DispatchQueue.objects.using(self.alias)
-                .select_for_update()
-                .order_by("queue")
-            }
-            for queue in sorted(set(known) | set(capacity)):
-                cap, slack = capacity.get(queue, 0), nodes.get(queue, 0) * slack_per_node
-                row = known.get(queue)
-                if row is None:
-                    # The first enqueue on the queue inserts its row too, without this
-                    # lock: insert only if absent (waiting for that enqueue to commit),
-                    # then set the capacity, rather than fail on the duplicate key.
-                    queues = DispatchQueue.objects.using(self.alias)
-                    queues.bulk_create(
-                        [DispatchQueue(queue=queue, capacity=cap, slack=slack)],
-                        ignore_conflicts=True,
-                    )
-                    queues.filter(queue=queue).update(capacity=cap, slack=slack)
-                    if cap:
-                        grown[queue] = cap
-                elif (row.capacity, row.slack) != (cap, slack):
-                    if cap + slack > row.capacity + row.slack:
-                        grown[queue] = cap
-                    DispatchQueue.objects.using(self.alias).filter(queue=queue).update(
-                        capacity=cap, slack=slack
-                    )
+        for queue in sorted(set(known) | set(capacity)):
+            cap, n = capacity.get(queue, 0), nodes.get(queue, 0)
+            params = {"queue": queue, "capacity": cap, "nodes": n, "slack": n * slack_per_node}
+            for _, grew in self._rows("dispatch_set_capacity", params):
+                if grew and cap:
+                    grown[queue] = cap
         return grown
 
-    def reap(self, timeout: float, requeue_tasks: list[str]) -> tuple[int, int]:
-        """Running jobs whose process stopped beating: back to line (tasks in
-        ``requeue_tasks``) or ended. Returns (requeued, dropped)."""
-        rows = self._rows("dispatch_orphans", {"timeout": timeout})
+    def reap(self, timeout: float) -> tuple[int, int]:
+        """Running jobs whose process stopped beating: back to line or ended, as Celery
+        would (each job's ``on_loss``, stored at ``delay()``). Returns (requeued, dropped)."""
         requeued = dropped = 0
-        for job_id, process_id, task_name in rows:
-            back = task_name in requeue_tasks
-            self._rows(
-                "dispatch_end",
-                {"job": job_id, "process": process_id, "ended": not back, "delay": 0.0, "max": 0},
-            )
-            requeued += back
+        for job_id, process_id, back in self._rows("dispatch_orphans", {"timeout": timeout}):
+            self.end(job_id, process_id, outcome="back" if back else "end", limit=0)
+            requeued += bool(back)
             dropped += not back
         return requeued, dropped
 
@@ -204,10 +159,22 @@ class Store:
         rows = self._rows("dispatch_queues_with_room", {})
         return [queue for (queue,) in rows]
 
+    def unblock(self, tenant: str | None, queue: str | None) -> list[str]:
+        """See :func:`django_fair_jobs.dispatch.unblock`."""
+        rows = self._rows("dispatch_unblock", {"tenant": tenant, "queue": queue})
+        return sorted({queue for (queue,) in rows})
 
-def _batch() -> int:
+    def recount(self) -> list[tuple[Any, ...]]:
+        """See :func:`django_fair_jobs.dispatch.recount`."""
+        return self._rows("dispatch_recount", {})
 
-    return BATCH
+    def in_flight(self) -> dict[str, int]:
+        """See :func:`django_fair_jobs.dispatch.in_flight`."""
+        return {str(queue): int(n) for queue, n in self._rows("dispatch_in_flight", {})}
+
+    def room(self) -> dict[str, int]:
+        """See :func:`django_fair_jobs.dispatch.room`."""
+        return {str(queue): int(n or 0) for queue, n in self._rows("dispatch_room", {})}
 
 
 def live_capacity(alias: str, timeout: float) -> tuple[dict[str, int], dict[str, int]]:

@@ -5,22 +5,43 @@
 -- Fair dispatch: store a job in its tenant's line, dispatching while the queue has room
 -- (the functions are in dispatch.sql).
 SELECT job_id, job_signature FROM fair_jobs_enqueue(
-    %(queue)s, %(tenant)s, %(task_name)s, %(task_id)s, %(signature)s, %(not_before)s,
-    %(weight)s, %(cap)s, true);
+    %(queue)s, %(tenant)s, %(task_name)s, %(task_id)s, %(signature)s, %(delay)s,
+    %(not_before)s, %(weight)s, %(cap)s, %(on_loss)s::smallint, true);
+
+-- name: dispatch_stage
+-- Fair dispatch inside the caller's transaction: the jobs' rows alone, aside (state 0) and
+-- due at once (or at their countdown or ETA), so that they commit with the caller's data
+-- and lock nothing another step waits for. The dispatch after the commit (or the due poll)
+-- puts them in their lines.
+INSERT INTO fair_jobs_dispatchjob
+       (queue, tenant, task_name, task_id, signature, state, not_before, enqueued_at,
+        publish_failures, republished, cap, weight, on_loss)
+SELECT j.queue, j.tenant, j.task_name, j.task_id, j.signature, 0,
+       COALESCE(j.not_before, now() + make_interval(secs => j.delay)), now(), 0, 0,
+       j.cap, j.weight, j.on_loss
+  FROM unnest(%(queues)s::text[], %(tenants)s::text[], %(task_names)s::text[],
+              %(task_ids)s::text[], %(signatures)s::text[], %(delays)s::double precision[],
+              %(not_befores)s::timestamptz[], %(weights)s::double precision[],
+              %(caps)s::integer[], %(on_losses)s::smallint[])
+       AS j(queue, tenant, task_name, task_id, signature, delay, not_before, weight, cap,
+            on_loss)
+RETURNING id;
 
 -- name: dispatch_enqueue_many
 -- Fair dispatch: store many jobs (bulk_enqueue) in one round trip, then dispatch each of
 -- their queues once.
 SELECT job_id, job_signature FROM fair_jobs_enqueue_many(
     %(queues)s, %(tenants)s, %(task_names)s, %(task_ids)s, %(signatures)s,
-    %(not_befores)s::timestamptz[], %(weights)s::double precision[], %(caps)s::integer[]);
+    %(delays)s::double precision[], %(not_befores)s::timestamptz[],
+    %(weights)s::double precision[], %(caps)s::integer[], %(on_losses)s::smallint[]);
 
 -- name: dispatch_start
 SELECT status, cap FROM fair_jobs_dispatch_start(%(job)s, %(process)s);
 
 -- name: dispatch_end
 SELECT job_id, job_signature
-  FROM fair_jobs_dispatch_end(%(job)s, %(process)s, %(ended)s, %(delay)s, %(max)s);
+  FROM fair_jobs_dispatch_end(%(job)s, %(process)s, %(outcome)s, %(delay)s, %(block)s,
+                              %(max)s);
 
 -- name: dispatch_next
 SELECT job_id, job_signature FROM fair_jobs_dispatch(%(queue)s, %(max)s);
@@ -33,22 +54,88 @@ SELECT id, process_id FROM fair_jobs_dispatchjob
  WHERE task_id = %(task_id)s AND state = ANY(%(states)s);
 
 -- name: dispatch_orphans
--- Running jobs whose process stopped beating (or is gone).
-SELECT j.id, j.process_id, j.task_name FROM fair_jobs_dispatchjob AS j
+-- Running jobs whose process stopped beating (or is gone), and whether each goes back to
+-- its line, as Celery would redeliver it: a task with acks_late and
+-- reject_on_worker_lost (on_loss 2) always; one with acks_late alone (on_loss 1) only when
+-- its whole node is gone (the broker redelivers an unacknowledged message then; a lost
+-- pool child's job is acknowledged and fails).
+SELECT j.id, j.process_id,
+       j.on_loss = 2 OR (j.on_loss = 1 AND NOT EXISTS (
+           SELECT 1 FROM fair_jobs_workerprocess AS dead
+             JOIN fair_jobs_workerprocess AS alive ON alive.node_id = dead.node_id
+            WHERE dead.id = j.process_id AND alive.id <> dead.id
+              AND alive.last_heartbeat_at >= now() - make_interval(secs => %(timeout)s)))
+  FROM fair_jobs_dispatchjob AS j
  WHERE j.state = 3 AND NOT EXISTS (
        SELECT 1 FROM fair_jobs_workerprocess AS w
         WHERE w.id = j.process_id
           AND w.last_heartbeat_at >= now() - make_interval(secs => %(timeout)s));
 
 -- name: dispatch_lost
--- Dispatched jobs not started in time: returned to be published again, clock restarted.
-UPDATE fair_jobs_dispatchjob SET dispatched_at = now()
- WHERE state = 2 AND dispatched_at < now() - make_interval(secs => %(lost_after)s)
-RETURNING id, signature;
+-- Dispatched jobs not started in time, on queues with live capacity: their message may be
+-- lost (a purged queue, a publisher that died); returned to be published again. Each copy
+-- doubles the wait before the next (at most 64 times lost_after), so a message that is
+-- only slow (behind a long job, prefetched by a busy node) is not copied every pass.
+UPDATE fair_jobs_dispatchjob AS j SET dispatched_at = now(), republished = j.republished + 1
+ WHERE j.state = 2
+   AND j.dispatched_at < now() - make_interval(
+           secs => %(lost_after)s * power(2, LEAST(j.republished, 6)))
+   AND EXISTS (SELECT 1 FROM fair_jobs_dispatchqueue AS q
+                WHERE q.queue = j.queue AND q.capacity > 0)
+RETURNING j.id, j.signature;
 
 -- name: dispatch_queues_with_room
 SELECT q.queue FROM fair_jobs_dispatchqueue AS q
- WHERE q.in_flight < q.capacity + q.slack ORDER BY q.queue;
+ WHERE fair_jobs_dispatch_room(q.queue) > 0
+   AND EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
+                WHERE j.queue = q.queue AND j.state IN (0, 1))
+ ORDER BY q.queue;
+
+-- name: dispatch_room
+-- How many more jobs each queue may have in flight now (fair_jobs_dispatch_room).
+SELECT q.queue, fair_jobs_dispatch_room(q.queue) FROM fair_jobs_dispatchqueue AS q
+ ORDER BY q.queue;
+
+-- name: dispatch_in_flight
+-- Jobs dispatched or running per queue, counted from their rows.
+SELECT j.queue, count(*) FROM fair_jobs_dispatchjob AS j
+ WHERE j.state IN (2, 3) GROUP BY j.queue ORDER BY j.queue;
+
+-- name: dispatch_set_capacity
+-- One queue's capacity, slack and live nodes, written by maintenance alone, each queue in
+-- a statement of its own (no transaction holds two queues' rows). Returns the queue if
+-- its room grew.
+WITH old AS (
+    SELECT q.capacity + q.slack AS room FROM fair_jobs_dispatchqueue AS q
+     WHERE q.queue = %(queue)s
+)
+INSERT INTO fair_jobs_dispatchqueue AS q (queue, capacity, slack, nodes, updated_at)
+VALUES (%(queue)s, %(capacity)s, %(slack)s, %(nodes)s, now())
+ON CONFLICT (queue) DO UPDATE
+   SET capacity = excluded.capacity, slack = excluded.slack, nodes = excluded.nodes,
+       updated_at = now()
+ WHERE (q.capacity, q.slack, q.nodes)
+       IS DISTINCT FROM (excluded.capacity, excluded.slack, excluded.nodes)
+RETURNING q.queue, q.capacity + q.slack > COALESCE((SELECT room FROM old), 0) AS grew;
+
+-- name: dispatch_unblock
+-- Lines kept out of the selection whose room came back: below their cap, their tenant
+-- slot (if any) not full. Returns their queues.
+UPDATE fair_jobs_dispatchtenant AS t SET blocked = false
+ WHERE t.blocked
+   AND (%(tenant)s::text IS NULL OR t.tenant = %(tenant)s)
+   AND (%(queue)s::text IS NULL OR t.queue = %(queue)s)
+   AND NOT EXISTS (
+       SELECT 1 FROM fair_jobs_tenantqueueslot AS s
+        WHERE s.tenant = t.tenant AND s.queue = t.queue
+          AND (s.max_jobs <= t.in_flight
+               OR s.current_jobs >= COALESCE(s.max_jobs, t.cap, s.current_jobs + 1)))
+   AND (t.cap IS NULL OR t.in_flight < t.cap)
+RETURNING t.queue;
+
+-- name: dispatch_recount
+SELECT queue, tenant, waiting_was, waiting, in_flight_was, in_flight
+  FROM fair_jobs_dispatch_recount();
 
 -- name: dispatch_due_queues
 -- Fair dispatch: which of these queues hold countdowns or ETAs that came due (a probe of
@@ -59,8 +146,8 @@ SELECT q.queue FROM unnest(%(queues)s::text[]) AS q(queue)
  ORDER BY q.queue;
 
 -- name: dispatch_lock_line
--- Cancel, first step: lock the tenant's line row, in the order dispatch takes its locks
--- (the line, then its jobs).
+-- Cancel, first step: lock the tenant's line row, in the lock order of every step that
+-- takes waiting jobs (the line, then its jobs).
 SELECT t.id FROM fair_jobs_dispatchtenant AS t
  WHERE t.queue = %(queue)s AND t.tenant = %(tenant)s
    FOR UPDATE;
@@ -82,9 +169,10 @@ WITH gone AS (
 ), line AS (
     UPDATE fair_jobs_dispatchtenant AS t
        SET waiting = t.waiting - (SELECT count(*) FROM gone WHERE gone.state = 1),
-           head_id = (SELECT min(j.id) FROM fair_jobs_dispatchjob AS j
-                       WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1
-                         AND j.id NOT IN (SELECT gone.id FROM gone))
+           (head_id, cap) = (SELECT j.id, j.cap FROM fair_jobs_dispatchjob AS j
+                              WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1
+                                AND j.id NOT IN (SELECT gone.id FROM gone)
+                              ORDER BY j.id LIMIT 1)
      WHERE t.queue = %(queue)s AND t.tenant = %(tenant)s
        AND EXISTS (SELECT 1 FROM gone)
 )

@@ -1,20 +1,26 @@
 """Fair dispatch's storage on databases other than PostgreSQL (SQLite, for development and
 the demo): the same steps as ``sql/dispatch.sql``, each in one ORM transaction. SQLite runs
-one writing transaction at a time, so each step sees no concurrent change."""
+one writing transaction at a time, so each step sees no concurrent change and no lock is
+skipped."""
 
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F, Max, Q
 from django.db.models.functions import Now
+from django.utils import timezone
 
 from django_fair_jobs.dispatch import store as pg_store
 from django_fair_jobs.dispatch.models import (
     DISPATCHED,
+    FAILED,
     LOAD,
+    REQUEUE_IF_NODE_LOST,
+    REQUEUE_ON_LOSS,
     RUNNING,
     SCHEDULED,
     WAITING,
@@ -22,7 +28,9 @@ from django_fair_jobs.dispatch.models import (
     DispatchQueue,
     DispatchTenant,
 )
-from django_fair_jobs.dispatch.types import BATCH, Job, Ready, Started
+from django_fair_jobs.dispatch.types import BATCH, Job, Outcome, Ready, Started
+
+_STATE_OF: dict[str, int] = {"back": WAITING, "later": SCHEDULED, "failed": FAILED}
 
 
 class Store(pg_store.Store):
@@ -38,83 +46,108 @@ class Store(pg_store.Store):
     def _queues(self) -> Any:
         return DispatchQueue.objects.using(self.alias)
 
-    def _head(self, queue: str, tenant: str) -> int | None:
+    def _head(self, queue: str, tenant: str) -> tuple[int | None, int | None]:
+        """The id and cap of ``tenant``'s oldest waiting job on ``queue``."""
         first = (
             self._jobs()
             .filter(queue=queue, tenant=tenant, state=WAITING)
             .order_by("id")
-            .values_list("id", flat=True)
+            .values_list("id", "cap")
             .first()
         )
-        return None if first is None else int(first)
+        return (None, None) if first is None else (int(first[0]), first[1])
 
-    def _into_line(self, queue: str, vt: float) -> None:
-        """Put ``queue``'s countdowns and ETAs come due in their tenants' lines (a tenant
-        whose line was empty re-enters at the queue's virtual time ``vt``)."""
-        due = self._jobs().filter(queue=queue, state=SCHEDULED, not_before__lte=Now())
-        for job in list(due.order_by("id")):
-            self._jobs().filter(pk=job.pk).update(state=WAITING)
-            tenant = self._tenants().get(queue=queue, tenant=job.tenant)
-            if tenant.waiting == 0:
-                tenant.head_id, tenant.pass_value = job.pk, max(tenant.pass_value, vt)
-            else:
-                tenant.head_id = min(tenant.head_id or job.pk, job.pk)
-            tenant.waiting += 1
-            tenant.save(update_fields=["waiting", "head_id", "pass_value"])
+    def _vt(self, queue: str) -> float:
+        """See ``fair_jobs_dispatch_vt``."""
+        served = self._tenants().filter(queue=queue).aggregate(v=Max("served_pass"))["v"]
+        return float(served or 0.0)
 
-    def _dispatch(self, queue: str, limit: int) -> list[Ready]:
+    def _slot_max(self, tenant: str, queue: str) -> int | None:
         from django_fair_jobs.models import TenantQueueSlot
 
+        return (
+            TenantQueueSlot.objects.using(self.alias)
+            .filter(tenant=tenant, queue=queue)
+            .values_list("max_jobs", flat=True)
+            .first()
+        )
+
+    def _room(self, queue: str) -> int:
+        """See ``fair_jobs_dispatch_room``."""
+        from django_fair_jobs.models import QueueLimit
+
         row = self._queues().filter(queue=queue).first()
-        self._into_line(queue, row.virtual_time if row is not None else 0.0)
         if row is None:
-            return []
-        room = min(row.capacity + row.slack - row.in_flight, limit)
-        ready: list[Ready] = []
-        caps = {
-            s.tenant: s.max_jobs
-            for s in TenantQueueSlot.objects.using(self.alias).filter(
-                queue=queue, max_jobs__isnull=False
+            return 0
+        flight = self._jobs().filter(queue=queue, state__in=[DISPATCHED, RUNNING])
+        in_flight = flight.count()
+        bounds = [row.capacity + row.slack - in_flight]
+        limit = QueueLimit.objects.using(self.alias).filter(queue=queue).first()
+        if limit is not None and limit.max_jobs is not None:
+            dispatched = flight.filter(state=DISPATCHED).count()
+            bounds.append(limit.max_jobs - limit.current_jobs - dispatched)
+        if limit is not None and limit.max_jobs_per_worker is not None:
+            bounds.append(row.nodes * limit.max_jobs_per_worker - in_flight)
+        return max(int(min(bounds)), 0)
+
+    def _due(self, queue: str) -> None:
+        """See ``fair_jobs_dispatch_due``."""
+        due = self._jobs().filter(queue=queue, state=SCHEDULED, not_before__lte=Now())
+        moved = list(due.order_by("id").values_list("id", "tenant", "cap", "weight"))
+        if not moved:
+            return
+        vt = self._vt(queue)
+        self._jobs().filter(pk__in=[job_id for job_id, _, _, _ in moved]).update(state=WAITING)
+        for job_id, tenant, cap, weight in moved:
+            line, _ = self._tenants().get_or_create(
+                queue=queue, tenant=tenant, defaults={"pass_value": vt}
             )
-        }
+            if line.waiting == 0 or job_id < (line.head_id or job_id + 1):
+                line.head_id, line.cap = job_id, cap
+            if line.waiting == 0:
+                line.pass_value = max(line.pass_value, vt)
+            line.waiting += 1
+            line.weight = weight if weight is not None else line.weight
+            line.save(update_fields=["waiting", "head_id", "cap", "pass_value", "weight"])
+
+    def _dispatch(self, queue: str, limit: int) -> list[Ready]:
+        self._due(queue)
+        room = min(self._room(queue), limit)
+        ready: list[Ready] = []
         while room > 0:
-            candidates = self._tenants().filter(queue=queue, waiting__gt=0)
-            chosen = None
-            for tenant in candidates.order_by(LOAD, "pass_value", "head_id"):
-                cap = caps.get(tenant.tenant, tenant.cap)
-                if cap is None or tenant.in_flight < cap:
-                    chosen = tenant
-                    break
-            if chosen is None:
+            candidates = self._tenants().filter(queue=queue, waiting__gt=0, blocked=False)
+            line = candidates.order_by(LOAD, "pass_value", "head_id").first()
+            if line is None:
                 break
-            job_id = chosen.head_id
+            slot = self._slot_max(line.tenant, queue)
+            cap = slot if slot is not None else line.cap
+            if cap is not None and line.in_flight >= cap:
+                self._tenants().filter(pk=line.pk).update(blocked=True)
+                continue
+            job_id = line.head_id
             claimed = (
                 self._jobs()
                 .filter(pk=job_id, state=WAITING)
                 .update(state=DISPATCHED, dispatched_at=Now())
             )
             if not claimed:
-                chosen.head_id = self._head(queue, chosen.tenant)
-                chosen.waiting = (
-                    self._jobs().filter(queue=queue, tenant=chosen.tenant, state=WAITING).count()
+                line.head_id, line.cap = self._head(queue, line.tenant)
+                line.waiting = (
+                    self._jobs().filter(queue=queue, tenant=line.tenant, state=WAITING).count()
                 )
-                chosen.save(update_fields=["head_id", "waiting"])
+                line.save(update_fields=["head_id", "cap", "waiting"])
                 continue
-            old_pass = chosen.pass_value
-            self._tenants().filter(pk=chosen.pk).update(
+            head, head_cap = self._head(queue, line.tenant)
+            cap_next = slot if slot is not None else head_cap
+            self._tenants().filter(pk=line.pk).update(
                 in_flight=F("in_flight") + 1,
                 waiting=F("waiting") - 1,
-                pass_value=F("pass_value") + 1.0 / chosen.weight,
+                pass_value=F("pass_value") + 1.0 / line.weight,
+                served_pass=line.pass_value,
                 dispatched_total=F("dispatched_total") + 1,
-                head_id=self._head(queue, chosen.tenant),
-            )
-            row.in_flight += 1
-            row.virtual_time = max(row.virtual_time, old_pass)
-            row.dispatched_total += 1
-            self._queues().filter(pk=queue).update(
-                in_flight=row.in_flight,
-                virtual_time=row.virtual_time,
-                dispatched_total=row.dispatched_total,
+                head_id=head,
+                cap=head_cap,
+                blocked=cap_next is not None and line.in_flight + 1 >= cap_next,
             )
             signature = self._jobs().filter(pk=job_id).values_list("signature", flat=True).get()
             ready.append(Ready(int(job_id), signature))
@@ -128,40 +161,46 @@ class Store(pg_store.Store):
 
     def enqueue(self, job: Job) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue`."""
-
         with transaction.atomic(using=self.alias):
             if self._put(job):
                 return self._dispatch(job.queue, BATCH)
         return []
 
-    def _put(self, job: Job) -> bool:
-        """Store ``job`` in its line (aside, if not due yet); True if it is due and its
-        queue has room."""
-        from django.utils import timezone
+    def stage(self, jobs: list[Job]) -> None:
+        """See :func:`django_fair_jobs.dispatch.stage`."""
+        for job in jobs:
+            not_before = job.not_before or timezone.now() + timedelta(seconds=job.delay)
+            self._create(job, SCHEDULED, not_before)
 
-        due = job.not_before is None or job.not_before <= timezone.now()
-        queue_row, _ = self._queues().get_or_create(queue=job.queue)
-        row = self._jobs().create(
+    def _create(self, job: Job, state: int, not_before: Any) -> DispatchJob:
+        return self._jobs().create(  # type: ignore[no-any-return]
             queue=job.queue, tenant=job.tenant, task_name=job.task_name,
-            task_id=job.task_id, signature=job.signature,
-            state=WAITING if due else SCHEDULED, not_before=job.not_before,
+            task_id=job.task_id, signature=job.signature, state=state,
+            not_before=not_before, cap=job.cap, weight=job.weight, on_loss=job.on_loss,
         )  # fmt: skip
-        tenant, created = self._tenants().get_or_create(
+
+    def _put(self, job: Job) -> bool:
+        """Store ``job`` in its line (aside, if not due yet); True if it is due."""
+        not_before = job.not_before
+        if not_before is None and job.delay > 0:
+            not_before = timezone.now() + timedelta(seconds=job.delay)
+        due = not_before is None or not_before <= timezone.now()
+        row = self._create(job, WAITING if due else SCHEDULED, not_before)
+        vt = self._vt(job.queue) if due else 0.0
+        line, created = self._tenants().get_or_create(
             queue=job.queue,
             tenant=job.tenant,
-            defaults={"weight": job.weight or 1.0, "cap": job.cap,
-                      "pass_value": queue_row.virtual_time},
-        )  # fmt: skip
-        if not created:
-            tenant.weight = job.weight if job.weight is not None else tenant.weight
-            tenant.cap = job.cap
+            defaults={"weight": job.weight or 1.0, "pass_value": vt},
+        )
+        if not created and job.weight is not None:
+            line.weight = job.weight
         if due:
-            if tenant.waiting == 0:
-                tenant.head_id = row.pk
-                tenant.pass_value = max(tenant.pass_value, queue_row.virtual_time)
-            tenant.waiting += 1
-        tenant.save(update_fields=["weight", "cap", "waiting", "head_id", "pass_value"])
-        return due and queue_row.in_flight < queue_row.capacity + queue_row.slack
+            if line.waiting == 0:
+                line.head_id, line.cap, line.blocked = row.pk, job.cap, False
+                line.pass_value = max(line.pass_value, vt)
+            line.waiting += 1
+        line.save(update_fields=["weight", "cap", "blocked", "waiting", "head_id", "pass_value"])
+        return due
 
     def enqueue_many(self, jobs: list[Job]) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue_many` (one transaction)."""
@@ -176,46 +215,38 @@ class Store(pg_store.Store):
 
     def start(self, job_id: int, process_id: uuid.UUID) -> Started:
         """See :func:`django_fair_jobs.dispatch.start`."""
-        from django_fair_jobs.models import TenantQueueSlot
-
         with transaction.atomic(using=self.alias):
-            job = self._jobs().filter(pk=job_id, state__in=[WAITING, DISPATCHED]).first()
-            if job is None:
+            job = self._jobs().filter(pk=job_id).first()
+            if job is None or job.state not in (WAITING, DISPATCHED, RUNNING):
                 return Started("duplicate")
-            self._jobs().filter(pk=job_id).update(
-                state=RUNNING, process_id=process_id, started_at=Now()
-            )
-            tenant = self._tenants().filter(queue=job.queue, tenant=job.tenant).first()
-            if job.state == WAITING:
-                self._tenants().filter(queue=job.queue, tenant=job.tenant).update(
-                    waiting=F("waiting") - 1,
-                    in_flight=F("in_flight") + 1,
-                    head_id=self._head(job.queue, job.tenant),
+            status = "started"
+            if job.state == RUNNING:
+                if job.process_id != process_id:
+                    return Started("duplicate")
+                status = "again"
+            else:
+                self._jobs().filter(pk=job_id).update(
+                    state=RUNNING, process_id=process_id, started_at=Now()
                 )
-                self._queues().filter(pk=job.queue).update(in_flight=F("in_flight") + 1)
-            slot = (
-                TenantQueueSlot.objects.using(self.alias)
-                .filter(queue=job.queue, tenant=job.tenant)
-                .values_list("max_jobs", flat=True)
-                .first()
-            )
-            cap = slot if slot is not None else (tenant.cap if tenant is not None else None)
-            return Started("started", cap)
+            if job.state == WAITING:
+                head, cap = self._head(job.queue, job.tenant)
+                self._tenants().filter(queue=job.queue, tenant=job.tenant).update(
+                    waiting=F("waiting") - 1, in_flight=F("in_flight") + 1, head_id=head, cap=cap
+                )
+            slot = self._slot_max(job.tenant, job.queue)
+            return Started(status, slot if slot is not None else job.cap)
 
-    def _out_of_flight(
+    def end(
         self,
         job_id: int,
         process_id: uuid.UUID | None,
         *,
-        ended: bool,
-        delay: float,
-        limit: int | None = None,
+        outcome: Outcome = "end",
+        delay: float = 0.0,
+        block: bool = False,
+        limit: int = BATCH,
     ) -> list[Ready]:
-        from datetime import timedelta
-
-        from django.utils import timezone
-
-        back = not ended and delay <= 0
+        """See :func:`django_fair_jobs.dispatch.end`."""
         with transaction.atomic(using=self.alias):
             held = (
                 Q(state=DISPATCHED)
@@ -225,52 +256,40 @@ class Store(pg_store.Store):
             job = self._jobs().filter(held, pk=job_id).first()
             if job is None:
                 return []
-            if ended:
+            if outcome == "end":
                 self._jobs().filter(pk=job_id).delete()
             else:
+                later = outcome == "later"
                 self._jobs().filter(pk=job_id).update(
-                    state=WAITING if back else SCHEDULED,
-                    not_before=job.not_before
-                    if back
-                    else timezone.now() + timedelta(seconds=delay),
+                    state=_STATE_OF[outcome],
+                    not_before=timezone.now() + timedelta(seconds=delay)
+                    if later
+                    else job.not_before,
                     process_id=None,
                     dispatched_at=None,
                     started_at=None,
                     publish_failures=job.publish_failures + (process_id is None),
                 )
-            tenant = self._tenants().get(queue=job.queue, tenant=job.tenant)
-            tenant.in_flight = max(tenant.in_flight - 1, 0)
-            if back:
-                tenant.head_id = (
-                    job_id if tenant.waiting == 0 else min(tenant.head_id or job_id, job_id)
-                )
-                tenant.waiting += 1
-            tenant.save(update_fields=["in_flight", "waiting", "head_id"])
-            self._queues().filter(pk=job.queue, in_flight__gt=0).update(
-                in_flight=F("in_flight") - 1
-            )
-            return (
-                self._dispatch(job.queue, BATCH if limit is None else limit) if limit != 0 else []
-            )
+            line = self._tenants().get(queue=job.queue, tenant=job.tenant)
+            line.in_flight = max(line.in_flight - 1, 0)
+            if outcome == "back":
+                if line.waiting == 0 or job_id < (line.head_id or job_id + 1):
+                    line.head_id, line.cap = job_id, job.cap
+                line.waiting += 1
+            line.blocked = block
+            line.save(update_fields=["in_flight", "waiting", "head_id", "cap", "blocked"])
+            return self._dispatch(job.queue, limit) if limit > 0 else []
 
-    def end(self, job_id: int, process_id: uuid.UUID, *, delay: float | None) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.end`."""
-        return self._out_of_flight(job_id, process_id, ended=delay is None, delay=delay or 0.0)
+    def failures(self, job_id: int) -> int:
+        """See :meth:`django_fair_jobs.dispatch.store.Store.failures`."""
+        rows = self._jobs().filter(pk=job_id).values_list("publish_failures", flat=True)
+        return int(rows.first() or 0)
 
-    def requeue(self, job_id: int) -> list[Ready]:
-        """See :meth:`django_fair_jobs.dispatch.store.Store.requeue`."""
-        failures = self._jobs().filter(pk=job_id).values_list("publish_failures", flat=True).first()
-        delay = min(2.0 ** (failures or 0), pg_store.MAX_BACKOFF)
-        return self._out_of_flight(job_id, None, ended=False, delay=delay)
-
-    def drop(self, task_id: str, *, terminated: bool) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.drop`."""
+    def running_rows(self, task_id: str, *, terminated: bool) -> list[tuple[int, Any]]:
+        """See :meth:`django_fair_jobs.dispatch.store.Store.running_rows`."""
         states = [DISPATCHED, RUNNING] if terminated else [DISPATCHED]
         rows = self._jobs().filter(task_id=task_id, state__in=states)
-        ready: list[Ready] = []
-        for job_id, process_id in list(rows.values_list("id", "process_id")):
-            ready += self._out_of_flight(job_id, process_id, ended=True, delay=0.0)
-        return ready
+        return [(int(job_id), process) for job_id, process in rows.values_list("id", "process_id")]
 
     def cancel(self, queue: str, tenant: str, task_name: str | None, limit: int) -> list[str]:
         """See :func:`django_fair_jobs.dispatch.cancel`."""
@@ -284,40 +303,60 @@ class Store(pg_store.Store):
                 return []
             self._jobs().filter(pk__in=[pk for pk, _, _ in picked]).delete()
             waiting = sum(1 for _, _, state in picked if state == WAITING)
+            head, cap = self._head(queue, tenant)
             self._tenants().filter(queue=queue, tenant=tenant).update(
-                waiting=F("waiting") - waiting, head_id=self._head(queue, tenant)
+                waiting=F("waiting") - waiting, head_id=head, cap=cap
             )
             return [str(task_id) for _, task_id, _ in picked]
 
-    def reap(self, timeout: float, requeue_tasks: list[str]) -> tuple[int, int]:
+    def refresh_capacity(self, slack_per_node: int, timeout: float) -> dict[str, int]:
+        """See :func:`django_fair_jobs.dispatch.refresh_capacity`."""
+        capacity, nodes = pg_store.live_capacity(self.alias, timeout)
+        grown: dict[str, int] = {}
+        known = {q.queue: q for q in self._queues()}
+        for queue in sorted(set(known) | set(capacity)):
+            cap, n = capacity.get(queue, 0), nodes.get(queue, 0)
+            row = known.get(queue)
+            values = {"capacity": cap, "slack": n * slack_per_node, "nodes": n}
+            if row is None or (row.capacity, row.slack, row.nodes) != tuple(values.values()):
+                if cap and (row is None or cap + values["slack"] > row.capacity + row.slack):
+                    grown[queue] = cap
+                self._queues().update_or_create(queue=queue, defaults=values)
+        return grown
+
+    def reap(self, timeout: float) -> tuple[int, int]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.reap`."""
         from django_fair_jobs.models import WorkerProcess
 
-        live = WorkerProcess.objects.using(self.alias).filter(
-            last_heartbeat_at__gte=Now() - pg_store._interval(timeout)
-        )
+        processes = WorkerProcess.objects.using(self.alias)
+        live = processes.filter(last_heartbeat_at__gte=Now() - pg_store._interval(timeout))
+        live_nodes = set(live.values_list("node_id", flat=True))
+        node_of = dict(processes.values_list("id", "node_id"))
         dead = self._jobs().filter(state=RUNNING).exclude(process_id__in=live.values("id"))
         requeued = dropped = 0
-        for job_id, process_id, task_name in list(
-            dead.values_list("id", "process_id", "task_name")
-        ):
-            back = task_name in requeue_tasks
+        for job_id, process_id, on_loss in list(dead.values_list("id", "process_id", "on_loss")):
+            node_gone = node_of.get(process_id) not in live_nodes
+            back = on_loss == REQUEUE_ON_LOSS or (on_loss == REQUEUE_IF_NODE_LOST and node_gone)
             # Maintenance dispatches every queue with room afterwards.
-            self._out_of_flight(job_id, process_id, ended=not back, delay=0.0, limit=0)
+            self.end(job_id, process_id, outcome="back" if back else "end", limit=0)
             requeued += back
             dropped += not back
         return requeued, dropped
 
     def lost(self, lost_after: float) -> list[Ready]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.lost`."""
-
+        served = self._queues().filter(capacity__gt=0).values("queue")
+        ready: list[Ready] = []
         with transaction.atomic(using=self.alias):
-            stale = self._jobs().filter(
-                state=DISPATCHED, dispatched_at__lt=Now() - pg_store._interval(lost_after)
-            )
-            rows = list(stale.values_list("id", "signature"))
-            self._jobs().filter(pk__in=[job_id for job_id, _ in rows]).update(dispatched_at=Now())
-        return [Ready(int(job_id), signature) for job_id, signature in rows]
+            stale = self._jobs().filter(state=DISPATCHED, queue__in=served)
+            for job in stale:
+                wait = timedelta(seconds=lost_after * 2 ** min(job.republished, 6))
+                if job.dispatched_at is not None and job.dispatched_at < timezone.now() - wait:
+                    self._jobs().filter(pk=job.pk).update(
+                        dispatched_at=Now(), republished=F("republished") + 1
+                    )
+                    ready.append(Ready(int(job.pk), job.signature))
+        return ready
 
     def due_queues(self, queues: list[str]) -> list[str]:
         """See :func:`django_fair_jobs.dispatch.due_queues`."""
@@ -326,5 +365,68 @@ class Store(pg_store.Store):
 
     def queues_with_room(self) -> list[str]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.queues_with_room`."""
-        rows = self._queues().filter(in_flight__lt=F("capacity") + F("slack")).order_by("queue")
-        return list(rows.values_list("queue", flat=True))
+        pending = self._jobs().filter(state__in=[SCHEDULED, WAITING])
+        queues = sorted(set(pending.values_list("queue", flat=True)))
+        return [queue for queue in queues if self._room(queue) > 0]
+
+    def unblock(self, tenant: str | None, queue: str | None) -> list[str]:
+        """See :func:`django_fair_jobs.dispatch.unblock`."""
+        from django_fair_jobs.models import TenantQueueSlot
+
+        lines = self._tenants().filter(blocked=True)
+        if tenant is not None:
+            lines = lines.filter(tenant=tenant)
+        if queue is not None:
+            lines = lines.filter(queue=queue)
+        freed: set[str] = set()
+        for line in lines:
+            slot = (
+                TenantQueueSlot.objects.using(self.alias)
+                .filter(tenant=line.tenant, queue=line.queue)
+                .first()
+            )
+            if slot is not None:
+                limit = slot.max_jobs if slot.max_jobs is not None else line.cap
+                if (slot.max_jobs is not None and slot.max_jobs <= line.in_flight) or (
+                    limit is not None and slot.current_jobs >= limit
+                ):
+                    continue
+            if line.cap is not None and line.in_flight >= line.cap:
+                continue
+            self._tenants().filter(pk=line.pk).update(blocked=False)
+            freed.add(line.queue)
+        return sorted(freed)
+
+    def recount(self) -> list[tuple[Any, ...]]:
+        """See :func:`django_fair_jobs.dispatch.recount`."""
+        drift: list[tuple[Any, ...]] = []
+        with transaction.atomic(using=self.alias):
+            for line in self._tenants():
+                jobs = self._jobs().filter(queue=line.queue, tenant=line.tenant)
+                waiting = jobs.filter(state=WAITING).count()
+                in_flight = jobs.filter(state__in=[DISPATCHED, RUNNING]).count()
+                if (waiting, in_flight) == (line.waiting, line.in_flight):
+                    continue
+                drift.append(
+                    (line.queue, line.tenant, line.waiting, waiting, line.in_flight, in_flight)
+                )
+                head, cap = self._head(line.queue, line.tenant)
+                self._tenants().filter(pk=line.pk).update(
+                    waiting=waiting, in_flight=in_flight, blocked=False, head_id=head, cap=cap
+                )
+        return drift
+
+    def in_flight(self) -> dict[str, int]:
+        """See :func:`django_fair_jobs.dispatch.in_flight`."""
+        flight = self._jobs().filter(state__in=[DISPATCHED, RUNNING])
+        counts: dict[str, int] = {}
+        for queue in flight.values_list("queue", flat=True):
+            counts[queue] = counts.get(queue, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def room(self) -> dict[str, int]:
+        """See :func:`django_fair_jobs.dispatch.room`."""
+        return {
+            q: self._room(q)
+            for q in self._queues().order_by("queue").values_list("queue", flat=True)
+        }

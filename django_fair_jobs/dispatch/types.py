@@ -1,14 +1,20 @@
 """The values the dispatch room's steps pass between its package and its stores: a job to
-store, a job to publish, what a start found, and the batch size. Its own module so that the
-stores import it and never the room's package, which imports them."""
+store, a job to publish, what a start found, the outcomes of an end, and the batch size.
+Its own module so that the stores import it and never the room's package, which imports
+them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Literal
 
 BATCH = 1000
 """Most jobs one step dispatches at once (a new worker node's whole capacity)."""
+
+Outcome = Literal["end", "back", "later", "failed"]
+"""How a job leaves flight: it ended (its row goes), back at the head of its line, aside
+for a delay, or failed (its message could never be published)."""
 
 
 @dataclass(frozen=True)
@@ -21,8 +27,10 @@ class Ready:
 
 @dataclass(frozen=True)
 class Started:
-    """What the start of a dispatched job found: ``"started"`` (it runs; ``cap`` is its
-    tenant's cap in force, or None) or ``"duplicate"`` (another copy ran or runs)."""
+    """What the start of a dispatched job found: ``"started"`` (it runs; ``cap`` is the
+    cap the fence keeps, or None), ``"again"`` (the row already runs under this process:
+    its own start whose reply was lost, or a second copy delivered to it) or
+    ``"duplicate"`` (another copy ran or runs)."""
 
     status: str
     cap: int | None = None
@@ -30,7 +38,8 @@ class Started:
 
 @dataclass(frozen=True)
 class Job:
-    """A job ready to be stored in its line."""
+    """A job ready to be stored in its line: due after ``delay`` seconds (a countdown, by
+    the database's clock) or at ``not_before`` (an ETA), at once if neither."""
 
     queue: str
     tenant: str
@@ -40,3 +49,5 @@ class Job:
     not_before: datetime | None
     weight: float | None
     cap: int | None
+    delay: float = 0.0
+    on_loss: int = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from django.db import close_old_connections, connections
 
@@ -30,19 +31,49 @@ _BEAT_JOIN_SECONDS = 5.0
 hold the process's exit for longer)."""
 
 
+REGISTER_RETRY_FIRST = 1.0
+"""Seconds before the first new try of a registration that failed at process start; each
+further try waits twice as long, up to :data:`REGISTER_RETRY_MAX`."""
+
+REGISTER_RETRY_MAX = 30.0
+
+
 def start_process() -> None:
     """Register this pool process and start its heartbeat now, not at its first fair job:
-    every process of a node then reaps dead workers on every queue, whatever it runs.
-    Called when a prefork child starts, or when a solo or threads worker is ready; a
-    database error is logged and registration is left to the first job."""
+    every process of a node then reaps dead workers on every queue, whatever it runs, and
+    its queues count it in their capacity (a queue served by fair dispatch alone gets no
+    job before). Called when a prefork child starts, or when a solo or threads worker is
+    ready. If the database does not answer (workers started before it), a thread tries
+    again with a growing delay until it does."""
+    if not _register():
+        threading.Thread(
+            target=_register_until_done, name="fair-jobs-register", daemon=True
+        ).start()
+
+
+def _register() -> bool:
+    """One try at :func:`start_process`'s registration; True if it is done."""
     try:
         identity.current_process_id()
         passes.dispatch_into_new_capacity()
+        return True
     except Exception:
-        logger.exception("Could not register this worker process; will retry at the first job")
+        logger.exception("Could not register this worker process; trying again")
+        return False
     finally:
         # The heartbeat thread has its own connection; this thread's is not needed again.
         connections.close_all()
+
+
+def _register_until_done() -> None:
+    pid, delay = os.getpid(), REGISTER_RETRY_FIRST
+    while True:
+        time.sleep(delay)
+        if os.getpid() != pid or identity.registered_process_id() is not None:
+            return  # a forked copy, or a job registered the process meanwhile
+        if _register():
+            return
+        delay = min(delay * 2, REGISTER_RETRY_MAX)
 
 
 def _start_threads(ident: identity.Identity) -> None:
@@ -164,8 +195,9 @@ def dispatch_due() -> int:
 
 
 def shutdown() -> None:
-    """Stop this process's heartbeat and retire its row, so that any slot it still holds
-    is released by the next reap instead of after the timeout."""
+    """Stop this process's heartbeat, end what it kept to end, and retire its row, so that
+    any slot it still holds is released by the next reap instead of after the timeout."""
+    from celery import current_app
 
     ident = identity.current()
     if ident is None:
@@ -179,6 +211,13 @@ def shutdown() -> None:
         waits.flush()
     except Exception:
         logger.exception("Could not store this process's wait counts")
+    try:
+        # Ends and releases that failed are done now, or the reap would later run an
+        # acks_late job that completed a second time.
+        admission.retry_pending_ends(current_app)
+        admission.retry_pending_releases()
+    except Exception:
+        logger.exception("Could not end this process's pending jobs; the reap will")
     try:
         identity.retire_process(ident.process_id)
         passes.refresh_capacity()

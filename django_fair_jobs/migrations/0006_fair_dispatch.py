@@ -3,32 +3,12 @@
 import django.db.models.expressions
 import django.db.models.functions.datetime
 import django.db.models.functions.math
-from typing import Any
-
 from django.db import migrations, models
 
-from django_fair_jobs.sql import queries
 
 
-def install_functions(apps: Any, schema_editor: Any) -> None:
-    # Fair dispatch's steps are PostgreSQL functions (one round trip each); other
-    # databases use the ORM store. The file holds CREATE OR REPLACE statements, so a later
-    # change ships as a migration that runs the file again.
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    schema_editor.execute(queries("dispatch")["functions"], params=None)
-
-
-def drop_functions(apps: Any, schema_editor: Any) -> None:
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    schema_editor.execute(
-        "DROP FUNCTION IF EXISTS fair_jobs_enqueue(text, text, text, text, text, timestamptz, "
-        "double precision, integer, boolean), fair_jobs_dispatch_start(bigint, uuid), "
-        "fair_jobs_dispatch_end(bigint, uuid, boolean, double precision, integer), "
-        "fair_jobs_dispatch(text, integer)",
-        params=None,
-    )
+# Its functions (sql/dispatch.sql as it then was) are superseded: migration 0009 installs
+# the functions of today's file. 0.1.0 was never released, so no database needs the old.
 
 
 class Migration(migrations.Migration):
@@ -108,5 +88,4 @@ class Migration(migrations.Migration):
                 'constraints': [models.UniqueConstraint(fields=('queue', 'tenant'), name='fair_jobs_dispatch_tenant')],
             },
         ),
-        migrations.RunPython(install_functions, drop_functions),
     ]

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from django_fair_jobs import db, identity, messages
+from django_fair_jobs import db, events, identity, messages
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import (
     LimitError as LimitError,
@@ -142,6 +142,7 @@ def set_limits(
         )  # fmt: skip
     wake_waiting(queue_ids={row.pk}, app=app)
     _cache.loaded_at = 0.0  # this process sees the change at once
+    events.limit_changed.send(sender=QueueLimit, tenant=None, queue=queue, app=app)
     return row
 
 

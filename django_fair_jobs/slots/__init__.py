@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from django_fair_jobs import db, messages, routing
+from django_fair_jobs import db, events, messages, routing
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import MAX_LIMIT
 from django_fair_jobs.db import after_commit
@@ -119,6 +119,7 @@ def set_tenant_limit(
         )  # fmt: skip
     row.max_jobs, row.boost_until, row.boost_restore = max_jobs, None, None
     wake(row.pk, limit=None, app=app)
+    events.limit_changed.send(sender=TenantQueueSlot, tenant=tenant, queue=queue, app=app)
     return row
 
 
@@ -160,6 +161,7 @@ def boost(
         )  # fmt: skip
     row.max_jobs, row.boost_until, row.boost_restore = max_jobs, until, restore
     wake(row.pk, limit=None, app=app)
+    events.limit_changed.send(sender=TenantQueueSlot, tenant=tenant, queue=queue, app=app)
     return row
 
 
@@ -188,6 +190,9 @@ def end_boosts(app: Celery | None = None) -> int:
             )  # fmt: skip
         ended += 1
         wake(pk, limit=None, app=app)  # a lower limit wakes nothing; a higher one may
+        events.limit_changed.send(
+            sender=TenantQueueSlot, tenant=row.tenant, queue=row.queue, app=app
+        )
     return ended
 
 

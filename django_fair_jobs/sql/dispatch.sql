@@ -1,142 +1,224 @@
 -- Fair dispatch on PostgreSQL: one function per step of a job, so that each step is one
--- round trip (one statement in autocommit, one transaction). Installed by migration
--- 0006 as one block; a change here ships as a new migration that replaces the functions.
+-- round trip (one statement in autocommit, one transaction). A migration installs the
+-- block and records its digest (FUNCTIONS_DIGEST); a change here ships as a new migration
+-- that installs it again, and tests/dispatch/test_functions.py fails until one does.
 -- The statements that call them are named blocks of dispatch/store.sql.
 --
--- Locks are always taken tenant row first, queue row second; a tenant row is only ever
--- taken queue-first with SKIP LOCKED (never waited for), so no two steps deadlock.
--- States: 0 scheduled (not due), 1 waiting, 2 dispatched, 3 running.
+-- Lock order. No step locks or writes a row shared by a whole queue: a queue's room is
+-- read (its capacity, written by maintenance only, less the jobs in flight, counted).
+--   1. A dispatched or running job's row, then its tenant's line (start, end).
+--   2. A tenant's line, then its scheduled or waiting jobs (enqueue, the due step, the
+--      selection, cancel, the start of a job that went back to its line).
+-- A step waits only for the line of its own job; any other line is taken with SKIP LOCKED
+-- (skipped, never waited for). Every function runs with a lock_timeout of 2 s: a wait the
+-- order allows is short, and a longer one fails fast (the caller tries again) instead of
+-- stalling the queue.
+-- States: 0 scheduled (a countdown not yet due, or a job stored inside its caller's
+-- transaction and not yet in its line), 1 waiting, 2 dispatched, 3 running, 4 failed (its
+-- message could never be published).
 
 -- name: functions
 
--- Dispatch up to p_max jobs of p_queue while it has room (in flight below capacity plus
--- slack): each to the tenant with jobs waiting and below its cap that has the fewest jobs
--- in flight per weight, then the lowest virtual time, then the oldest job. Returns the
--- jobs to publish. Countdowns that came due join their lines first.
-CREATE OR REPLACE FUNCTION fair_jobs_dispatch(p_queue text, p_max integer)
-RETURNS TABLE (job_id bigint, job_signature text)
-LANGUAGE plpgsql AS $$
-DECLARE
-    v_room integer;
-    v_vt double precision;
-    v_tenant record;
-    v_due record;
-BEGIN
-    SELECT q.virtual_time INTO v_vt FROM fair_jobs_dispatchqueue AS q WHERE q.queue = p_queue;
-    FOR v_due IN
-        WITH due AS (
-            UPDATE fair_jobs_dispatchjob AS j SET state = 1
-             WHERE j.queue = p_queue AND j.state = 0 AND j.not_before <= now()
-            RETURNING j.tenant, j.id
-        )
-        SELECT due.tenant, count(*) AS n, min(due.id) AS first_id
-          FROM due GROUP BY due.tenant ORDER BY due.tenant
-    LOOP
-        UPDATE fair_jobs_dispatchtenant AS t
-           SET waiting = t.waiting + v_due.n,
-               head_id = CASE WHEN t.waiting = 0 THEN v_due.first_id
-                              ELSE LEAST(t.head_id, v_due.first_id) END,
-               pass_value = CASE WHEN t.waiting = 0
-                                 THEN GREATEST(t.pass_value, COALESCE(v_vt, 0))
-                                 ELSE t.pass_value END
-         WHERE t.queue = p_queue AND t.tenant = v_due.tenant;
-    END LOOP;
+-- The virtual time of p_queue: the highest pass at which a tenant was served (each line
+-- keeps the pass of its last service), the stride floor at which a tenant whose line was
+-- empty re-enters, so that it banks no credit for its idle time. One index probe.
+CREATE OR REPLACE FUNCTION fair_jobs_dispatch_vt(p_queue text)
+RETURNS double precision
+LANGUAGE sql STABLE AS $$
+    SELECT COALESCE(max(t.served_pass), 0.0) FROM fair_jobs_dispatchtenant AS t
+     WHERE t.queue = p_queue
+$$;
 
-    UPDATE fair_jobs_dispatchqueue AS q SET updated_at = now()
-     WHERE q.queue = p_queue AND q.in_flight < q.capacity + q.slack
-    RETURNING q.capacity + q.slack - q.in_flight INTO v_room;
-    IF v_room IS NULL THEN
+-- How many more jobs p_queue may have in flight now: its live capacity plus slack, less
+-- its jobs dispatched or running (counted from their rows, a few at most), bounded by its
+-- queue limit (the places left, less the jobs dispatched that will take one at start) and
+-- its per-worker limit times its live nodes; a paused queue has none. Nothing is locked:
+-- two concurrent dispatches may both see the same room (a small overshoot of the slack;
+-- caps and queue limits are fenced at start).
+CREATE OR REPLACE FUNCTION fair_jobs_dispatch_room(p_queue text)
+RETURNS integer
+LANGUAGE sql STABLE AS $$
+    WITH flight AS (
+        SELECT count(*) AS in_flight, count(*) FILTER (WHERE j.state = 2) AS dispatched
+          FROM fair_jobs_dispatchjob AS j
+         WHERE j.queue = p_queue AND j.state IN (2, 3)
+    )
+    SELECT GREATEST(LEAST(
+               q.capacity + q.slack - f.in_flight,
+               l.max_jobs - l.current_jobs - f.dispatched,
+               q.nodes * l.max_jobs_per_worker - f.in_flight), 0)::integer
+      FROM fair_jobs_dispatchqueue AS q
+     CROSS JOIN flight AS f
+      LEFT JOIN fair_jobs_queuelimit AS l ON l.queue = q.queue
+     WHERE q.queue = p_queue
+$$;
+
+-- Move p_queue's jobs that came due (countdowns, ETAs, jobs stored inside their caller's
+-- transaction) into their lines. Lines first (a missing one is created), each taken with
+-- SKIP LOCKED: a line another step holds keeps its due jobs for the next dispatch.
+CREATE OR REPLACE FUNCTION fair_jobs_dispatch_due(p_queue text)
+RETURNS void
+LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
+DECLARE
+    v_tenants text[];
+    v_vt double precision;
+BEGIN
+    SELECT array_agg(DISTINCT j.tenant) INTO v_tenants
+      FROM fair_jobs_dispatchjob AS j
+     WHERE j.queue = p_queue AND j.state = 0 AND j.not_before <= now();
+    IF v_tenants IS NULL THEN
         RETURN;
     END IF;
-    v_room := LEAST(v_room, p_max);
+    v_vt := fair_jobs_dispatch_vt(p_queue);
+    INSERT INTO fair_jobs_dispatchtenant
+           (queue, tenant, weight, cap, waiting, in_flight, pass_value, served_pass, head_id,
+            dispatched_total, blocked)
+    SELECT p_queue, x.tenant, 1.0, NULL, 0, 0, v_vt, 0, NULL, 0, false
+      FROM unnest(v_tenants) AS x(tenant)
+    ON CONFLICT (queue, tenant) DO NOTHING;
+    WITH locked AS (
+        SELECT t.id, t.tenant FROM fair_jobs_dispatchtenant AS t
+         WHERE t.queue = p_queue AND t.tenant = ANY(v_tenants)
+         ORDER BY t.id
+           FOR UPDATE SKIP LOCKED
+    ), due AS (
+        UPDATE fair_jobs_dispatchjob AS j SET state = 1
+          FROM locked
+         WHERE j.queue = p_queue AND j.tenant = locked.tenant AND j.state = 0
+           AND j.not_before <= now()
+        RETURNING j.tenant, j.id, j.cap, j.weight
+    ), moved AS (
+        SELECT due.tenant, count(*) AS n, min(due.id) AS first_id,
+               (array_agg(due.cap ORDER BY due.id))[1] AS first_cap,
+               (array_agg(due.weight ORDER BY due.id DESC)
+                   FILTER (WHERE due.weight IS NOT NULL))[1] AS weight
+          FROM due GROUP BY due.tenant
+    )
+    UPDATE fair_jobs_dispatchtenant AS t
+       SET waiting = t.waiting + m.n,
+           head_id = CASE WHEN t.waiting = 0 OR m.first_id < t.head_id
+                          THEN m.first_id ELSE t.head_id END,
+           cap = CASE WHEN t.waiting = 0 OR m.first_id < t.head_id
+                      THEN m.first_cap ELSE t.cap END,
+           pass_value = CASE WHEN t.waiting = 0 THEN GREATEST(t.pass_value, v_vt)
+                             ELSE t.pass_value END,
+           weight = COALESCE(m.weight, t.weight)
+      FROM moved AS m
+     WHERE t.queue = p_queue AND t.tenant = m.tenant;
+END;
+$$;
+
+-- Dispatch up to p_max jobs of p_queue while it has room: each to the tenant with jobs
+-- waiting that has the fewest jobs in flight per weight, then the lowest virtual time,
+-- then the oldest job, and that is below its cap (its tenant slot's max_jobs override, or
+-- the cap of the task of its oldest job). A line found at its cap is marked blocked, which
+-- takes it out of the selection's index until its room comes back (an end of its jobs, a
+-- limit changed, the maintenance pass), so the choice stays one index probe however many
+-- tenants cannot be chosen. Returns the jobs to publish. Due jobs join their lines first.
+CREATE OR REPLACE FUNCTION fair_jobs_dispatch(p_queue text, p_max integer)
+RETURNS TABLE (job_id bigint, job_signature text)
+LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
+DECLARE
+    v_room integer;
+    v_line record;
+    v_next record;
+    v_slot integer;
+    v_limit integer;
+BEGIN
+    PERFORM fair_jobs_dispatch_due(p_queue);
+    v_room := LEAST(COALESCE(fair_jobs_dispatch_room(p_queue), 0), p_max);
     WHILE v_room > 0 LOOP
-        SELECT t.id, t.tenant, t.pass_value, t.head_id INTO v_tenant
+        SELECT t.id, t.tenant, t.pass_value, t.head_id, t.in_flight, t.cap INTO v_line
           FROM fair_jobs_dispatchtenant AS t
-          LEFT JOIN fair_jobs_tenantqueueslot AS s ON s.tenant = t.tenant AND s.queue = t.queue
-         WHERE t.queue = p_queue AND t.waiting > 0
-           AND (COALESCE(s.max_jobs, t.cap) IS NULL OR t.in_flight < COALESCE(s.max_jobs, t.cap))
+         WHERE t.queue = p_queue AND t.waiting > 0 AND NOT t.blocked
          ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id
          LIMIT 1
-           FOR UPDATE OF t SKIP LOCKED;
+           FOR UPDATE SKIP LOCKED;
         EXIT WHEN NOT FOUND;
+        SELECT s.max_jobs INTO v_slot FROM fair_jobs_tenantqueueslot AS s
+         WHERE s.tenant = v_line.tenant AND s.queue = p_queue;
+        v_limit := COALESCE(v_slot, v_line.cap);
+        IF v_limit IS NOT NULL AND v_line.in_flight >= v_limit THEN
+            UPDATE fair_jobs_dispatchtenant AS t SET blocked = true WHERE t.id = v_line.id;
+            CONTINUE;
+        END IF;
         UPDATE fair_jobs_dispatchjob AS j SET state = 2, dispatched_at = now()
-         WHERE j.id = v_tenant.head_id AND j.state = 1
+         WHERE j.id = v_line.head_id AND j.state = 1
         RETURNING j.id, j.signature INTO job_id, job_signature;
         IF NOT FOUND THEN
             -- A head that left the line another way (cancelled): recount, go on.
             UPDATE fair_jobs_dispatchtenant AS t
-               SET head_id = (SELECT min(j.id) FROM fair_jobs_dispatchjob AS j
-                               WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1),
+               SET (head_id, cap) = (SELECT j.id, j.cap FROM fair_jobs_dispatchjob AS j
+                                      WHERE j.queue = t.queue AND j.tenant = t.tenant
+                                        AND j.state = 1 ORDER BY j.id LIMIT 1),
                    waiting = (SELECT count(*) FROM fair_jobs_dispatchjob AS j
                                WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1)
-             WHERE t.id = v_tenant.id;
+             WHERE t.id = v_line.id;
             CONTINUE;
         END IF;
+        SELECT j.id, j.cap INTO v_next FROM fair_jobs_dispatchjob AS j
+         WHERE j.queue = p_queue AND j.tenant = v_line.tenant AND j.state = 1
+         ORDER BY j.id LIMIT 1;
         UPDATE fair_jobs_dispatchtenant AS t
            SET in_flight = t.in_flight + 1,
                waiting = t.waiting - 1,
                pass_value = t.pass_value + 1.0 / t.weight,
+               served_pass = t.pass_value,
                dispatched_total = t.dispatched_total + 1,
-               head_id = (SELECT j.id FROM fair_jobs_dispatchjob AS j
-                           WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1
-                           ORDER BY j.id LIMIT 1)
-         WHERE t.id = v_tenant.id;
-        UPDATE fair_jobs_dispatchqueue AS q
-           SET in_flight = q.in_flight + 1,
-               virtual_time = GREATEST(q.virtual_time, v_tenant.pass_value),
-               dispatched_total = q.dispatched_total + 1
-         WHERE q.queue = p_queue;
+               head_id = v_next.id,
+               cap = v_next.cap,
+               blocked = COALESCE(t.in_flight + 1 >= COALESCE(v_slot, v_next.cap), false)
+         WHERE t.id = v_line.id;
         RETURN NEXT;
         v_room := v_room - 1;
     END LOOP;
 END;
 $$;
 
--- Store a job in its tenant's line (or, with a countdown not yet due, aside until it is);
--- if p_dispatch and the queue has room, dispatch at once. Returns the jobs to publish
--- (usually this one, or nothing while the queue is full).
+-- Store a job in its tenant's line (or aside, with a countdown or ETA not yet due: its due
+-- time is the database's now() plus p_delay seconds, or p_not_before) and, if p_dispatch,
+-- dispatch while the queue has room. Waits only for its own tenant's line. Returns the
+-- jobs to publish (usually this one, or nothing while the queue is full).
 CREATE OR REPLACE FUNCTION fair_jobs_enqueue(
     p_queue text, p_tenant text, p_task_name text, p_task_id text, p_signature text,
-    p_not_before timestamptz, p_weight double precision, p_cap integer, p_dispatch boolean
+    p_delay double precision, p_not_before timestamptz, p_weight double precision,
+    p_cap integer, p_on_loss smallint, p_dispatch boolean
 )
 RETURNS TABLE (job_id bigint, job_signature text)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
     v_id bigint;
-    v_due boolean := p_not_before IS NULL OR p_not_before <= now();
-    v_vt double precision;
+    v_not_before timestamptz := COALESCE(
+        p_not_before,
+        CASE WHEN p_delay > 0 THEN now() + make_interval(secs => p_delay) END);
+    v_due boolean := v_not_before IS NULL OR v_not_before <= now();
+    v_vt double precision := 0;
 BEGIN
-    SELECT q.virtual_time INTO v_vt FROM fair_jobs_dispatchqueue AS q WHERE q.queue = p_queue;
-    IF NOT FOUND THEN
-        INSERT INTO fair_jobs_dispatchqueue
-               (queue, capacity, slack, in_flight, virtual_time, dispatched_total, updated_at)
-        VALUES (p_queue, 0, 0, 0, 0, 0, now()) ON CONFLICT (queue) DO NOTHING;
-        v_vt := 0;
-    END IF;
     INSERT INTO fair_jobs_dispatchjob
            (queue, tenant, task_name, task_id, signature, state, not_before, enqueued_at,
-            publish_failures)
+            publish_failures, republished, cap, weight, on_loss)
     VALUES (p_queue, p_tenant, p_task_name, p_task_id, p_signature,
-            CASE WHEN v_due THEN 1 ELSE 0 END, p_not_before, now(), 0)
+            CASE WHEN v_due THEN 1 ELSE 0 END, v_not_before, now(), 0, 0, p_cap, p_weight,
+            p_on_loss)
     RETURNING id INTO v_id;
+    IF v_due THEN
+        v_vt := fair_jobs_dispatch_vt(p_queue);
+    END IF;
     INSERT INTO fair_jobs_dispatchtenant AS t
-           (queue, tenant, weight, cap, waiting, in_flight, pass_value, head_id,
-            dispatched_total)
-    VALUES (p_queue, p_tenant, COALESCE(p_weight, 1.0), p_cap,
-            CASE WHEN v_due THEN 1 ELSE 0 END, 0, v_vt,
-            CASE WHEN v_due THEN v_id END, 0)
+           (queue, tenant, weight, cap, waiting, in_flight, pass_value, served_pass, head_id,
+            dispatched_total, blocked)
+    VALUES (p_queue, p_tenant, COALESCE(p_weight, 1.0), CASE WHEN v_due THEN p_cap END,
+            CASE WHEN v_due THEN 1 ELSE 0 END, 0, v_vt, 0, CASE WHEN v_due THEN v_id END, 0,
+            false)
     ON CONFLICT (queue, tenant) DO UPDATE
        SET waiting = t.waiting + CASE WHEN v_due THEN 1 ELSE 0 END,
-           head_id = CASE WHEN NOT v_due THEN t.head_id
-                          WHEN t.waiting = 0 THEN v_id ELSE t.head_id END,
+           head_id = CASE WHEN v_due AND t.waiting = 0 THEN v_id ELSE t.head_id END,
+           cap = CASE WHEN v_due AND t.waiting = 0 THEN p_cap ELSE t.cap END,
+           blocked = CASE WHEN v_due AND t.waiting = 0 THEN false ELSE t.blocked END,
            pass_value = CASE WHEN v_due AND t.waiting = 0
                              THEN GREATEST(t.pass_value, v_vt) ELSE t.pass_value END,
-           weight = COALESCE(p_weight, t.weight),
-           cap = p_cap;
-    IF p_dispatch AND v_due AND EXISTS (
-        SELECT 1 FROM fair_jobs_dispatchqueue AS q
-         WHERE q.queue = p_queue AND q.in_flight < q.capacity + q.slack
-    ) THEN
+           weight = COALESCE(p_weight, t.weight);
+    IF p_dispatch AND v_due THEN
         RETURN QUERY SELECT d.job_id, d.job_signature FROM fair_jobs_dispatch(p_queue, 1000) AS d;
     END IF;
 END;
@@ -144,21 +226,21 @@ $$;
 
 -- Store many jobs in their lines in one call (bulk_enqueue), then dispatch each queue
 -- they went to once, while it has room. The caller sorts the jobs by queue and tenant, so
--- that two calls take their tenant rows in the same order. Returns the jobs to publish.
+-- that two calls take their lines in the same order. Returns the jobs to publish.
 CREATE OR REPLACE FUNCTION fair_jobs_enqueue_many(
     p_queues text[], p_tenants text[], p_task_names text[], p_task_ids text[],
-    p_signatures text[], p_not_befores timestamptz[], p_weights double precision[],
-    p_caps integer[]
+    p_signatures text[], p_delays double precision[], p_not_befores timestamptz[],
+    p_weights double precision[], p_caps integer[], p_on_losses smallint[]
 )
 RETURNS TABLE (job_id bigint, job_signature text)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
     v_queue text;
 BEGIN
     FOR i IN 1 .. COALESCE(array_length(p_queues, 1), 0) LOOP
         PERFORM 1 FROM fair_jobs_enqueue(
             p_queues[i], p_tenants[i], p_task_names[i], p_task_ids[i], p_signatures[i],
-            p_not_befores[i], p_weights[i], p_caps[i], false);
+            p_delays[i], p_not_befores[i], p_weights[i], p_caps[i], p_on_losses[i], false);
     END LOOP;
     FOR v_queue IN SELECT DISTINCT q.queue FROM unnest(p_queues) AS q(queue) ORDER BY 1 LOOP
         RETURN QUERY SELECT d.job_id, d.job_signature FROM fair_jobs_dispatch(v_queue, 1000) AS d;
@@ -166,79 +248,94 @@ BEGIN
 END;
 $$;
 
--- A dispatched job starts: it is running now, under p_process. A copy of a job that went
--- back to its line (its worker was presumed dead) starts it from there. Any other copy is
--- a duplicate and must not run. Returns the status and the tenant's cap in force.
+-- A dispatched job starts: it is running now, under p_process ("started"). A copy of a
+-- job that went back to its line (its worker was presumed dead) starts it from there, its
+-- line locked first. A job already running under p_process answers "again": this
+-- process's own start whose reply was lost, or a second copy delivered to it (the caller
+-- knows which). Any other copy is a "duplicate" and must not run. Returns the status and
+-- the cap the fence keeps: the tenant slot's max_jobs override, else the job's own task's.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_start(p_job bigint, p_process uuid)
 RETURNS TABLE (status text, cap integer)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
-    v_queue text;
-    v_tenant text;
-    v_state smallint;
+    v_job record;
+    v_status text := 'started';
 BEGIN
-    SELECT j.state INTO v_state FROM fair_jobs_dispatchjob AS j
-     WHERE j.id = p_job AND j.state IN (1, 2) FOR UPDATE;
-    IF FOUND THEN
-        UPDATE fair_jobs_dispatchjob AS j
-           SET state = 3, process_id = p_process, started_at = now()
-         WHERE j.id = p_job
-        RETURNING j.queue, j.tenant INTO v_queue, v_tenant;
-    END IF;
+    UPDATE fair_jobs_dispatchjob AS j
+       SET state = 3, process_id = p_process, started_at = now()
+     WHERE j.id = p_job AND j.state = 2
+    RETURNING j.queue, j.tenant, j.cap INTO v_job;
     IF NOT FOUND THEN
-        RETURN QUERY SELECT 'duplicate'::text, NULL::integer;
-        RETURN;
-    END IF;
-    IF v_state = 1 THEN
-        UPDATE fair_jobs_dispatchtenant AS t
-           SET waiting = t.waiting - 1, in_flight = t.in_flight + 1,
-               head_id = (SELECT j.id FROM fair_jobs_dispatchjob AS j
-                           WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1
-                           ORDER BY j.id LIMIT 1)
-         WHERE t.queue = v_queue AND t.tenant = v_tenant;
-        UPDATE fair_jobs_dispatchqueue AS q SET in_flight = q.in_flight + 1
-         WHERE q.queue = v_queue;
+        SELECT j.queue, j.tenant, j.cap, j.state, j.process_id INTO v_job
+          FROM fair_jobs_dispatchjob AS j WHERE j.id = p_job;
+        IF NOT FOUND OR v_job.state NOT IN (1, 3)
+           OR (v_job.state = 3 AND v_job.process_id IS DISTINCT FROM p_process) THEN
+            RETURN QUERY SELECT 'duplicate'::text, NULL::integer;
+            RETURN;
+        END IF;
+        IF v_job.state = 3 THEN
+            v_status := 'again';
+        ELSE
+            PERFORM 1 FROM fair_jobs_dispatchtenant AS t
+             WHERE t.queue = v_job.queue AND t.tenant = v_job.tenant FOR UPDATE;
+            UPDATE fair_jobs_dispatchjob AS j
+               SET state = 3, process_id = p_process, started_at = now()
+             WHERE j.id = p_job AND j.state = 1;
+            IF NOT FOUND THEN
+                RETURN QUERY SELECT 'duplicate'::text, NULL::integer;
+                RETURN;
+            END IF;
+            UPDATE fair_jobs_dispatchtenant AS t
+               SET waiting = t.waiting - 1, in_flight = t.in_flight + 1,
+                   (head_id, cap) = (SELECT j.id, j.cap FROM fair_jobs_dispatchjob AS j
+                                      WHERE j.queue = t.queue AND j.tenant = t.tenant
+                                        AND j.state = 1 ORDER BY j.id LIMIT 1)
+             WHERE t.queue = v_job.queue AND t.tenant = v_job.tenant;
+        END IF;
     END IF;
     RETURN QUERY
-        SELECT 'started'::text, COALESCE(s.max_jobs, t.cap)::integer
-          FROM fair_jobs_dispatchtenant AS t
-          LEFT JOIN fair_jobs_tenantqueueslot AS s ON s.tenant = t.tenant AND s.queue = t.queue
-         WHERE t.queue = v_queue AND t.tenant = v_tenant;
+        SELECT v_status, COALESCE(
+            (SELECT s.max_jobs FROM fair_jobs_tenantqueueslot AS s
+              WHERE s.tenant = v_job.tenant AND s.queue = v_job.queue),
+            v_job.cap)::integer;
 END;
 $$;
 
--- Take a job out of flight: p_end deletes it (it ended), otherwise it goes back to its
--- line, after p_delay seconds if > 0. Fenced by p_process for a running job (a worker
--- presumed dead cannot end the job a second time); p_process NULL acts on a dispatched
--- job (its publish failed, or its message was revoked). Then dispatch up to p_max jobs into the room it left.
+-- Take a job out of flight. p_outcome: 'end' deletes it (it ended), 'back' puts it at the
+-- head of its line, 'later' aside for p_delay seconds, 'failed' in the failed state.
+-- Fenced by p_process for a running job (a worker presumed dead cannot end the job a
+-- second time); p_process NULL acts on a dispatched job (its publish failed, or its
+-- message was revoked). p_block keeps its line out of the selection until its room comes
+-- back (the fence refused the job). Then dispatch up to p_max jobs into the room it left.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_end(
-    p_job bigint, p_process uuid, p_end boolean, p_delay double precision, p_max integer
+    p_job bigint, p_process uuid, p_outcome text, p_delay double precision,
+    p_block boolean, p_max integer
 )
 RETURNS TABLE (job_id bigint, job_signature text)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
-    v_queue text;
-    v_tenant text;
-    v_back boolean := NOT p_end AND COALESCE(p_delay, 0) <= 0;
+    v_job record;
+    v_back boolean := p_outcome = 'back';
 BEGIN
-    IF p_end THEN
+    IF p_outcome = 'end' THEN
         DELETE FROM fair_jobs_dispatchjob AS j
          WHERE j.id = p_job
            AND ((p_process IS NULL AND j.state = 2)
                 OR (j.state = 3 AND j.process_id = p_process))
-        RETURNING j.queue, j.tenant INTO v_queue, v_tenant;
+        RETURNING j.queue, j.tenant, j.cap INTO v_job;
     ELSE
         UPDATE fair_jobs_dispatchjob AS j
-           SET state = CASE WHEN v_back THEN 1 ELSE 0 END,
-               not_before = CASE WHEN v_back THEN j.not_before
-                                 ELSE now() + make_interval(secs => p_delay) END,
+           SET state = CASE p_outcome WHEN 'back' THEN 1 WHEN 'failed' THEN 4 ELSE 0 END,
+               not_before = CASE WHEN p_outcome = 'later'
+                                 THEN now() + make_interval(secs => p_delay)
+                                 ELSE j.not_before END,
                process_id = NULL, dispatched_at = NULL, started_at = NULL,
                publish_failures = j.publish_failures
                                   + CASE WHEN p_process IS NULL THEN 1 ELSE 0 END
          WHERE j.id = p_job
            AND ((p_process IS NULL AND j.state = 2)
                 OR (j.state = 3 AND j.process_id = p_process))
-        RETURNING j.queue, j.tenant INTO v_queue, v_tenant;
+        RETURNING j.queue, j.tenant, j.cap INTO v_job;
     END IF;
     IF NOT FOUND THEN
         RETURN;
@@ -246,13 +343,64 @@ BEGIN
     UPDATE fair_jobs_dispatchtenant AS t
        SET in_flight = GREATEST(t.in_flight - 1, 0),
            waiting = t.waiting + CASE WHEN v_back THEN 1 ELSE 0 END,
-           head_id = CASE WHEN NOT v_back THEN t.head_id
-                          WHEN t.waiting = 0 THEN p_job ELSE LEAST(t.head_id, p_job) END
-     WHERE t.queue = v_queue AND t.tenant = v_tenant;
-    UPDATE fair_jobs_dispatchqueue AS q SET in_flight = GREATEST(q.in_flight - 1, 0)
-     WHERE q.queue = v_queue;
+           head_id = CASE WHEN v_back AND (t.waiting = 0 OR p_job < t.head_id)
+                          THEN p_job ELSE t.head_id END,
+           cap = CASE WHEN v_back AND (t.waiting = 0 OR p_job < t.head_id)
+                      THEN v_job.cap ELSE t.cap END,
+           blocked = p_block
+     WHERE t.queue = v_job.queue AND t.tenant = v_job.tenant;
     IF p_max > 0 THEN
-        RETURN QUERY SELECT d.job_id, d.job_signature FROM fair_jobs_dispatch(v_queue, p_max) AS d;
+        RETURN QUERY SELECT d.job_id, d.job_signature
+                       FROM fair_jobs_dispatch(v_job.queue, p_max) AS d;
     END IF;
+END;
+$$;
+
+-- Recount every line's waiting and in-flight jobs from the job rows (maintenance), each
+-- line locked first (SKIP LOCKED: one a step holds is recounted at the next pass), so that
+-- a count that drifted is set right and returned to be logged, never hidden.
+CREATE OR REPLACE FUNCTION fair_jobs_dispatch_recount()
+RETURNS TABLE (queue text, tenant text, waiting_was integer, waiting integer,
+               in_flight_was integer, in_flight integer)
+LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
+DECLARE
+    v_line record;
+BEGIN
+    FOR v_line IN
+        SELECT t.id FROM fair_jobs_dispatchtenant AS t
+         WHERE t.waiting IS DISTINCT FROM (
+                   SELECT count(*) FROM fair_jobs_dispatchjob AS j
+                    WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1)
+            OR t.in_flight IS DISTINCT FROM (
+                   SELECT count(*) FROM fair_jobs_dispatchjob AS j
+                    WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state IN (2, 3))
+         ORDER BY t.id
+    LOOP
+        PERFORM 1 FROM fair_jobs_dispatchtenant AS t WHERE t.id = v_line.id
+           FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        -- A statement of its own, so that its snapshot sees every step that held the line.
+        RETURN QUERY
+            WITH counted AS (
+                SELECT t.id, t.waiting AS waiting_was, t.in_flight AS in_flight_was,
+                       (SELECT count(*) FROM fair_jobs_dispatchjob AS j
+                         WHERE j.queue = t.queue AND j.tenant = t.tenant
+                           AND j.state = 1)::integer AS waiting,
+                       (SELECT count(*) FROM fair_jobs_dispatchjob AS j
+                         WHERE j.queue = t.queue AND j.tenant = t.tenant
+                           AND j.state IN (2, 3))::integer AS in_flight
+                  FROM fair_jobs_dispatchtenant AS t WHERE t.id = v_line.id
+            )
+            UPDATE fair_jobs_dispatchtenant AS t
+               SET waiting = c.waiting, in_flight = c.in_flight, blocked = false,
+                   (head_id, cap) = (SELECT j.id, j.cap FROM fair_jobs_dispatchjob AS j
+                                      WHERE j.queue = t.queue AND j.tenant = t.tenant
+                                        AND j.state = 1 ORDER BY j.id LIMIT 1)
+              FROM counted AS c
+             WHERE t.id = c.id
+               AND (c.waiting, c.in_flight) IS DISTINCT FROM (c.waiting_was, c.in_flight_was)
+            RETURNING t.queue::text, t.tenant::text, c.waiting_was::integer, c.waiting,
+                      c.in_flight_was::integer, c.in_flight;
+    END LOOP;
 END;
 $$;

@@ -33,6 +33,7 @@ from bench.metrics import Record
 from bench.models import JobRecord, StatementCount
 from bench.modes import Mode, slow_queue_limit
 from bench.scenario import Job, Scenario
+from django_fair_jobs import dispatch
 from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue, DispatchTenant
 from django_fair_jobs.models import (
     JobDecision,
@@ -187,7 +188,7 @@ def library_leftover() -> dict[str, int]:
         "queue_jobs": sum(QueueLimit.objects.values_list("current_jobs", flat=True)),
         "planned": PlannedJob.objects.count(),
         "dispatch_rows": DispatchJob.objects.count(),
-        "dispatch_in_flight": sum(DispatchQueue.objects.values_list("in_flight", flat=True)),
+        "dispatch_in_flight": sum(dispatch.in_flight().values()),
     }
 
 

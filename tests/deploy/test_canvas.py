@@ -19,7 +19,7 @@ import pytest
 from celery import chain, chord, group
 from celery.result import AsyncResult, GroupResult
 
-from django_fair_jobs.dispatch.models import WAITING, DispatchJob, DispatchQueue, DispatchTenant
+from django_fair_jobs.dispatch.models import WAITING, DispatchJob, DispatchTenant
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot
 from tests.conftest import Worker, wait_for
 from tests.test_workers import max_overlap
@@ -50,7 +50,7 @@ class Mode:
 def _dispatch_settled() -> bool:
     return (
         not DispatchJob.objects.exists()
-        and not DispatchQueue.objects.filter(in_flight__gt=0).exists()
+        and not DispatchJob.objects.filter(state__in=[2, 3]).exists()
         and not DispatchTenant.objects.filter(in_flight__gt=0).exists()
         and not DispatchTenant.objects.filter(waiting__gt=0).exists()
         and not SlotLease.objects.exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -22,13 +23,16 @@ from tests.conftest import run_as_worker
 from tests.sessions import session
 from tests.testapp import tasks
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("engine")]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("engine", "in_process_worker"),
+]
 
 RAN: list[str] = []
 
 
 @pytest.fixture(autouse=True)
-def published(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def published(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Nothing reaches a broker: the jobs dispatched are collected (row ids)."""
     out: list[int] = []
 
@@ -60,9 +64,7 @@ def deliver(job: DispatchJob, task: Any = tasks.dispatched) -> str:
     from celery.exceptions import Ignore
 
     try:
-        run_as_worker(
-            task, (job.tenant,), task_id=job.task_id, headers={headers.DISPATCH: job.pk}
-        )
+        run_as_worker(task, (job.tenant,), task_id=job.task_id, headers={headers.DISPATCH: job.pk})
     except Ignore:
         return "not run"
     return "ran"
@@ -176,9 +178,15 @@ def test_d12__ineligible_tenants__the_choice_reads_as_few_rows_as_when_all_are_e
     dispatch.enqueue_many(
         [
             dispatch.Job(
-                queue="fair", tenant=t, task_name=tasks.dispatched.name, task_id=f"id-{t}",
-                signature="{}", not_before=None, weight=None, cap=None,
-            )  # fmt: skip
+                queue="fair",
+                tenant=t,
+                task_name=tasks.dispatched.name,
+                task_id=f"id-{t}",
+                signature="{}",
+                not_before=None,
+                weight=None,
+                cap=None,
+            )
             for t in tenants
         ]
     )

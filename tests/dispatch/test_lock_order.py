@@ -118,7 +118,7 @@ def test_d1d__a_start_from_the_line_takes_the_line_before_the_job() -> None:
     set_capacity(10)
     job = running("t")
     set_capacity(0)  # so that its end dispatches nothing: it stays in line
-    dispatch.end(job, PROCESS, delay=0.0)  # back in line, as the reap puts it
+    dispatch.end(job, PROCESS, outcome="back")  # back in line, as the reap puts it
     assert DispatchJob.objects.get(pk=job).state == 1
     started = run_while_locked(
         line_lock("t"),
@@ -148,14 +148,33 @@ def test_d7__delay_inside_atomic__holds_no_line_and_no_queue_row() -> None:
     assert DispatchJob.objects.get(tenant="w").state == 2
 
 
-def test_d11__refresh_capacity_never_waits_for_a_busy_queue() -> None:
+def test_d11__refresh_capacity_holds_no_queue_while_it_waits_for_another() -> None:
+    from django_fair_jobs import identity
+
     set_capacity(1, queue="a")
     set_capacity(1, queue="z")
-    finishes_while_held(
-        ("SELECT queue FROM fair_jobs_dispatchqueue WHERE queue = 'z' FOR UPDATE", []),
-        lambda: dispatch.refresh_capacity(slack_per_node=0, timeout=60),
-        "refresh_capacity",
+    identity.register_process(
+        process_id=uuid.uuid4(),
+        node="n@h",
+        hostname="h",
+        pid=1,
+        queues=["a", "fair"],
+        concurrency=2,
     )
+    held = session()
+    held.execute("SELECT queue FROM fair_jobs_dispatchqueue WHERE queue = 'z' FOR UPDATE")
+    thread, out = in_thread(lambda: dispatch.refresh_capacity(slack_per_node=0, timeout=60))
+    try:
+        wait_until_blocked(thread, "the refresh to wait on z's row")
+        # Whatever the refresh waits for, queue a's new capacity is in, and a's steps go on.
+        assert DispatchQueue.objects.get(queue="a").capacity == 2
+        tasks.dispatched.delay("x")
+        assert DispatchJob.objects.get(tenant="x").state == 2
+    finally:
+        held.rollback()
+        held.close()
+        thread.join(20)
+    assert not isinstance(out[0], BaseException), out
 
 
 def test_d14__enqueue_start_end_and_dispatch_never_write_the_queue_row() -> None:

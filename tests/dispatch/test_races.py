@@ -19,26 +19,24 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_refresh_capacity__the_queue_row_inserted_meanwhile_by_an_enqueue__no_error() -> None:
-    # A worker process that starts computes its queue's capacity while the first enqueue
-    # on that queue inserts the queue's row. The refresh found no row, waited on the
-    # enqueue's, and failed on the duplicate key: the queue kept no capacity until the
-    # next maintenance pass, so a countdown come due was not dispatched.
+def test_refresh_capacity__the_queue_row_inserted_meanwhile_by_another_refresh__no_error() -> None:
+    # Two worker processes start at once and both compute their queue's capacity: the
+    # second finds no row, waits on the first's insert, and must not fail on the duplicate
+    # key (the queue would keep no capacity until the next maintenance pass).
     identity.register_process(
         process_id=uuid.uuid4(), node="n@h", hostname="h", pid=1, queues=["race"], concurrency=2
     )
-    enqueue = session()
-    enqueue.execute(
-        "INSERT INTO fair_jobs_dispatchqueue"
-        " (queue, capacity, slack, in_flight, virtual_time, dispatched_total, updated_at)"
-        " VALUES ('race', 0, 0, 0, 0, 0, now()) ON CONFLICT (queue) DO NOTHING"
-    )  # uncommitted: its transaction is open, as an enqueue's is mid-statement
+    other = session()
+    other.execute(
+        "INSERT INTO fair_jobs_dispatchqueue (queue, capacity, slack, nodes, updated_at)"
+        " VALUES ('race', 1, 0, 1, now()) ON CONFLICT (queue) DO NOTHING"
+    )  # uncommitted: its transaction is open, as the other refresh's is mid-statement
     thread, out = in_thread(lambda: dispatch.refresh_capacity(slack_per_node=0, timeout=60))
     try:
-        wait_until_blocked(thread, "the refresh to wait on the enqueue's row")
+        wait_until_blocked(thread, "the refresh to wait on the other's row")
     finally:
-        enqueue.commit()
-        enqueue.close()
+        other.commit()
+        other.close()
         thread.join(20)
     (outcome,) = out
     assert not isinstance(outcome, BaseException), outcome
@@ -90,8 +88,11 @@ def test_dispatch_while_a_cancel_holds_the_line__takes_another_tenant_never_a_ca
     assert sorted(cancelled) == sorted(flood)
     thread, out = in_thread(lambda: dispatch.dispatch("fair"))
     try:
-        # Dispatch skips a line another transaction holds: it ends without waiting.
+        # Dispatch skips a line another transaction holds: it ends without waiting, while
+        # the cancel's transaction is still open.
         wait_until_blocked(thread, "the dispatch to end, or wait on the cancel's line")
+        thread.join(2)
+        assert not thread.is_alive(), "the dispatch waits for the cancel's line"
     finally:
         held.commit()
         held.close()
@@ -101,4 +102,4 @@ def test_dispatch_while_a_cancel_holds_the_line__takes_another_tenant_never_a_ca
     assert [DispatchJob.objects.get(pk=r.job_id).task_id for r in ready] == [small]
     assert not DispatchJob.objects.filter(task_id__in=flood).exists()
     assert (_line("flood").waiting, _line("flood").in_flight) == (0, 0)
-    assert DispatchQueue.objects.get(queue="fair").in_flight == 1
+    assert dispatch.in_flight() == {"fair": 1}

@@ -280,7 +280,7 @@ class Command(BaseCommand):
         return {
             "queue": queue, "tenant": job.tenant, "task_name": job.task_name,
             "task_id": job.task_id, "signature": job.signature, "not_before": None,
-            "weight": None, "cap": None,
+            "delay": 0.0, "weight": None, "cap": None, "on_loss": 0,
         }  # fmt: skip
 
     def _start_end(self, i: int) -> None:
@@ -297,7 +297,8 @@ class Command(BaseCommand):
         job_id = DispatchJob.objects.get(task_id=params["task_id"]).pk
         explain("dispatch_start", {"job": job_id, "process": self.process_id})
         explain("dispatch_end", {
-            "job": job_id, "process": self.process_id, "ended": True, "delay": 0.0, "max": 100,
+            "job": job_id, "process": self.process_id, "outcome": "end", "delay": 0.0,
+            "block": False, "max": 100,
         })  # fmt: skip
 
     def _clean(self) -> None:

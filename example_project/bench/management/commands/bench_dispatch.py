@@ -36,28 +36,25 @@ TABLES = ("fair_jobs_dispatchjob", "fair_jobs_dispatchtenant", "fair_jobs_dispat
 
 FILL = (
     # Room for one job at a time: every cycle dispatches exactly one.
-    "INSERT INTO fair_jobs_dispatchqueue "
-    "(queue, capacity, slack, in_flight, virtual_time, dispatched_total, updated_at) "
-    "VALUES (%(queue)s, 1, 0, 0, 0, 0, now())",
+    "INSERT INTO fair_jobs_dispatchqueue (queue, capacity, slack, nodes, updated_at) "
+    "VALUES (%(queue)s, 1, 0, 1, now())",
     "INSERT INTO fair_jobs_dispatchjob (queue, tenant, task_name, task_id, signature, state, "
-    "enqueued_at, publish_failures) "
+    "enqueued_at, publish_failures, republished, on_loss) "
     "SELECT %(queue)s, 'tenant-' || (i %% %(tenants)s), 'bench.dispatch_job', "
-    "md5(i::text), '{}', 1, now(), 0 FROM generate_series(1, %(jobs)s) AS i",
+    "md5(i::text), '{}', 1, now(), 0, 0, 0 FROM generate_series(1, %(jobs)s) AS i",
     "INSERT INTO fair_jobs_dispatchtenant (queue, tenant, weight, cap, waiting, in_flight, "
-    "pass_value, head_id, dispatched_total) "
-    "SELECT %(queue)s, tenant, 1.0, NULL, count(*), 0, 0, min(id), 0 "
+    "pass_value, served_pass, head_id, dispatched_total, blocked) "
+    "SELECT %(queue)s, tenant, 1.0, NULL, count(*), 0, 0, 0, min(id), 0, false "
     "FROM fair_jobs_dispatchjob GROUP BY tenant",
 )
 
 DISPATCH = "SELECT job_id FROM fair_jobs_dispatch(%s, 1)"
-END = "SELECT count(*) FROM fair_jobs_dispatch_end(%s, NULL, false, 0, 0)"
+END = "SELECT count(*) FROM fair_jobs_dispatch_end(%s, NULL, 'back', 0, false, 0)"
 PLAN = (
     "EXPLAIN SELECT t.id FROM fair_jobs_dispatchtenant AS t "
-    "LEFT JOIN fair_jobs_tenantqueueslot AS s ON s.tenant = t.tenant AND s.queue = t.queue "
-    "WHERE t.queue = %s AND t.waiting > 0 AND (COALESCE(s.max_jobs, t.cap) IS NULL "
-    "OR t.in_flight < COALESCE(s.max_jobs, t.cap)) "
+    "WHERE t.queue = %s AND t.waiting > 0 AND NOT t.blocked "
     "ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id "
-    "LIMIT 1 FOR UPDATE OF t SKIP LOCKED"
+    "LIMIT 1 FOR UPDATE SKIP LOCKED"
 )
 
 

@@ -170,9 +170,9 @@ FILL = [
     # Fair dispatch's lines, one per tenant (their admin page lists them).
     f"""
     INSERT INTO fair_jobs_dispatchtenant
-           (queue, tenant, weight, cap, waiting, in_flight, pass_value, head_id,
-            dispatched_total)
-    SELECT %(queue)s, {TENANT.format("i")}, 1, NULL, 0, 0, 0, NULL, 0
+           (queue, tenant, weight, cap, waiting, in_flight, pass_value, served_pass,
+            head_id, dispatched_total, blocked)
+    SELECT %(queue)s, {TENANT.format("i")}, 1, NULL, 0, 0, 0, 0, NULL, 0, false
       FROM generate_series(1, %(tenants)s) AS i
     """,
     # What the operations pages read too: shadow-mode decisions (one per parked job), one
