@@ -107,8 +107,7 @@ def hold_for_dispatch(
     alias = dispatch.alias()
     request = task.request
     if getattr(request, "fair_retrying", False) and connections[alias].in_atomic_block:
-        deferred = [*getattr(request, "fair_deferred_retries", []), job]
-        setattr(request, "fair_deferred_retries", deferred)  # noqa: B010  (Context's stub)
+        _deferred_retries.__dict__.setdefault("jobs", []).append(job)
     elif connections[alias].in_atomic_block:
         _store_until_commit(task, [job])
     else:
@@ -118,6 +117,18 @@ def hold_for_dispatch(
     if parent is not None and options.get("add_to_parent", True):
         parent.add_trail(result)  # as Celery's send_task does for a job sent from a job
     return result
+
+
+_deferred_retries = threading.local()
+"""Retries of the dispatched job this thread runs, asked inside the job's own ``atomic()``
+(see :func:`hold_for_dispatch`), until :func:`take_deferred_retries`."""
+
+
+def take_deferred_retries() -> list[dispatch.Job]:
+    """The retries this thread's dispatched job asked for inside its own ``atomic()``, once:
+    stored by the job's run when it ends."""
+    jobs: list[dispatch.Job] = _deferred_retries.__dict__.pop("jobs", [])
+    return jobs
 
 
 def hold_many_for_dispatch(

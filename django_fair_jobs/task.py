@@ -360,9 +360,14 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``, with the job's slot (and queue place) released before the
         retry is published: a retry that starts at once on another process finds the slot
-        free instead of held by this run."""
+        free instead of held by this run. A dispatched job's retry asked inside the job's
+        own ``atomic()`` is stored when the run ends, whatever the block does."""
         admission.release_held(self)
-        return super().retry(*args, **kwargs)
+        setattr(self.request, "fair_retrying", True)  # noqa: B010  (Context's stub)
+        try:
+            return super().retry(*args, **kwargs)
+        finally:
+            setattr(self.request, "fair_retrying", False)  # noqa: B010
 
 
 TASK_OPTIONS: tuple[str, ...] = tuple(

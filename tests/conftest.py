@@ -265,14 +265,20 @@ def in_process_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def run_as_worker(
-    task: Any, args: tuple[Any, ...], *, task_id: str, headers: dict[str, Any]
+    task: Any,
+    args: tuple[Any, ...],
+    *,
+    task_id: str,
+    headers: dict[str, Any],
+    redelivered: bool = False,
 ) -> Any:
     """Run ``task`` as a worker runs a delivered message: ``FairTask.__call__`` with the
-    request of a delivery from the ``fair`` queue (slots, parking and all)."""
+    request of a delivery from the ``fair`` queue (slots, parking and all); ``redelivered``
+    as the broker marks a message it gives again."""
     task.push_request(
         id=task_id,
         headers=headers,
-        delivery_info={"routing_key": "fair", "redelivered": False},
+        delivery_info={"routing_key": "fair", "redelivered": redelivered},
         hostname="bad@host",
         is_eager=False,
         called_directly=False,

@@ -40,6 +40,7 @@ from django_fair_jobs import (
     identity,
     messages,
     planner,
+    publishing,
     queue_limits,
     reroute,
     routing,
@@ -265,7 +266,7 @@ def _dispatch_fence(
     except DatabaseError:
         logger.exception("The fence of dispatched job %s failed; it goes back in line", job_id)
         _uncertain_acquire(task, woken=False)
-        ends.end_later(job_id, process, outcome="back")
+        ends.end(task, job_id, process, outcome="back")
         raise Ignore() from None
     if acquired.grant is None:
         # Taken between dispatch and start (another task's job, a lowered limit): nothing
@@ -277,14 +278,9 @@ def _dispatch_fence(
 
 def _store_deferred_retries(task: Task[Any, Any]) -> None:
     """Store the retries a dispatched job asked for inside its own ``atomic()`` block
-    (:func:`~django_fair_jobs.publishing.hold_for_dispatch` kept them on the request), now
-    that the block is over, whether it committed or not: Celery's retry is in the broker
-    either way."""
-    deferred = getattr(task.request, "fair_deferred_retries", None)
-    if not deferred:
-        return
-    setattr(task.request, "fair_deferred_retries", [])  # noqa: B010  (Context's stub)
-    for job in deferred:
+    (:func:`~django_fair_jobs.publishing.hold_for_dispatch` kept them), now that the block
+    is over, whether it committed or not: Celery's retry is in the broker either way."""
+    for job in publishing.take_deferred_retries():
         dispatch.publish(task.app, dispatch.enqueue(job))
 
 

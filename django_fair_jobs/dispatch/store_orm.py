@@ -14,6 +14,7 @@ from django.db.models import F, Max, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from django_fair_jobs import db
 from django_fair_jobs.dispatch import store as pg_store
 from django_fair_jobs.dispatch.models import (
     DISPATCHED,
@@ -168,9 +169,9 @@ class Store(pg_store.Store):
 
     def stage(self, jobs: list[Job]) -> None:
         """See :func:`django_fair_jobs.dispatch.stage`."""
+        now = db.database_now(self.alias)
         for job in jobs:
-            not_before = job.not_before or timezone.now() + timedelta(seconds=job.delay)
-            self._create(job, SCHEDULED, not_before)
+            self._create(job, SCHEDULED, job.not_before or now + timedelta(seconds=job.delay))
 
     def _create(self, job: Job, state: int, not_before: Any) -> DispatchJob:
         return self._jobs().create(  # type: ignore[no-any-return]
@@ -180,11 +181,12 @@ class Store(pg_store.Store):
         )  # fmt: skip
 
     def _put(self, job: Job) -> bool:
-        """Store ``job`` in its line (aside, if not due yet); True if it is due."""
+        """Store ``job`` in its line (aside, if not due yet); True if it is due. A
+        countdown counts by the database's clock, as on PostgreSQL."""
         not_before = job.not_before
         if not_before is None and job.delay > 0:
-            not_before = timezone.now() + timedelta(seconds=job.delay)
-        due = not_before is None or not_before <= timezone.now()
+            not_before = db.database_now(self.alias) + timedelta(seconds=job.delay)
+        due = not_before is None or not_before <= db.database_now(self.alias)
         row = self._create(job, WAITING if due else SCHEDULED, not_before)
         vt = self._vt(job.queue) if due else 0.0
         line, created = self._tenants().get_or_create(

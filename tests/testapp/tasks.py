@@ -254,6 +254,34 @@ def dispatched_late(self: Any, tenant: str, duration: float = 0.01) -> str:
     return _run(self, tenant, duration)
 
 
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_dispatch=True, max_retries=2)
+def dispatched_retry_in_atomic(self: Any, tenant: str) -> str:
+    """Fair dispatch; the first run asks for a retry from inside its own ``atomic()``."""
+    from django.db import transaction
+
+    if self.request.retries == 0:
+        with transaction.atomic():
+            JobRun.objects.create(task_id=self.request.id, tenant=tenant, pid=0, started_at=Now())
+            raise self.retry(countdown=60)
+    return tenant
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_dispatch=True, acks_late=False)
+def dispatched_early(self: Any, tenant: str) -> str:
+    """Fair dispatch of a task acknowledged at start (the suite's default is acks_late)."""
+    return _run(self, tenant, 0.0)
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_dispatch=True, acks_late=True)
+def dispatched_rejecting(self: Any, tenant: str) -> str:
+    """Fair dispatch; the first delivery gives its message back (``Reject(requeue=True)``)."""
+    from celery.exceptions import Reject
+
+    if not (self.request.delivery_info or {}).get("redelivered"):
+        raise Reject("not now", requeue=True)
+    return tenant
+
+
 class TenantFromKeyword(FairTask):
     """The tenant is the ``tenant`` keyword argument (chains pass results positionally)."""
 

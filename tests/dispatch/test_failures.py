@@ -1,0 +1,181 @@
+"""Every failure path of a dispatched job, as for tenant slots (D4, D5, D6, D9, D13, D17,
+D18 and D19 of the dispatch review): no job is lost, no room or slot leaks, and nothing
+loops, whatever fails where."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from typing import Any
+
+import pytest
+from celery.exceptions import Reject, Retry
+from django.db import OperationalError
+
+from django_fair_jobs import admission, dispatch, explanations, identity, signals
+from django_fair_jobs.dispatch.models import (
+    DISPATCHED,
+    FAILED,
+    RUNNING,
+    SCHEDULED,
+    WAITING,
+    DispatchJob,
+)
+from django_fair_jobs.maintenance import threads
+from django_fair_jobs.models import TenantQueueSlot, WorkerProcess
+from tests.dispatch.conftest import deliver, job_of, set_capacity
+from tests.testapp import tasks
+from tests.testapp.models import JobRun
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("engine", "in_process_worker", "collected"),
+]
+
+
+def test_d4__retry_inside_the_jobs_atomic__the_retry_is_kept() -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched_retry_in_atomic.delay("acme").id)
+    with pytest.raises(Retry):
+        deliver(job, tasks.dispatched_retry_in_atomic)
+    assert not JobRun.objects.exists()  # the job's transaction rolled back...
+    (retry,) = DispatchJob.objects.filter(task_id=job.task_id)  # ...its retry did not
+    assert retry.state == SCHEDULED and retry.pk != job.pk
+
+
+def test_d5__the_start_commits_and_its_reply_is_lost__the_job_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    real, cut = dispatch.start, []
+
+    def start_then_cut(job_id: int, process: uuid.UUID) -> dispatch.Started:
+        started = real(job_id, process)
+        if not cut:
+            cut.append(job_id)
+            raise OperationalError("server closed the connection unexpectedly")
+        return started
+
+    monkeypatch.setattr(dispatch, "start", start_then_cut)
+    monkeypatch.setattr(admission, "REPLY_RETRY_DELAYS", (0.0, 0.0))
+    assert deliver(job) == "ran"
+    assert JobRun.objects.filter(task_id=job.task_id).count() == 1
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()  # ended: no room held
+
+
+def test_d5__a_second_copy_delivered_to_the_process_running_it__not_run_again() -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    process = identity.current_process_id()
+    assert dispatch.start(job.pk, process).status == "started"
+    admission.ends.mark_running(job.task_id)  # the first copy runs here now
+    try:
+        assert deliver(job) == "not run"
+    finally:
+        admission.ends.unmark_running(job.task_id)
+    assert DispatchJob.objects.get(pk=job.pk).state == RUNNING
+
+
+def test_d6__broker_down__one_delay_makes_one_publish_attempt(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    monkeypatch.undo()  # the real publish, against a broker that refuses every message
+    attempts: list[str] = []
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        attempts.append(self.args[0])
+        raise OperationalError("[Errno 111] Connection refused")
+
+    monkeypatch.setattr("celery.canvas.Signature.apply_async", refuse)
+    set_capacity(0)
+    for i in range(30):
+        tasks.dispatched.delay(f"t{i}")
+    set_capacity(31)
+    tasks.dispatched.delay("late")  # dispatches 31 jobs, and the broker is down
+    assert len(attempts) == 1
+    assert DispatchJob.objects.count() == 31  # nothing lost
+    assert DispatchJob.objects.filter(publish_failures=1).count() == 1
+
+
+def test_d9__the_fence_fails__the_job_goes_back__no_slot_leaks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched_capped.delay("acme").id)
+    real = admission.acquire
+
+    def acquire_then_cut(**kwargs: Any) -> Any:
+        real(**kwargs)
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(admission, "acquire", acquire_then_cut)
+    assert deliver(job, tasks.dispatched_capped) == "not run"
+    assert DispatchJob.objects.get(pk=job.pk).state in (WAITING, DISPATCHED)
+    admission.retry_pending_releases()  # the heartbeat gives back what the acquire took
+    assert TenantQueueSlot.objects.get(tenant="acme").current_jobs == 0
+
+
+def test_d13__reject_requeue__the_row_waits_for_the_redelivered_copy() -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched_rejecting.delay("acme").id)
+    with pytest.raises(Reject):
+        deliver(job, tasks.dispatched_rejecting)
+    assert DispatchJob.objects.filter(task_id=job.task_id).exists()
+    again = DispatchJob.objects.get(task_id=job.task_id)
+    assert deliver(again, tasks.dispatched_rejecting, redelivered=True) == "ran"
+    assert not DispatchJob.objects.filter(task_id=job.task_id).exists()
+
+
+def test_d17__an_end_that_failed__done_at_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    real = dispatch.end
+    monkeypatch.setattr(
+        dispatch, "end", lambda *a, **k: (_ for _ in ()).throw(OperationalError("down"))
+    )
+    assert deliver(job) == "ran"
+    assert DispatchJob.objects.get(pk=job.pk).state == RUNNING  # its end is kept
+    monkeypatch.setattr(dispatch, "end", real)
+    process = identity.current_process_id()
+    ident = identity.Identity(process_id=process, node="bad@host", pid=0)
+    monkeypatch.setattr(identity, "current", lambda: ident)
+    threads.shutdown()
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()
+
+
+def test_d18__a_terminated_job_without_a_slot__its_pool_process_is_found() -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    child = uuid.uuid4()
+    identity.register_process(process_id=child, node="n@h", hostname=socket.gethostname(), pid=4242)
+    assert dispatch.start(job.pk, child).status == "started"
+    # revoke(terminate=True) drops its row only once this process is gone.
+    assert signals._pool_pids_running(job.task_id) == [4242]
+    assert WorkerProcess.objects.filter(pk=child).exists()
+
+
+def test_d19__a_job_no_broker_takes__ends_failed__explain_says_so(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    monkeypatch.undo()
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise ValueError("the serializer refuses it")
+
+    monkeypatch.setattr("celery.canvas.Signature.apply_async", refuse)
+    set_capacity(1)
+    task_id = tasks.dispatched.delay("poison").id
+    for _ in range(10):
+        DispatchJob.objects.filter(task_id=task_id, state=SCHEDULED).update(
+            not_before=timezone.now() - timedelta(seconds=1)
+        )
+        dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    row = DispatchJob.objects.get(task_id=task_id)
+    assert row.state == FAILED and row.publish_failures == 5
+    assert explanations.explain(task_id).state == "failed"
+    assert dispatch.in_flight() == {}  # it holds no room

@@ -1,0 +1,146 @@
+"""What maintenance and a worker's start do for fair dispatch (D8, D15, D16, D20 and D21 of
+the dispatch review): registration tried again until the database answers, the
+lost-message repair bounded, the reap as Celery would redeliver, Celery's clocks, and
+counts recounted with their drift logged."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from django.db import OperationalError
+from django.utils import timezone
+from kombu.utils.json import loads
+
+from django_fair_jobs import db, dispatch, identity
+from django_fair_jobs.dispatch.models import DISPATCHED, DispatchJob, DispatchTenant
+from django_fair_jobs.maintenance import passes, threads
+from django_fair_jobs.models import WorkerProcess
+from tests.conftest import wait_for
+from tests.dispatch.conftest import job_of, set_capacity
+from tests.testapp import tasks
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("engine", "collected"),
+]
+
+
+def test_d8__workers_started_before_the_database__register_once_it_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tries: list[int] = []
+
+    def down_twice(node: str | None = None) -> uuid.UUID:
+        tries.append(1)
+        if len(tries) < 3:
+            raise OperationalError("connection refused")
+        return uuid.uuid4()
+
+    monkeypatch.setattr(identity, "current_process_id", down_twice)
+    monkeypatch.setattr(identity, "registered_process_id", lambda: None)
+    monkeypatch.setattr(passes, "dispatch_into_new_capacity", lambda: 0)
+    monkeypatch.setattr(threads, "REGISTER_RETRY_FIRST", 0.01)
+    threads.start_process()
+    wait_for(lambda: len(tries) >= 3, 10, "registration to be tried until it works")
+    assert len(tries) == 3  # and not after it worked
+
+
+def stale_dispatched(seconds: float) -> DispatchJob:
+    """A job dispatched ``seconds`` ago and not started."""
+    job = job_of(tasks.dispatched.delay("acme").id)
+    assert job.state == DISPATCHED
+    DispatchJob.objects.filter(pk=job.pk).update(
+        dispatched_at=timezone.now() - timedelta(seconds=seconds)
+    )
+    return job
+
+
+def test_d15__lost_message_repair__backs_off_with_each_copy() -> None:
+    from django_fair_jobs.dispatch import _store
+
+    set_capacity(1)
+    job = stale_dispatched(1.5)
+    assert [r.job_id for r in _store().lost(1.0)] == [job.pk]
+    DispatchJob.objects.filter(pk=job.pk).update(
+        dispatched_at=timezone.now() - timedelta(seconds=1.5)
+    )
+    assert _store().lost(1.0) == []  # the second copy waits twice as long
+    DispatchJob.objects.filter(pk=job.pk).update(
+        dispatched_at=timezone.now() - timedelta(seconds=2.5)
+    )
+    assert [r.job_id for r in _store().lost(1.0)] == [job.pk]
+
+
+def test_d15__lost_message_repair__not_while_no_worker_consumes_the_queue() -> None:
+    from django_fair_jobs.dispatch import _store
+
+    set_capacity(1)
+    stale_dispatched(10)
+    set_capacity(0)  # every worker of the queue is gone
+    assert _store().lost(1.0) == []
+
+
+def running_under(task: Any, node_alive: bool) -> DispatchJob:
+    """A job of ``task`` running under a process that stopped beating; another process of
+    the same node still beats if ``node_alive``."""
+    set_capacity(1)
+    job = job_of(task.delay("acme").id)
+    node, dead = uuid.uuid4(), uuid.uuid4()
+    for pid in (dead, uuid.uuid4()) if node_alive else (dead,):
+        identity.register_process(process_id=pid, node="n@h", hostname="h", pid=1, node_id=node)
+    WorkerProcess.objects.filter(pk=dead).update(
+        last_heartbeat_at=db.database_now() - timedelta(seconds=600)
+    )
+    assert dispatch.start(job.pk, dead).status == "started"
+    return job
+
+
+@pytest.mark.parametrize(
+    ("task", "node_alive", "back"),
+    [
+        (tasks.dispatched_early, False, False),  # Celery acknowledged it at start
+        (tasks.dispatched_late, True, False),  # a lost pool child: acknowledged, FAILURE
+        (tasks.dispatched_late, False, True),  # the node is gone: the broker redelivers
+    ],
+)
+def test_d16__the_reap_does_what_celery_would(task: Any, node_alive: bool, back: bool) -> None:
+    from django_fair_jobs.dispatch import _store
+
+    job = running_under(task, node_alive)
+    assert _store().reap(60.0) == ((1, 0) if back else (0, 1))
+    assert DispatchJob.objects.filter(pk=job.pk).exists() is back
+
+
+def test_d20__a_numeric_expires__counts_from_delay() -> None:
+    set_capacity(0)
+    job = job_of(tasks.dispatched.apply_async(("acme",), expires=60).id)
+    expires = loads(job.signature)["options"]["expires"]
+    assert isinstance(expires, str)
+    at = datetime.fromisoformat(expires)
+    assert timezone.now() + timedelta(seconds=50) < at < timezone.now() + timedelta(seconds=61)
+
+
+def test_d20__a_countdown__by_the_databases_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_capacity(0)
+    skewed = timezone.now() + timedelta(minutes=5)  # the publisher's clock is 5 min fast
+    monkeypatch.setattr(timezone, "now", lambda: skewed)
+    job = job_of(tasks.dispatched.apply_async(("acme",), countdown=10).id)
+    due = job.not_before - db.database_now()
+    assert timedelta(seconds=5) < due < timedelta(seconds=11), due
+
+
+def test_d21__counts_that_drifted__recounted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    set_capacity(0)
+    for _ in range(3):
+        tasks.dispatched.delay("acme")
+    DispatchTenant.objects.filter(tenant="acme").update(waiting=7, in_flight=2)
+    with caplog.at_level(logging.WARNING, logger="django_fair_jobs.dispatch"):
+        assert dispatch.recount() == 1
+    line = DispatchTenant.objects.get(tenant="acme")
+    assert (line.waiting, line.in_flight) == (3, 0)
+    assert "counted 7 waiting and 2 in flight" in caplog.text
+    assert dispatch.recount() == 0
