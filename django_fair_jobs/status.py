@@ -293,6 +293,7 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
     """Everything the dashboard shows, as JSON-ready data (see the module docstring): the
     tenants as :func:`tenants` gives them for ``first`` and ``rank``, and how many are
     active in all (``tenants_active``); the fairness index is over every tenant."""
+    from django_fair_jobs import dispatch
     from django_fair_jobs.planner import status as planner_status
     from django_fair_jobs.queue_limits import queue_status
 
@@ -305,6 +306,7 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
         "tenants": _rows(summaries, _ranked(summaries, names, first, rank), len(names)),
         "tenants_active": len(names),
         "queues": queue_status(),
+        "dispatch": dispatch.queue_status(),
         "planners": planner_status(first=first),
         "nodes": nodes(now),
         "fairness": _fairness(
@@ -346,6 +348,13 @@ def as_text(snap: dict[str, Any]) -> str:
             f"parked {q['parked']}{'' if oldest is None else f', oldest {oldest:g} s'}; "
             f"deferred ever {q['deferred_total']}"
         )  # fmt: skip
+    for d in snap.get("dispatch", []):
+        failed = f", {d['failed']} FAILED (see the admin)" if d["failed"] else ""
+        lines.append(
+            f"fair dispatch {d['queue']}: capacity {d['capacity']} + slack {d['slack']}, "
+            f"in flight {d['in_flight']}, room {d['room']}; waiting {d['waiting']}, "
+            f"scheduled {d['scheduled']}, tenants blocked {d['blocked_tenants']}{failed}"
+        )
     lines.extend(_planner_lines(snap["planners"]))
     lines.append("nodes:" if snap["nodes"] else "nodes: no worker has registered")
     for n in snap["nodes"]:

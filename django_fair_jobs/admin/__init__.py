@@ -17,6 +17,7 @@ from django_fair_jobs.admin.base import EXACT_COUNT_LIMIT as EXACT_COUNT_LIMIT
 from django_fair_jobs.admin.base import RECENT_ROWS as RECENT_ROWS
 from django_fair_jobs.admin.base import EstimatedCountPaginator as EstimatedCountPaginator
 from django_fair_jobs.admin.base import RecentValuesFilter as RecentValuesFilter
+from django_fair_jobs.admin.dispatch import DispatchJobAdmin as DispatchJobAdmin
 from django_fair_jobs.admin.dispatch import DispatchTenantAdmin as DispatchTenantAdmin
 from django_fair_jobs.admin.history import DASHBOARD_TENANTS as DASHBOARD_TENANTS
 from django_fair_jobs.admin.history import DashboardAdmin as DashboardAdmin

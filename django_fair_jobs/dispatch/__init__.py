@@ -428,6 +428,72 @@ def in_flight() -> dict[str, int]:
     return _store().in_flight()  # type: ignore[no-any-return]
 
 
+def queue_status() -> list[dict[str, Any]]:
+    """Per queue of fair dispatch: its capacity and slack, jobs in flight, room, jobs
+    waiting and scheduled, failed jobs, and lines blocked (at their cap or paused)."""
+    from django.db.models import Count, Q
+
+    from django_fair_jobs.dispatch.models import (
+        FAILED,
+        SCHEDULED,
+        WAITING,
+        DispatchJob,
+        DispatchQueue,
+        DispatchTenant,
+    )
+
+    using = alias()
+    flight, free = in_flight(), room()
+    jobs = {
+        row["queue"]: row
+        for row in DispatchJob.objects.using(using)
+        .values("queue")
+        .annotate(
+            waiting=Count("pk", filter=Q(state=WAITING)),
+            scheduled=Count("pk", filter=Q(state=SCHEDULED)),
+            failed=Count("pk", filter=Q(state=FAILED)),
+        )
+    }
+    blocked = dict(
+        DispatchTenant.objects.using(using)
+        .filter(blocked=True, waiting__gt=0)
+        .values("queue")
+        .annotate(n=Count("pk"))
+        .values_list("queue", "n")
+    )
+    capacity = {q.queue: q for q in DispatchQueue.objects.using(using)}
+    out = []
+    for queue in sorted(set(capacity) | set(jobs)):
+        row, counts = capacity.get(queue), jobs.get(queue, {})
+        out.append({
+            "queue": queue,
+            "capacity": 0 if row is None else row.capacity,
+            "slack": 0 if row is None else row.slack,
+            "in_flight": flight.get(queue, 0),
+            "room": free.get(queue, 0),
+            "waiting": counts.get("waiting", 0),
+            "scheduled": counts.get("scheduled", 0),
+            "failed": counts.get("failed", 0),
+            "blocked_tenants": blocked.get(queue, 0),
+        })  # fmt: skip
+    return out
+
+
+def put_back_failed(app: Celery, job_ids: list[int]) -> int:
+    """Put failed jobs (their publish failed too often) back in line, due now, their
+    failures forgotten, and dispatch their queues; returns how many went back."""
+    from django.db.models.functions import Now
+
+    from django_fair_jobs.dispatch.models import FAILED, SCHEDULED, DispatchJob
+
+    rows = DispatchJob.objects.using(alias()).filter(pk__in=job_ids, state=FAILED)
+    queues = sorted(set(rows.values_list("queue", flat=True)))
+    count = rows.update(state=SCHEDULED, not_before=Now(), publish_failures=0)
+    for queue in queues:
+        publish(app, dispatch(queue))
+    return count
+
+
 def room() -> dict[str, int]:
     """``{queue: how many more jobs it may have in flight now}``."""
     return _store().room()  # type: ignore[no-any-return]

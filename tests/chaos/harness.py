@@ -40,6 +40,7 @@ from tests.chaos.pgserver import ThrowawayPostgres
 from tests.conftest import Worker, wait_for
 from tests.test_workers import max_overlap
 from tests.testapp.chaos_tasks import (
+    DISPATCH_LIMIT,
     HARD_TIME_LIMIT,
     OVERRUN_LIMIT,
     QUEUE_LIMIT,
@@ -65,7 +66,9 @@ SELECT (SELECT count(*) FROM fair_jobs_slotlease),
        (SELECT coalesce(sum(parked_jobs), 0) FROM fair_jobs_tenantqueueslot),
        (SELECT coalesce(sum(current_jobs), 0) FROM fair_jobs_queuelimit),
        (SELECT coalesce(sum(parked_jobs), 0) FROM fair_jobs_queuelimit),
-       (SELECT count(*) FROM fair_jobs_queuelimit WHERE running <> '{}'::jsonb)
+       (SELECT count(*) FROM fair_jobs_queuelimit WHERE running <> '{}'::jsonb),
+       (SELECT count(*) FROM fair_jobs_dispatchjob),
+       (SELECT coalesce(sum(in_flight), 0) FROM fair_jobs_dispatchtenant)
 """
 LEFTOVER_NAMES = (
     "leases",
@@ -76,6 +79,8 @@ LEFTOVER_NAMES = (
     "queue current_jobs",
     "queue parked_jobs",
     "queue running entries",
+    "dispatched rows",
+    "dispatch in_flight",
 )
 # One statement, so one snapshot: every row's counter against its leases at that instant.
 COUNTERS_SQL = """
@@ -112,9 +117,9 @@ class Run:
 
 
 def workload(scale: int = 1, overrun: int = 0) -> list[dict[str, Any]]:
-    """The mixed workload: tenant slots, a greedy tenant rerouted, planned jobs and a
-    limited queue; ``scale`` multiplies the tenants, ``overrun`` adds jobs of one tenant
-    that each run past their hard time limit."""
+    """The mixed workload: tenant slots, a greedy tenant rerouted, planned jobs, a
+    limited queue and fair dispatch with a cap; ``scale`` multiplies the tenants,
+    ``overrun`` adds jobs of one tenant that each run past their hard time limit."""
     spec: list[dict[str, Any]] = []
     for n in range(3 * scale):
         spec.append({"task": "chaos_slot", "tenant": f"s{n}", "duration": 0.8, "count": 5})
@@ -123,6 +128,7 @@ def workload(scale: int = 1, overrun: int = 0) -> list[dict[str, Any]]:
         spec.append({"task": "chaos_planned", "tenant": f"p{n}a", "duration": 0.1, "count": 6})
         spec.append({"task": "chaos_planned", "tenant": f"p{n}b", "duration": 0.1, "count": 4})
         spec.append({"task": "chaos_plain", "tenant": f"q{n}", "duration": 0.4, "count": 6})
+        spec.append({"task": "chaos_dispatched", "tenant": f"d{n}", "duration": 0.4, "count": 6})
     if overrun:
         spec.append(
             {
@@ -802,6 +808,8 @@ class Cluster:
             return ("queue chaos_limited", QUEUE_LIMIT)
         if task == "chaos_overrun":
             return (f"tenant slot {run.tenant} (hard time limit)", OVERRUN_LIMIT)
+        if task == "chaos_dispatched":
+            return (f"dispatched tenant {run.tenant}", DISPATCH_LIMIT)
         return None
 
     def _end(self, run: Run, task: str) -> datetime:

@@ -50,7 +50,6 @@ class Mode:
 def _dispatch_settled() -> bool:
     return (
         not DispatchJob.objects.exists()
-        and not DispatchJob.objects.filter(state__in=[2, 3]).exists()
         and not DispatchTenant.objects.filter(in_flight__gt=0).exists()
         and not DispatchTenant.objects.filter(waiting__gt=0).exists()
         and not SlotLease.objects.exists()

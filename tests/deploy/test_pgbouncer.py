@@ -196,6 +196,45 @@ def test_restart_mid_run__nothing_lost__limit_held(
     assert_all_released("r")
 
 
+def test_restart_mid_run__fair_dispatch__nothing_lost__cap_held(
+    pgbouncer: PgBouncer, start_worker: Callable[..., Worker]
+) -> None:
+    # The restart cuts starts, fences and ends of dispatched jobs mid-statement: a start
+    # whose reply was lost is asked again and runs, an end that failed is done at the next
+    # heartbeat, and the line's counts come back to zero.
+    env = {**through(pgbouncer), "FAIR_JOBS_WORKER_TIMEOUT": "10"}
+    start_worker("a", pool="threads", concurrency=4, extra_env=env)
+    start_worker("b", pool="threads", concurrency=4, extra_env=env)
+    ids = [tasks.dispatched_capped.delay("r", 0.1).id for _ in range(40)]
+    wait_for(
+        lambda: JobRun.objects.filter(tenant="r", finished_at__isnull=False).count() >= 5,
+        60,
+        "dispatched jobs to run",
+    )
+    pgbouncer.restart()  # every connection of both workers is cut mid-run
+
+    def unresolved() -> list[str]:
+        finished = set(
+            JobRun.objects.filter(task_id__in=ids, finished_at__isnull=False).values_list(
+                "task_id", flat=True
+            )
+        )
+        return [i for i in ids if i not in finished and not cut_in_its_own_statement(i)]
+
+    wait_for(lambda: not unresolved(), 150, "every dispatched job to run")
+    per_task = Counter(JobRun.objects.filter(tenant="r").values_list("task_id", flat=True))
+    assert max(per_task.values()) == 1, "a job ran twice"
+    assert max_overlap(finished_runs("r")) <= 2
+    wait_for(
+        lambda: (
+            not DispatchJob.objects.filter(task_id__in=ids).exists()
+            and not DispatchTenant.objects.filter(in_flight__gt=0).exists()
+        ),
+        60,
+        "dispatch rows and counters to settle",
+    )
+
+
 # The library's own prepared statements (FAIR_JOBS_PREPARED_STATEMENTS on) fail behind
 # this PgBouncer too, but not at every run: a statement found missing is run once more
 # and prepared afresh, so the errors come and go; the workers here run with it off.

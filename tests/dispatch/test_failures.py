@@ -12,7 +12,7 @@ import pytest
 from celery.exceptions import Reject, Retry
 from django.db import OperationalError
 
-from django_fair_jobs import admission, dispatch, explanations, identity, signals
+from django_fair_jobs import admission, dispatch, explanations, identity, signals, status
 from django_fair_jobs.dispatch.models import (
     DISPATCHED,
     FAILED,
@@ -179,3 +179,8 @@ def test_d19__a_job_no_broker_takes__ends_failed__explain_says_so(
     assert row.state == FAILED and row.publish_failures == 5
     assert explanations.explain(task_id).state == "failed"
     assert dispatch.in_flight() == {}  # it holds no room
+    assert "1 FAILED (see the admin)" in status.as_text(status.snapshot())
+    # Once its cause is removed, the operator puts it back in line (the admin's action).
+    monkeypatch.setattr("celery.canvas.Signature.apply_async", lambda self, *a, **k: None)
+    assert dispatch.put_back_failed(celery_app, [row.pk]) == 1
+    assert DispatchJob.objects.get(pk=row.pk).state == DISPATCHED

@@ -29,6 +29,8 @@ SLOW_LIMIT = 1
 QUEUE_LIMIT = 2
 """``chaos_plain``: jobs at once on ``chaos_limited``, all nodes together (the workers'
 ``FAIR_JOBS_QUEUE_LIMITS``)."""
+DISPATCH_LIMIT = 2
+"""``chaos_dispatched``: a tenant's jobs at once (fair dispatch with a cap)."""
 OVERRUN_LIMIT = 1
 """``chaos_overrun``: its tenant's jobs at once."""
 HARD_TIME_LIMIT = 2
@@ -74,6 +76,19 @@ def _run(task: Any, tenant: str, duration: float) -> str:
 @shared_task(base=TenantFromFirstArg, bind=True, queue="chaos", fair_max_jobs=SLOT_LIMIT)
 def chaos_slot(self: Any, tenant: str, duration: float) -> str:
     """Tenant slots: a tenant runs at most ``SLOT_LIMIT`` at once."""
+    return _run(self, tenant, duration)
+
+
+@shared_task(
+    base=TenantFromFirstArg,
+    bind=True,
+    queue="chaos",
+    fair_dispatch=True,
+    fair_max_jobs=DISPATCH_LIMIT,
+)
+def chaos_dispatched(self: Any, tenant: str, duration: float) -> str:
+    """Fair dispatch: waits in its tenant's line until a worker frees; a tenant runs at most
+    ``DISPATCH_LIMIT`` at once."""
     return _run(self, tenant, duration)
 
 
