@@ -359,12 +359,14 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
         return _dispatched_in_broker(job, now, details)
     if job.state == SCHEDULED:
         details["due_at"] = job.not_before.isoformat() if job.not_before else None
-        return Explanation(
-            job.task_id, "scheduled",
+        summary = (
             f"Its countdown or ETA is not due yet (due {details['due_at']}); then it waits "
-            f"in {job.tenant}'s line on {job.queue}.",
-            details,
-        )  # fmt: skip
+            f"in {job.tenant}'s line on {job.queue}."
+            if job.not_before is not None and job.not_before > now
+            else f"Due: it joins {job.tenant}'s line on {job.queue} at the queue's next "
+            "dispatch (a job's end, the due poll, or the maintenance pass)."
+        )
+        return Explanation(job.task_id, "scheduled", summary, details)
     return _dispatch_waiting(job, line, queue, details)
 
 

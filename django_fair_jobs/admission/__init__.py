@@ -196,9 +196,12 @@ def dispatched_run(
     """
     process = _process_id()
     task_id = str(task.request.id)
-    started = _start_dispatched(task, job_id, process)
-    ends.mark_running(task_id)
+    if not ends.claim_running(task_id):
+        # A second copy delivered while the first runs here (threads or gevent pool).
+        logger.info("Job %s (%s) runs in this process: this copy is dropped", job_id, task.name)
+        raise Ignore()
     try:
+        started = _start_dispatched(task, job_id, process)
         _dispatch_fence(task, job_id, process, started, tenant, queue)
         started_now(task, queue, tenant)
         outcome: dispatch.Outcome = "end"
@@ -221,7 +224,6 @@ def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> 
     connection after a database error (a failover or a pooler restart cuts the reply,
     often after the start committed: the next try answers "again"). Raises ``Ignore`` for
     a copy that must not run, or when the database does not answer."""
-    task_id = str(task.request.id)
     for delay in (*REPLY_RETRY_DELAYS, None):
         try:
             started = dispatch.start(job_id, process)
@@ -233,8 +235,8 @@ def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> 
                 raise Ignore() from None
             close_old_connections()
             time.sleep(delay)
-    if started.status == "again" and ends.is_running(task_id):
-        started = dispatch.Started("duplicate")
+    # "again": this process's own start, whose reply was lost (a second copy here was
+    # refused by dispatched_run before it asked).
     if started.status not in ("started", "again"):
         logger.info("Job %s (%s) already ran or runs: this copy is dropped", job_id, task.name)
         raise Ignore()

@@ -82,10 +82,14 @@ def mark_running(task_id: str) -> None:
         _running.add(task_id)
 
 
-def is_running(task_id: str) -> bool:
-    """Whether ``task_id`` holds a grant, or runs a dispatched row, in this process now."""
+def claim_running(task_id: str) -> bool:
+    """Note that a dispatched job ``task_id`` runs in this process now; False if it already
+    does (a second copy delivered to it)."""
     with _holds_lock:
-        return task_id in _running
+        if task_id in _running:
+            return False
+        _running.add(task_id)
+        return True
 
 
 def unmark_running(task_id: str) -> None:

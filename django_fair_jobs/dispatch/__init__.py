@@ -444,8 +444,8 @@ def queue_status() -> list[dict[str, Any]]:
 
     using = alias()
     flight, free = in_flight(), room()
-    jobs = {
-        row["queue"]: row
+    jobs: dict[str, dict[str, Any]] = {
+        row["queue"]: dict(row)
         for row in DispatchJob.objects.using(using)
         .values("queue")
         .annotate(
@@ -464,7 +464,7 @@ def queue_status() -> list[dict[str, Any]]:
     capacity = {q.queue: q for q in DispatchQueue.objects.using(using)}
     out = []
     for queue in sorted(set(capacity) | set(jobs)):
-        row, counts = capacity.get(queue), jobs.get(queue, {})
+        row, counts = capacity.get(queue), dict(jobs.get(queue) or {})
         out.append({
             "queue": queue,
             "capacity": 0 if row is None else row.capacity,

@@ -48,7 +48,7 @@ def test_d5__the_start_commits_and_its_reply_is_lost__the_job_runs(
 ) -> None:
     set_capacity(1)
     job = job_of(tasks.dispatched.delay("acme").id)
-    real, cut = dispatch.start, []
+    real, cut = dispatch.start, list[int]()
 
     def start_then_cut(job_id: int, process: uuid.UUID) -> dispatch.Started:
         started = real(job_id, process)

@@ -163,10 +163,12 @@ def test_d12__ineligible_tenants__the_choice_reads_as_few_rows_as_when_all_are_e
                 "SET client_min_messages = log",
             ):  # fmt: skip
                 look.execute(setting)
-            # Twice: the first call of a session also reads the catalogs to plan.
+            # Twice: the first call of a session also reads the catalogs to plan (and
+            # finds the paused tenants); each call dispatches the one eligible job.
             for _ in range(2):
                 notices.clear()
-                look.execute("SELECT * FROM fair_jobs_dispatch('fair', 1)").fetchall()
+                chosen = look.execute("SELECT * FROM fair_jobs_dispatch('fair', 1)").fetchall()
+                assert len(chosen) == 1
             look.rollback()
         (plan,) = [n for n in notices if "fair_jobs_dispatch('fair', 1)" in n]
         found = re.search(r"Buffers: shared hit=(\d+)(?: read=(\d+))?", plan)
@@ -181,19 +183,23 @@ def test_d12__ineligible_tenants__the_choice_reads_as_few_rows_as_when_all_are_e
                 queue="fair",
                 tenant=t,
                 task_name=tasks.dispatched.name,
-                task_id=f"id-{t}",
+                task_id=f"id-{t}-{n}",
                 signature="{}",
                 not_before=None,
                 weight=None,
                 cap=None,
             )
             for t in tenants
+            for n in range(3 if t == tenants[-1] else 1)  # the eligible one has a few
         ]
     )
     set_capacity(1000)
     eligible = buffers_of_one_dispatch()
+    set_capacity(0)  # so that the pauses dispatch nothing: every line keeps its job
     for tenant in tenants[:-1]:
         slots.set_tenant_limit(tenant, "fair", 0)  # paused, as an operator pauses them
+    set_capacity(1000)
+    assert DispatchTenant.objects.filter(waiting__gt=0).count() == len(tenants)
     paused = buffers_of_one_dispatch()
     assert paused <= 1.3 * eligible + 2, (paused, eligible)
 

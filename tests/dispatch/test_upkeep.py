@@ -129,6 +129,7 @@ def test_d20__a_countdown__by_the_databases_clock(monkeypatch: pytest.MonkeyPatc
     skewed = timezone.now() + timedelta(minutes=5)  # the publisher's clock is 5 min fast
     monkeypatch.setattr(timezone, "now", lambda: skewed)
     job = job_of(tasks.dispatched.apply_async(("acme",), countdown=10).id)
+    assert job.not_before is not None
     due = job.not_before - db.database_now()
     assert timedelta(seconds=5) < due < timedelta(seconds=11), due
 

@@ -136,7 +136,9 @@ class Command(BaseCommand):
         with connection.cursor() as cursor:
             cursor.execute(f"TRUNCATE {TABLES}, fair_jobs_tenantqueueslot RESTART IDENTITY")
             for queue in queues:
-                params = {"queue": queue, "capacity": capacity, "tenants": tenants, "jobs": jobs}
+                params: dict[str, str | int] = {
+                    "queue": queue, "capacity": capacity, "tenants": tenants, "jobs": jobs,
+                }  # fmt: skip
                 for statement in (FILL_QUEUE, FILL_JOBS, FILL_LINES):
                     cursor.execute(statement, params)
             cursor.execute(f"ANALYZE {TABLES}")
@@ -171,7 +173,7 @@ class Command(BaseCommand):
         ]
         for p in procs:
             p.start()
-        total = sum(out.get(timeout=seconds + 60) for _ in procs)
+        total = sum(int(out.get(timeout=seconds + 60)) for _ in procs)
         for p in procs:
             p.join()
         if holder is not None:
@@ -203,7 +205,7 @@ class Command(BaseCommand):
                 cursor.execute("DROP TABLE IF EXISTS bench_rows")
         for line in done.stdout.splitlines():
             if line.startswith("tps ="):
-                return float(line.split()[2])
+                return float(line.split()[2])  # "tps = 1234.5 (without initial ...)"
         raise CommandError(f"pgbench gave no tps: {done.stdout}{done.stderr}")
 
     def _blocked(self, tenants: int) -> dict[str, Any]:
