@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from django_fair_jobs import admin as fair_admin
 from django_fair_jobs.conf import fair_settings
-from django_fair_jobs.dispatch.models import DispatchTenant
+from django_fair_jobs.dispatch.models import DispatchJob, DispatchTenant
 from django_fair_jobs.models import (
     JobDecision,
     LimitChange,
@@ -83,6 +83,10 @@ def _fill(first: int, n: int) -> None:
         [PlannerTenant(task_name="load.planned", tenant=t) for t in tenants]
     )
     DispatchTenant.objects.bulk_create([DispatchTenant(queue="load", tenant=t) for t in tenants])
+    DispatchJob.objects.bulk_create(
+        [DispatchJob(queue="load", tenant=t, task_name="load.task", task_id=f"disp-{t}",
+                     signature="{}") for t in tenants]
+    )  # fmt: skip
     JobDecision.objects.bulk_create(
         [JobDecision(task_id=f"park-{t}", task_name="load.task", tenant=t, queue="load",
                      mechanism="slots", action="defer", enforced=False) for t in tenants]

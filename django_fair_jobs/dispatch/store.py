@@ -100,7 +100,9 @@ class Store:
         return int(rows[0][0]) if rows else 0
 
     def dispatch(self, queue: str, limit: int) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.dispatch`."""
+        """See :func:`django_fair_jobs.dispatch.dispatch`: the lines of new tenants' due
+        jobs first (``dispatch_make_lines``), then the dispatch."""
+        self._rows("dispatch_make_lines", {"queue": queue})
         return self._ready(self._rows("dispatch_next", {"queue": queue, "max": limit}))
 
     def running_rows(self, task_id: str, *, terminated: bool) -> list[tuple[int, Any]]:

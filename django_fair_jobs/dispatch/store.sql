@@ -46,6 +46,23 @@ SELECT job_id, job_signature
 -- name: dispatch_next
 SELECT job_id, job_signature FROM fair_jobs_dispatch(%(queue)s, %(max)s);
 
+-- name: dispatch_make_lines
+-- The lines of tenants whose due jobs have none yet (jobs stored inside their caller's
+-- transaction for a new tenant), in a statement of its own that holds nothing else, so
+-- that its inserts wait for no one out of order; the next dispatch moves the jobs in.
+INSERT INTO fair_jobs_dispatchtenant AS t
+       (queue, tenant, weight, cap, waiting, in_flight, pass_value, served_pass, head_id,
+        dispatched_total, blocked)
+SELECT %(queue)s, x.tenant, 1.0, NULL, 0, 0, fair_jobs_dispatch_vt(%(queue)s), 0, NULL, 0,
+       false
+  FROM (SELECT DISTINCT j.tenant FROM fair_jobs_dispatchjob AS j
+         WHERE j.queue = %(queue)s AND j.state = 0 AND j.not_before <= now()
+           AND NOT EXISTS (SELECT 1 FROM fair_jobs_dispatchtenant AS l
+                            WHERE l.queue = j.queue AND l.tenant = j.tenant)
+         ORDER BY 1) AS x
+ON CONFLICT (queue, tenant) DO NOTHING
+RETURNING t.id;
+
 -- name: dispatch_failures
 SELECT publish_failures FROM fair_jobs_dispatchjob WHERE id = %(job)s;
 

@@ -8,28 +8,10 @@ from django.db import migrations, models
 
 from django_fair_jobs.sql import queries
 
-FUNCTIONS_DIGEST = "6625fde9a9844d12a8712789d698090075b326a728031b428ba4dd2a10fd21cd"
+FUNCTIONS_DIGEST = "03ca689d3522b92b0ea868bfe3c69e31f5a40be9ec2988c38cd631f4cacb5439"
 """The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
 tests/dispatch/test_functions.py fails when the file changes without a migration that
 installs it again (and records its new digest)."""
-
-OLD_FUNCTIONS = (
-    "fair_jobs_enqueue(text, text, text, text, text, timestamptz, double precision, integer, "
-    "boolean), fair_jobs_enqueue_many(text[], text[], text[], text[], text[], timestamptz[], "
-    "double precision[], integer[]), fair_jobs_dispatch_start(bigint, uuid), "
-    "fair_jobs_dispatch_end(bigint, uuid, boolean, double precision, integer), "
-    "fair_jobs_dispatch(text, integer)"
-)
-
-NEW_FUNCTIONS = (
-    "fair_jobs_enqueue(text, text, text, text, text, double precision, timestamptz, "
-    "double precision, integer, smallint, boolean), fair_jobs_enqueue_many(text[], text[], "
-    "text[], text[], text[], double precision[], timestamptz[], double precision[], "
-    "integer[], smallint[]), fair_jobs_dispatch_start(bigint, uuid), "
-    "fair_jobs_dispatch_end(bigint, uuid, text, double precision, boolean, integer), "
-    "fair_jobs_dispatch(text, integer), fair_jobs_dispatch_due(text), "
-    "fair_jobs_dispatch_room(text), fair_jobs_dispatch_vt(text), fair_jobs_dispatch_recount()"
-)
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:
@@ -37,14 +19,31 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
     # of those migration 0006 installed; other databases use the ORM store.
     if schema_editor.connection.vendor != "postgresql":
         return
-    schema_editor.execute(f"DROP FUNCTION IF EXISTS {OLD_FUNCTIONS}", params=None)
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS fair_jobs_enqueue(text, text, text, text, text, timestamptz, "
+        "double precision, integer, boolean), fair_jobs_enqueue_many(text[], text[], text[], "
+        "text[], text[], timestamptz[], double precision[], integer[]), "
+        "fair_jobs_dispatch_start(bigint, uuid), fair_jobs_dispatch_end(bigint, uuid, boolean, "
+        "double precision, integer), fair_jobs_dispatch(text, integer)",
+        params=None,
+    )
     schema_editor.execute(queries("dispatch")["functions"], params=None)
 
 
 def drop_functions(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor != "postgresql":
         return
-    schema_editor.execute(f"DROP FUNCTION IF EXISTS {NEW_FUNCTIONS}", params=None)
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS fair_jobs_enqueue(text, text, text, text, text, "
+        "double precision, timestamptz, double precision, integer, smallint, boolean), "
+        "fair_jobs_enqueue_many(text[], text[], text[], text[], text[], double precision[], "
+        "timestamptz[], double precision[], integer[], smallint[]), "
+        "fair_jobs_dispatch_start(bigint, uuid), fair_jobs_dispatch_end(bigint, uuid, text, "
+        "double precision, boolean, integer), fair_jobs_dispatch(text, integer), "
+        "fair_jobs_dispatch_due(text), fair_jobs_dispatch_room(text), "
+        "fair_jobs_dispatch_vt(text), fair_jobs_dispatch_recount()",
+        params=None,
+    )
 
 
 class Migration(migrations.Migration):

@@ -54,8 +54,11 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- Move p_queue's jobs that came due (countdowns, ETAs, jobs stored inside their caller's
--- transaction) into their lines. Lines first (a missing one is created), each taken with
--- SKIP LOCKED: a line another step holds keeps its due jobs for the next dispatch.
+-- transaction) into their lines, each line taken with SKIP LOCKED before its jobs: a line
+-- another step holds keeps its due jobs for the next dispatch. It creates no line (an
+-- INSERT waits for any transaction that changed the same key, here another tenant's
+-- line): a job stored inside its caller's transaction for a tenant with no line yet gets
+-- one from dispatch_make_lines, which the dispatch after the commit runs first.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_due(p_queue text)
 RETURNS void
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
@@ -70,12 +73,6 @@ BEGIN
         RETURN;
     END IF;
     v_vt := fair_jobs_dispatch_vt(p_queue);
-    INSERT INTO fair_jobs_dispatchtenant
-           (queue, tenant, weight, cap, waiting, in_flight, pass_value, served_pass, head_id,
-            dispatched_total, blocked)
-    SELECT p_queue, x.tenant, 1.0, NULL, 0, 0, v_vt, 0, NULL, 0, false
-      FROM unnest(v_tenants) AS x(tenant)
-    ON CONFLICT (queue, tenant) DO NOTHING;
     WITH locked AS (
         SELECT t.id, t.tenant FROM fair_jobs_dispatchtenant AS t
          WHERE t.queue = p_queue AND t.tenant = ANY(v_tenants)

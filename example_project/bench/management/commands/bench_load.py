@@ -175,6 +175,15 @@ FILL = [
     SELECT %(queue)s, {TENANT.format("i")}, 1, NULL, 0, 0, 0, 0, NULL, 0, false
       FROM generate_series(1, %(tenants)s) AS i
     """,
+    # A waiting job per tenant (the dispatched jobs' admin page lists them).
+    f"""
+    INSERT INTO fair_jobs_dispatchjob
+           (queue, tenant, task_name, task_id, signature, state, enqueued_at,
+            publish_failures, republished, on_loss)
+    SELECT %(queue)s, {TENANT.format("i")}, 'load.dispatched', 'disp-' || i, '{{}}', 1, now(),
+           0, 0, 0
+      FROM generate_series(1, %(tenants)s) AS i
+    """,
     # What the operations pages read too: shadow-mode decisions (one per parked job), one
     # limit change per tenant, a few limited queues.
     f"""
