@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError
@@ -25,78 +26,71 @@ if TYPE_CHECKING:
 logger = logging.getLogger("django_fair_jobs.admission")
 
 
-_pending_ends: dict[int, tuple[uuid.UUID, dispatch.Outcome]] = {}
-"""Dispatched jobs whose end failed, or whose start may have committed with its reply
-lost (``"back"``): job id to (process, outcome), tried again at each heartbeat and at
-shutdown. Guarded by ``_pending_lock``."""
+@dataclass
+class Ledger:
+    """What this process remembers between a job's statements, so that nothing is lost
+    while it lives: one object, under one lock. Each step that failed, or whose reply may
+    have been lost, is noted here and resolved from the rows by asking again (the
+    heartbeat, the job's next copy, the shutdown)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending_ends: dict[int, tuple[uuid.UUID, dispatch.Outcome]] = field(default_factory=dict)
+    """Dispatched jobs whose end failed, or whose start may have committed with its reply
+    lost (``"back"``): job id to (process, outcome), tried again at each heartbeat and at
+    shutdown."""
+    pending_releases: list[Grant] = field(default_factory=list)
+    """Releases that failed, tried again at the next heartbeat."""
+    unconfirmed: list[Grant] = field(default_factory=list)
+    """Slot releases made without waiting for the disk (``FAIR_JOBS_ASYNC_RELEASE``),
+    oldest first, until :func:`confirm_releases` confirms them."""
+    uncertain: set[tuple[str, uuid.UUID]] = field(default_factory=set)
+    """(task id, process id) of acquires that failed with a database error: one may have
+    committed with its reply lost (a failover, a pooler restart), leaving a lease held by
+    this live process under a token nobody has. It is released at the next heartbeat, or
+    before the job's next copy starts here."""
+    running: set[str] = field(default_factory=set)
+    """Task ids of the jobs holding a grant in this process (``enter`` to ``release``), or
+    running a dispatched row: their leases are never mistaken for those of a lost reply,
+    and a second copy of a dispatched job delivered here is refused."""
+    woken_claims: set[str] = field(default_factory=set)
+    """Task ids among :attr:`uncertain` whose acquire was a woken copy's claim: one that
+    committed took the job's parked row with it."""
+    reclaimed: dict[str, float] = field(default_factory=dict)
+    """Task ids of woken claims that committed with their reply lost and whose lease was
+    given back, with when: the job's parked row is gone, so its next copy here starts as a
+    fresh job (:func:`take_reclaimed`) instead of being dropped as a stale copy."""
 
 
-_pending_lock = threading.Lock()
-
-
-_pending_releases: list[Grant] = []
-
-
-_unconfirmed: list[Grant] = []
-"""Slot releases this process made without waiting for the disk (``FAIR_JOBS_ASYNC_RELEASE``),
-oldest first, until :func:`confirm_releases` confirms them. Guarded by ``_pending_lock``."""
-
-
-_holds_lock = threading.Lock()
-
-
-_uncertain: set[tuple[str, uuid.UUID]] = set()
-"""(task id, process id) of acquires that failed with a database error in this process:
-one may have committed with its reply lost (a failover, a pooler restart), leaving a lease
-held by this live process under a token nobody has. It is released at the next
-heartbeat, or before the job's next copy starts here. Guarded by ``_holds_lock``."""
-
-
-_running: set[str] = set()
-"""Task ids of the jobs holding a grant in this process (``enter`` to ``release``), or
-running a dispatched row: their leases are never mistaken for those of a lost reply, and a
-second copy of a dispatched job delivered here is not taken for this process's own start
-whose reply was lost. Guarded by ``_holds_lock``."""
-
-
-_woken_claims: set[str] = set()
-"""Task ids among :data:`_uncertain` whose acquire was a woken copy's claim: one that
-committed took the job's parked row with it. Guarded by ``_holds_lock``."""
-
-
-_reclaimed: dict[str, float] = {}
-"""Task ids of woken claims that committed with their reply lost and whose lease was given
-back (by the heartbeat or by the job's next try), with when: the job's parked row is gone,
-so its next copy here starts as a fresh job (:func:`take_reclaimed`) instead of being
-dropped as a stale copy. Guarded by ``_holds_lock``."""
+LEDGER = Ledger()
+"""This process's :class:`Ledger`."""
 
 RECLAIMED_KEPT = 86400.0
-"""Seconds a :data:`_reclaimed` entry waits for its job's copy to come back here; a copy
+"""Seconds a :attr:`Ledger.reclaimed` entry waits for its job's copy to come back here; a copy
 that went to another process never takes it."""
 
 
 def mark_running(task_id: str) -> None:
     """Note that ``task_id`` holds a grant in this process: its lease is never mistaken for
     one of a lost reply."""
-    with _holds_lock:
-        _running.add(task_id)
+    with LEDGER.lock:
+        LEDGER.running.add(task_id)
 
 
 def claim_running(task_id: str) -> bool:
     """Note that a dispatched job ``task_id`` runs in this process now; False if it already
     does (a second copy delivered to it)."""
-    with _holds_lock:
-        if task_id in _running:
+    with LEDGER.lock:
+        if task_id in LEDGER.running:
             return False
-        _running.add(task_id)
+        LEDGER.running.add(task_id)
         return True
 
 
 def unmark_running(task_id: str) -> None:
     """Note that ``task_id`` holds no grant here any more (released, or its slot kept for
     the process's next job)."""
-    with _holds_lock:
-        _running.discard(task_id)
+    with LEDGER.lock:
+        LEDGER.running.discard(task_id)
 
 
 def note_uncertain(
@@ -107,35 +101,35 @@ def note_uncertain(
     next copy here, or the heartbeat), as is ``release``, a grant the statement was to
     hand on. ``woken``: the statement was a woken copy's claim, so its next copy here
     starts afresh if the claim committed."""
-    with _holds_lock:
-        _uncertain.add((task_id, holder))
+    with LEDGER.lock:
+        LEDGER.uncertain.add((task_id, holder))
         if woken:
-            _woken_claims.add(task_id)
+            LEDGER.woken_claims.add(task_id)
     if release is not None:
         retry_release(release)
 
 
 def retry_release(grant: Grant) -> None:
     """Release ``grant`` at this process's next heartbeat (its release failed, or may have)."""
-    with _holds_lock:
-        _pending_releases.append(grant)
+    with LEDGER.lock:
+        LEDGER.pending_releases.append(grant)
 
 
 def drop_own_uncertain(task_id: str) -> None:
     """Release the leases this process may hold for ``task_id`` from statements whose reply
     was lost (:func:`note_uncertain`), before its copy here acquires again (its own lease
     would refuse it as a duplicate). Raises ``DatabaseError``."""
-    with _holds_lock:
-        lost = [pid for (uncertain_id, pid) in _uncertain if uncertain_id == task_id]
+    with LEDGER.lock:
+        lost = [pid for (uncertain_id, pid) in LEDGER.uncertain if uncertain_id == task_id]
     for process_id in lost:
         _drop_uncertain([task_id], process_id)
 
 
 def take_reclaimed(task_id: str) -> bool:
     """True (once) if a woken claim of ``task_id`` committed and its lease was released:
-    the job's next copy starts afresh (see :data:`_reclaimed`)."""
-    with _holds_lock:
-        return _reclaimed.pop(task_id, None) is not None
+    the job's next copy starts afresh (see :attr:`Ledger.reclaimed`)."""
+    with LEDGER.lock:
+        return LEDGER.reclaimed.pop(task_id, None) is not None
 
 
 def release(grant: Grant, app: Celery | None = None) -> None:
@@ -161,13 +155,13 @@ def release(grant: Grant, app: Celery | None = None) -> None:
         if grant.queue_limit_id is None and slot_store.releases_async():
             # It may have committed without waiting for the disk: the retry, finding the
             # lease gone, would write nothing that makes it durable.
-            with _pending_lock:
-                _unconfirmed.append(grant)
+            with LEDGER.lock:
+                LEDGER.unconfirmed.append(grant)
         retry_release(grant)
         return
     if grant.queue_limit_id is None and parked is not None and slot_store.releases_async():
-        with _pending_lock:
-            _unconfirmed.append(grant)
+        with LEDGER.lock:
+            LEDGER.unconfirmed.append(grant)
     released(grant, parked, in_line=in_line, app=app)
 
 
@@ -202,8 +196,8 @@ def confirm_releases(app: Celery | None = None) -> int:
     lost release shows its slot held, so the tenant runs fewer jobs, never more. A
     database error leaves them unconfirmed for the next pass (and the rest of the pass
     goes on)."""
-    with _pending_lock:
-        grants = list(_unconfirmed)
+    with LEDGER.lock:
+        grants = list(LEDGER.unconfirmed)
     process_id = identity.registered_process_id()
     if not grants or process_id is None:
         return 0
@@ -213,8 +207,8 @@ def confirm_releases(app: Celery | None = None) -> int:
         logger.warning("Could not confirm %s asynchronous release(s) yet", len(grants))
         return 0
     if confirmed:  # else reaped while alive: confirmed once the process is registered again
-        with _pending_lock:
-            del _unconfirmed[: len(grants)]  # only appended to meanwhile
+        with LEDGER.lock:
+            del LEDGER.unconfirmed[: len(grants)]  # only appended to meanwhile
     if freed:
         logger.warning(
             "Released %s slot(s) again whose release the database lost (a crash of the server)",
@@ -232,15 +226,15 @@ def confirm_releases(app: Celery | None = None) -> int:
 def retry_pending_releases() -> int:
     """Retry releases that failed earlier in this process, and release the leases of
     acquires whose reply may have been lost; returns how many releases succeeded."""
-    with _holds_lock:
-        pending = list(_pending_releases)
-        _pending_releases.clear()
-        uncertain = sorted(_uncertain)
+    with LEDGER.lock:
+        pending = list(LEDGER.pending_releases)
+        LEDGER.pending_releases.clear()
+        uncertain = sorted(LEDGER.uncertain)
     done = 0
     for grant in pending:
-        before = len(_pending_releases)
+        before = len(LEDGER.pending_releases)
         release(grant)
-        done += len(_pending_releases) == before
+        done += len(LEDGER.pending_releases) == before
     by_process: dict[uuid.UUID, list[str]] = {}
     for task_id, process_id in uncertain:
         by_process.setdefault(process_id, []).append(task_id)
@@ -256,23 +250,23 @@ def _drop_uncertain(task_ids: list[str], process_id: uuid.UUID) -> None:
     """Release the leases ``process_id`` may hold for ``task_ids`` from acquires whose
     reply was lost (none where the acquire did not commit), except those of jobs running
     here now; then wake jobs on the slots freed. One transaction for all of them. A woken
-    claim's released lease is noted in :data:`_reclaimed`. Raises DatabaseError (the
+    claim's released lease is noted in :attr:`Ledger.reclaimed`. Raises DatabaseError (the
     entries stay for the next try)."""
 
-    with _holds_lock:
+    with LEDGER.lock:
         # A copy that took its slot since holds its own lease; leave it alone.
-        orphans = [task_id for task_id in task_ids if task_id not in _running]
+        orphans = [task_id for task_id in task_ids if task_id not in LEDGER.running]
     slot_ids, queue_ids, released = (
         lease_store.drop_held_by(orphans, process_id) if orphans else ([], [], [])
     )
     now = time.monotonic()
-    with _holds_lock:
-        _uncertain.difference_update((task_id, process_id) for task_id in task_ids)
+    with LEDGER.lock:
+        LEDGER.uncertain.difference_update((task_id, process_id) for task_id in task_ids)
         # Before the wake-ups below, which may fail: the claim's parked row is gone either way.
-        for stale in [t for t, at in _reclaimed.items() if now - at > RECLAIMED_KEPT]:
-            del _reclaimed[stale]
-        _reclaimed.update((t, now) for t in released if t in _woken_claims)
-        _woken_claims.difference_update(task_ids)
+        for stale in [t for t, at in LEDGER.reclaimed.items() if now - at > RECLAIMED_KEPT]:
+            del LEDGER.reclaimed[stale]
+        LEDGER.reclaimed.update((t, now) for t in released if t in LEDGER.woken_claims)
+        LEDGER.woken_claims.difference_update(task_ids)
     if slot_ids or queue_ids:
         logger.warning(
             "Gave back %s slot(s) of acquires whose reply was lost; their jobs can start",
@@ -328,30 +322,30 @@ def end(
 
 def end_later(job_id: int, process: uuid.UUID, *, outcome: dispatch.Outcome) -> None:
     """Keep the end of ``job_id`` (fenced by ``process``) for the next heartbeat."""
-    with _pending_lock:
-        _pending_ends[job_id] = (process, outcome)
+    with LEDGER.lock:
+        LEDGER.pending_ends[job_id] = (process, outcome)
 
 
 def forget_end(job_id: int) -> None:
     """Drop a kept end of ``job_id``: a start whose reply was lost did commit, and the job
     runs here now (its own end follows)."""
-    with _pending_lock:
-        _pending_ends.pop(job_id, None)
+    with LEDGER.lock:
+        LEDGER.pending_ends.pop(job_id, None)
 
 
 def retry_pending_ends(app: Any) -> int:
     """End the rows whose end failed earlier in this process; returns how many ended."""
-    with _pending_lock:
-        pending = dict(_pending_ends)
+    with LEDGER.lock:
+        pending = dict(LEDGER.pending_ends)
     done = 0
     for job_id, (process, outcome) in pending.items():
         try:
             ready = dispatch.end(job_id, process, outcome=outcome)
         except DatabaseError:
             break
-        with _pending_lock:
-            if _pending_ends.get(job_id) == (process, outcome):
-                del _pending_ends[job_id]
+        with LEDGER.lock:
+            if LEDGER.pending_ends.get(job_id) == (process, outcome):
+                del LEDGER.pending_ends[job_id]
         dispatch.publish(app, ready)
         done += 1
     return done

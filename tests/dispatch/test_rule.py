@@ -323,21 +323,26 @@ def test_statements__enqueue_start_end__one_each_on_postgresql(published: list[i
     assert (len(enqueue_queries), len(start_queries), len(end_queries)) == (1, 1, 1)
 
 
-def test_selection__index_order__no_scan_and_no_sort(published: list[int]) -> None:
+def test_selection__one_index_probe__blocked_tenants_never_read(published: list[int]) -> None:
     if not is_postgres():
         pytest.skip("the plan is PostgreSQL's")
+    # 3,000 lines with jobs waiting, all but the last 30 blocked (at their cap or paused):
+    # the selection reads its first row from the index, which holds no blocked line.
     rows = [
-        DispatchTenant(queue="fair", tenant=f"t{i}", waiting=i % 3, in_flight=i % 5)
+        DispatchTenant(
+            queue="fair", tenant=f"t{i}", waiting=1 + i % 3, in_flight=i % 5, blocked=i < 2970
+        )
         for i in range(3000)
     ]
     DispatchTenant.objects.bulk_create(rows)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE fair_jobs_dispatchtenant")
         cursor.execute(
-            "EXPLAIN SELECT t.id FROM fair_jobs_dispatchtenant AS t "
+            "EXPLAIN (ANALYZE, COSTS OFF) SELECT t.id FROM fair_jobs_dispatchtenant AS t "
             "WHERE t.queue = 'fair' AND t.waiting > 0 AND NOT t.blocked "
             "ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id "
             "LIMIT 1 FOR UPDATE SKIP LOCKED"
         )
         plan = "\n".join(row[0] for row in cursor.fetchall())
     assert "fair_jobs_dispatch_next" in plan and "Sort" not in plan, plan
+    assert "Rows Removed by Filter" not in plan, plan  # no line read and thrown away

@@ -38,7 +38,7 @@ pytestmark = [
 @pytest.fixture(autouse=True)
 def no_unconfirmed(monkeypatch: pytest.MonkeyPatch, process: uuid.UUID) -> None:
     """This test's own list of unconfirmed releases, made by the ``process`` fixture's."""
-    monkeypatch.setattr(ends, "_unconfirmed", [])
+    monkeypatch.setattr(ends.LEDGER, "unconfirmed", [])
     monkeypatch.setattr(identity, "registered_process_id", lambda: process)
 
 
@@ -85,7 +85,7 @@ def test_release__async__one_statement_without_waiting_for_the_disk_kept_to_conf
     assert len(queries) == 1
     assert "set_config('synchronous_commit', 'off', true)" in queries[0]["sql"]
     assert not SlotLease.objects.exists() and slot().current_jobs == 0
-    assert ends._unconfirmed == [grant]
+    assert ends.LEDGER.unconfirmed == [grant]
     # The setting lasts for the release's own transaction only.
     with connection.cursor() as cursor:
         cursor.execute("SHOW synchronous_commit")
@@ -102,7 +102,7 @@ def test_release__inside_a_transaction__waits_for_the_disk_as_the_transaction_do
         with connection.cursor() as cursor:
             cursor.execute("SHOW synchronous_commit")
             assert cursor.fetchone() == ("on",)  # the caller's commit is left alone
-    assert ends._unconfirmed == []
+    assert ends.LEDGER.unconfirmed == []
     assert not SlotLease.objects.exists()
 
 
@@ -118,13 +118,13 @@ def test_release__error_after_it_may_have_committed__confirmed_as_well_as_retrie
         raise InterfaceError("connection lost")
 
     monkeypatch.setattr(slot_store, "release", released_reply_lost)
-    with ends._holds_lock:
-        pending = len(ends._pending_releases)
+    with ends.LEDGER.lock:
+        pending = len(ends.LEDGER.pending_releases)
     ends.release(grant)
-    assert ends._unconfirmed == [grant]
-    with ends._holds_lock:
-        assert ends._pending_releases[pending:] == [grant]
-        del ends._pending_releases[pending:]
+    assert ends.LEDGER.unconfirmed == [grant]
+    with ends.LEDGER.lock:
+        assert ends.LEDGER.pending_releases[pending:] == [grant]
+        del ends.LEDGER.pending_releases[pending:]
 
 
 def test_confirm__session_that_skips_the_disk__the_confirmation_waits_for_it(
@@ -144,7 +144,7 @@ def test_confirm__session_that_skips_the_disk__the_confirmation_waits_for_it(
 
 def test_release__sync_by_default__nothing_kept_to_confirm(process: uuid.UUID) -> None:
     ends.release(acquire(process, "a"))
-    assert ends._unconfirmed == []
+    assert ends.LEDGER.unconfirmed == []
     assert not SlotLease.objects.exists() and slot().current_jobs == 0
 
 
@@ -156,7 +156,7 @@ def test_confirm__nothing_lost__one_statement_that_beats_list_emptied(process: u
     with CaptureQueriesContext(connection) as queries:
         assert ends.confirm_releases() == 0
     assert len(queries) == 1
-    assert ends._unconfirmed == []
+    assert ends.LEDGER.unconfirmed == []
     assert WorkerProcess.objects.get(pk=process).last_heartbeat_at.year > 2000
     assert slot().current_jobs == 0
 
@@ -174,7 +174,7 @@ def test_confirm__release_lost__slot_released_again_parked_job_woken(
     assert list(SlotLease.objects.values_list("task_id", flat=True)) == ["b"]
     assert slot().current_jobs == 1
     assert ParkedJob.objects.get(task_id="b").woken_at is not None
-    assert ends._unconfirmed == []
+    assert ends.LEDGER.unconfirmed == []
 
 
 @override_settings(FAIR_JOBS_ASYNC_RELEASE=True)
@@ -200,11 +200,11 @@ def test_confirm__process_reaped__kept_until_registered_again_lost_ones_released
     # disk, so the releases stay to confirm; the lost one is released and its job woken.
     assert ends.confirm_releases() == 1
     assert [job.task_id for job in woken] == ["b"]
-    assert ends._unconfirmed == [grant]
+    assert ends.LEDGER.unconfirmed == [grant]
     row.pk = process  # registered again
     row.save(force_insert=True)
     assert ends.confirm_releases() == 0
-    assert ends._unconfirmed == []
+    assert ends.LEDGER.unconfirmed == []
 
 
 def test_confirm__orm_store__redoes_a_lease_still_held(
@@ -247,7 +247,7 @@ with override_settings(FAIR_JOBS_ASYNC_RELEASE=False):
 with override_settings(FAIR_JOBS_ASYNC_RELEASE=True):
     for grant in grants[1:]:
         ends.release(grant)
-print(json.dumps({"unconfirmed": len(ends._unconfirmed)}), flush=True)
+print(json.dumps({"unconfirmed": len(ends.LEDGER.unconfirmed)}), flush=True)
 sys.stdin.readline()  # the server crashed and came back
 connection.close()
 
@@ -260,10 +260,10 @@ def state():
 after_crash = state()
 # The process's maintenance thread confirms the releases at its first pass.
 deadline = time.monotonic() + 120
-while ends._unconfirmed and time.monotonic() < deadline:
+while ends.LEDGER.unconfirmed and time.monotonic() < deadline:
     time.sleep(0.1)
 print(json.dumps({"after_crash": after_crash, "after_confirm": state(),
-                  "unconfirmed": len(ends._unconfirmed)}), flush=True)
+                  "unconfirmed": len(ends.LEDGER.unconfirmed)}), flush=True)
 
 grants = [
     store.try_acquire(tenant="t", queue="q", task_id=f"job{i}", limit=100, process_id=pid,
@@ -274,7 +274,7 @@ with override_settings(FAIR_JOBS_ASYNC_RELEASE=True):
     for grant in grants:
         ends.release(grant)
 ends.confirm_releases()
-print(json.dumps({"unconfirmed": len(ends._unconfirmed)}), flush=True)
+print(json.dumps({"unconfirmed": len(ends.LEDGER.unconfirmed)}), flush=True)
 sys.stdin.readline()  # the server crashed and came back again
 connection.close()
 print(json.dumps({"after_second_crash": state()}), flush=True)
@@ -370,9 +370,9 @@ def test_confirm__database_error__kept_for_the_next_pass_which_goes_on(
 
     monkeypatch.setattr(slot_store, "confirm_releases", fail)
     assert ends.confirm_releases() == 0  # the maintenance pass goes on to its next step
-    assert ends._unconfirmed == [grant]
+    assert ends.LEDGER.unconfirmed == [grant]
     monkeypatch.undo()
     monkeypatch.setattr(ends, "_unconfirmed", [grant])
     monkeypatch.setattr(identity, "registered_process_id", lambda: process)
     assert ends.confirm_releases() == 0
-    assert ends._unconfirmed == []
+    assert ends.LEDGER.unconfirmed == []
