@@ -57,7 +57,7 @@ class Ledger:
     committed took the job's parked row with it."""
     reclaimed: dict[str, float] = field(default_factory=dict)
     """Task ids of woken claims that committed with their reply lost and whose lease was
-    given back, with when: the job's parked row is gone, so its next copy here starts as a
+    released, with when: the job's parked row is gone, so its next copy here starts as a
     fresh job (:func:`take_reclaimed`) instead of being dropped as a stale copy."""
 
 
