@@ -340,7 +340,7 @@ def publish(app: Celery, ready: list[Ready]) -> int:
         try:
             signature = app.signature(loads(item.signature))
             with _outside_any_task():
-                signature.apply_async(fair_dispatched=item.job_id)
+                signature.apply_async(**_marked(app, signature, item.job_id))
         except Exception:
             logger.exception("Could not publish dispatched job %s; it goes aside", item.job_id)
             _set_aside(item.job_id)
@@ -352,6 +352,19 @@ def publish(app: Celery, ready: list[Ready]) -> int:
             break
         published += 1
     return published
+
+
+def _marked(app: Celery, signature: Any, job_id: int) -> dict[str, Any]:
+    """The options that publish a dispatched job's stored signature with the mark that
+    names its row. A process that does not know the task (a maintenance pass run by
+    ``manage.py fair_jobs_reap`` or a web process that imports other modules) sends it by
+    name, so the mark goes in the headers itself; a ``FairTask`` puts it there from
+    ``fair_dispatched``."""
+    if signature.task in app.tasks:
+        return {"fair_dispatched": job_id}
+    headers = dict(signature.options.get("headers") or {})
+    headers[fair_headers.DISPATCH] = job_id
+    return {"headers": headers}
 
 
 def _set_aside(job_id: int) -> None:

@@ -185,6 +185,8 @@ class Outcome:
     self_overlapping: list[str] = field(default_factory=list)
     """The task ids of which two runs were open at once."""
     notes: list[str] = field(default_factory=list)
+    ran_twice: list[str] = field(default_factory=list)
+    """The tasks of the jobs that ran more than once (one entry per job)."""
 
     def row(self) -> dict[str, Any]:
         """A JSON-able record for the report."""
@@ -795,6 +797,7 @@ class Cluster:
             self_overlap=self_overlap,
             self_overlapping=sorted(i for i, n in copies_at_once.items() if n > 1),
             notes=notes,
+            ran_twice=sorted(tasks[i] for i, rs in by_id.items() if len(rs) > 1),
         )
 
     @staticmethod
@@ -853,7 +856,7 @@ def check(outcome: Outcome, *, exactly_once: bool) -> None:
     assert outcome.counter_samples > 0
     assert not outcome.counter_mismatches, outcome.counter_mismatches
     if exactly_once:
-        assert outcome.duplicated == 0, f"{outcome.duplicated} jobs ran twice"
+        assert outcome.duplicated == 0, f"{outcome.duplicated} jobs ran twice: {outcome.ran_twice}"
 
 
 def save(outcome: Outcome) -> None:

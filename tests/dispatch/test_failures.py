@@ -184,3 +184,29 @@ def test_d19__a_job_no_broker_takes__ends_failed__explain_says_so(
     monkeypatch.setattr("celery.canvas.Signature.apply_async", lambda self, *a, **k: None)
     assert dispatch.put_back_failed(celery_app, [row.pk]) == 1
     assert DispatchJob.objects.get(pk=row.pk).state == DISPATCHED
+
+
+def test_published_by_a_process_that_does_not_know_the_task__the_mark_goes_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A maintenance pass run by manage.py fair_jobs_reap (or any process that does not
+    # import the task's module) sent the job by name without its row's mark: a worker ran
+    # it on the slot path, its row stayed dispatched, and the lost-message repair ran it
+    # a second time (seen in the chaos suite).
+    from celery import Celery
+
+    from django_fair_jobs import headers
+
+    monkeypatch.undo()
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr("celery.canvas.Signature.apply_async", lambda self, *a, **k: sent.append(k))
+    set_capacity(0)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    set_capacity(1)
+    ready = dispatch.dispatch("fair")
+    stranger = Celery("stranger")
+    monkeypatch.delitem(stranger.tasks, tasks.dispatched.name)  # it does not know the task
+    assert dispatch.publish(stranger, ready) == 1
+    (options,) = sent
+    assert options["headers"][headers.DISPATCH] == job.pk
+    assert options["headers"][headers.TENANT] == "acme"  # the stored headers are kept
