@@ -159,6 +159,16 @@ def cut_in_its_own_statement(task_id: str) -> bool:
     )
 
 
+def unresolved(ids: list[str]) -> list[str]:
+    """The jobs of ``ids`` that neither finished nor failed in one of their own statements."""
+    finished = set(
+        JobRun.objects.filter(task_id__in=ids, finished_at__isnull=False).values_list(
+            "task_id", flat=True
+        )
+    )
+    return [i for i in ids if i not in finished and not cut_in_its_own_statement(i)]
+
+
 def test_restart_mid_run__nothing_lost__limit_held(
     pgbouncer: PgBouncer, start_worker: Callable[..., Worker]
 ) -> None:
@@ -180,16 +190,8 @@ def test_restart_mid_run__nothing_lost__limit_held(
     )
     pgbouncer.restart()  # every connection of both workers is cut mid-run
 
-    def unresolved() -> list[str]:
-        finished = set(
-            JobRun.objects.filter(task_id__in=ids, finished_at__isnull=False).values_list(
-                "task_id", flat=True
-            )
-        )
-        return [i for i in ids if i not in finished and not cut_in_its_own_statement(i)]
-
     # Postponed jobs come back after fair_retry_countdown (60 s by default).
-    wait_for(lambda: not unresolved(), 150, "every job to run")
+    wait_for(lambda: not unresolved(ids), 150, "every job to run")
     per_task = Counter(JobRun.objects.filter(tenant="r").values_list("task_id", flat=True))
     assert max(per_task.values()) == 1, "a job ran twice"
     assert max_overlap(finished_runs("r")) <= 3
@@ -213,15 +215,7 @@ def test_restart_mid_run__fair_dispatch__nothing_lost__cap_held(
     )
     pgbouncer.restart()  # every connection of both workers is cut mid-run
 
-    def unresolved() -> list[str]:
-        finished = set(
-            JobRun.objects.filter(task_id__in=ids, finished_at__isnull=False).values_list(
-                "task_id", flat=True
-            )
-        )
-        return [i for i in ids if i not in finished and not cut_in_its_own_statement(i)]
-
-    wait_for(lambda: not unresolved(), 150, "every dispatched job to run")
+    wait_for(lambda: not unresolved(ids), 150, "every dispatched job to run")
     per_task = Counter(JobRun.objects.filter(tenant="r").values_list("task_id", flat=True))
     assert max(per_task.values()) == 1, "a job ran twice"
     assert max_overlap(finished_runs("r")) <= 2

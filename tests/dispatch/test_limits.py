@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from django.db import connection
 from django.utils import timezone
 
-from django_fair_jobs import admission, dispatch, headers, queue_limits, slots
-from django_fair_jobs.dispatch.models import DISPATCHED, DispatchJob, DispatchQueue, DispatchTenant
+from django_fair_jobs import admission, dispatch, queue_limits, slots
+from django_fair_jobs.dispatch.models import DISPATCHED, DispatchJob, DispatchTenant
 from django_fair_jobs.models import QueueLimit
-from tests.conftest import run_as_worker
+from tests.dispatch.conftest import deliver, job_of, set_capacity
 from tests.sessions import session
 from tests.testapp import tasks
 
@@ -28,46 +26,16 @@ pytestmark = [
     pytest.mark.usefixtures("engine", "in_process_worker"),
 ]
 
-RAN: list[str] = []
-
 
 @pytest.fixture(autouse=True)
-def published(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+def published(collected: list[int]) -> list[int]:
     """Nothing reaches a broker: the jobs dispatched are collected (row ids)."""
-    out: list[int] = []
-
-    def collect(app: Any, ready: list[dispatch.Ready]) -> int:
-        out.extend(r.job_id for r in ready)
-        return len(ready)
-
-    monkeypatch.setattr(dispatch, "publish", collect)
-    queue_limits._cache.loaded_at = 0.0
-    yield out
-    queue_limits._cache.loaded_at = 0.0
-
-
-def set_capacity(capacity: int, queue: str = "fair") -> None:
-    DispatchQueue.objects.update_or_create(queue=queue, defaults={"capacity": capacity})
+    return collected
 
 
 def pump(published: list[int]) -> None:
     """Dispatch into the queue's room, as maintenance does, collecting what it dispatched."""
     published.extend(r.job_id for r in dispatch.dispatch("fair"))
-
-
-def job_of(task_id: str) -> DispatchJob:
-    return DispatchJob.objects.get(task_id=task_id)
-
-
-def deliver(job: DispatchJob, task: Any = tasks.dispatched) -> str:
-    """Run a dispatched job's message as a worker would; "ran" or "not run"."""
-    from celery.exceptions import Ignore
-
-    try:
-        run_as_worker(task, (job.tenant,), task_id=job.task_id, headers={headers.DISPATCH: job.pk})
-    except Ignore:
-        return "not run"
-    return "ran"
 
 
 def test_d2__a_paused_queue__nothing_dispatched(published: list[int]) -> None:

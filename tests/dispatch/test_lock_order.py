@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from django_fair_jobs import dispatch
 from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue
+from tests.dispatch.conftest import job_of, set_capacity
 from tests.sessions import (
     finishes_while_held,
     in_thread,
@@ -37,36 +38,25 @@ PROCESS = uuid.uuid4()
 
 
 @pytest.fixture(autouse=True)
-def published(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def published(collected: list[int]) -> list[int]:
     """Nothing reaches a broker: the jobs dispatched are collected (row ids)."""
-    out: list[int] = []
-
-    def collect(app: object, ready: list[dispatch.Ready]) -> int:
-        out.extend(r.job_id for r in ready)
-        return len(ready)
-
-    monkeypatch.setattr(dispatch, "publish", collect)
-    return out
+    return collected
 
 
-def set_capacity(capacity: int, queue: str = "fair") -> None:
-    DispatchQueue.objects.update_or_create(queue=queue, defaults={"capacity": capacity})
-
-
-def job_of(task_id: str) -> int:
-    return DispatchJob.objects.values_list("pk", flat=True).get(task_id=task_id)
+def job_id(task_id: str) -> int:
+    return job_of(task_id).pk
 
 
 def running(tenant: str) -> int:
     """A job of ``tenant`` dispatched and started under :data:`PROCESS`."""
-    job = job_of(tasks.dispatched.delay(tenant).id)
+    job = job_id(tasks.dispatched.delay(tenant).id)
     assert dispatch.start(job, PROCESS).status == "started"
     return job
 
 
 def due_countdown(tenant: str) -> int:
     """A job of ``tenant`` stored with a countdown that has come due."""
-    job = job_of(tasks.dispatched.apply_async((tenant,), countdown=60).id)
+    job = job_id(tasks.dispatched.apply_async((tenant,), countdown=60).id)
     DispatchJob.objects.filter(pk=job).update(not_before=timezone.now() - timedelta(seconds=1))
     return job
 
@@ -179,7 +169,7 @@ def test_d11__refresh_capacity_holds_no_queue_while_it_waits_for_another() -> No
 
 def test_d14__enqueue_start_end_and_dispatch_never_write_the_queue_row() -> None:
     set_capacity(2)
-    jobs = [job_of(tasks.dispatched.delay("a").id) for _ in range(3)]
+    jobs = [job_id(tasks.dispatched.delay("a").id) for _ in range(3)]
 
     def a_jobs_life() -> None:
         assert dispatch.start(jobs[0], PROCESS).status == "started"
