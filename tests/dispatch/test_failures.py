@@ -204,7 +204,7 @@ def test_published_by_a_process_that_does_not_know_the_task__the_mark_goes_with_
     job = job_of(tasks.dispatched.delay("acme").id)
     set_capacity(1)
     ready = dispatch.dispatch("fair")
-    stranger = Celery("stranger")
+    stranger = Celery("stranger", set_as_current=False)  # the suite's app stays current
     monkeypatch.delitem(stranger.tasks, tasks.dispatched.name)  # it does not know the task
     assert dispatch.publish(stranger, ready) == 1
     (options,) = sent

@@ -372,7 +372,7 @@ def test_confirm__database_error__kept_for_the_next_pass_which_goes_on(
     assert ends.confirm_releases() == 0  # the maintenance pass goes on to its next step
     assert ends.LEDGER.unconfirmed == [grant]
     monkeypatch.undo()
-    monkeypatch.setattr(ends, "_unconfirmed", [grant])
+    monkeypatch.setattr(ends.LEDGER, "unconfirmed", [grant])
     monkeypatch.setattr(identity, "registered_process_id", lambda: process)
     assert ends.confirm_releases() == 0
     assert ends.LEDGER.unconfirmed == []

@@ -549,11 +549,11 @@ def test_job_path__hand_over_cut__kept_slot_and_new_lease_both_cleaned_later(
         )  # fmt: skip
     # Whatever the error, the reply may be lost after a commit: the kept lease's release
     # and the new job's possible lease are both left to the heartbeat, none forgotten.
-    with ends._holds_lock:
-        pending = [g.token for g in ends._pending_releases]
-        uncertain = set(ends._uncertain)
-        ends._pending_releases.clear()
-        ends._uncertain.clear()
+    with ends.LEDGER.lock:
+        pending = [g.token for g in ends.LEDGER.pending_releases]
+        uncertain = set(ends.LEDGER.uncertain)
+        ends.LEDGER.pending_releases.clear()
+        ends.LEDGER.uncertain.clear()
     assert kept.token in pending
     assert (task_id, handing) in uncertain
 
@@ -571,8 +571,8 @@ def test_job_path__trade_refused_by_the_server__kept_slot_released_at_once(
         )  # fmt: skip
     # Known undone, so the kept slot is released now, not left to the heartbeat.
     assert slot("t", "fair").current_jobs == 0 and not SlotLease.objects.exists()
-    with ends._holds_lock:
-        assert not ends._pending_releases and not ends._uncertain
+    with ends.LEDGER.lock:
+        assert not ends.LEDGER.pending_releases and not ends.LEDGER.uncertain
 
 
 @postgres_only
