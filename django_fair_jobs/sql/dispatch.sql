@@ -22,11 +22,16 @@
 -- The virtual time of p_queue: the highest pass at which a tenant was served (each line
 -- keeps the pass of its last service), the stride floor at which a tenant whose line was
 -- empty re-enters, so that it banks no credit for its idle time. One index probe.
+-- PL/pgSQL, not SQL, here and in fair_jobs_dispatch_room: PL/pgSQL keeps its plans for the
+-- session, while a SQL function called from PL/pgSQL is planned again at every call
+-- (before PostgreSQL 18), which cost more than the rest of a dispatch.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_vt(p_queue text)
 RETURNS double precision
-LANGUAGE sql STABLE AS $$
-    SELECT COALESCE(max(t.served_pass), 0.0) FROM fair_jobs_dispatchtenant AS t
-     WHERE t.queue = p_queue
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN (SELECT COALESCE(max(t.served_pass), 0.0) FROM fair_jobs_dispatchtenant AS t
+             WHERE t.queue = p_queue);
+END;
 $$;
 
 -- How many more jobs p_queue may have in flight now: its live capacity plus slack, less
@@ -37,20 +42,23 @@ $$;
 -- caps and queue limits are fenced at start).
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_room(p_queue text)
 RETURNS integer
-LANGUAGE sql STABLE AS $$
-    WITH flight AS (
-        SELECT count(*) AS in_flight, count(*) FILTER (WHERE j.state = 2) AS dispatched
-          FROM fair_jobs_dispatchjob AS j
-         WHERE j.queue = p_queue AND j.state IN (2, 3)
-    )
-    SELECT GREATEST(LEAST(
-               q.capacity + q.slack - f.in_flight,
-               l.max_jobs - l.current_jobs - f.dispatched,
-               q.nodes * l.max_jobs_per_worker - f.in_flight), 0)::integer
-      FROM fair_jobs_dispatchqueue AS q
-     CROSS JOIN flight AS f
-      LEFT JOIN fair_jobs_queuelimit AS l ON l.queue = q.queue
-     WHERE q.queue = p_queue
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN (
+        WITH flight AS (
+            SELECT count(*) AS in_flight, count(*) FILTER (WHERE j.state = 2) AS dispatched
+              FROM fair_jobs_dispatchjob AS j
+             WHERE j.queue = p_queue AND j.state IN (2, 3)
+        )
+        SELECT GREATEST(LEAST(
+                   q.capacity + q.slack - f.in_flight,
+                   l.max_jobs - l.current_jobs - f.dispatched,
+                   q.nodes * l.max_jobs_per_worker - f.in_flight), 0)::integer
+          FROM fair_jobs_dispatchqueue AS q
+         CROSS JOIN flight AS f
+          LEFT JOIN fair_jobs_queuelimit AS l ON l.queue = q.queue
+         WHERE q.queue = p_queue);
+END;
 $$;
 
 -- Move p_queue's jobs that came due (countdowns, ETAs, jobs stored inside their caller's
@@ -118,30 +126,50 @@ LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
     v_room integer;
     v_line record;
-    v_next record;
-    v_slot integer;
     v_limit integer;
 BEGIN
     PERFORM fair_jobs_dispatch_due(p_queue);
     v_room := LEAST(COALESCE(fair_jobs_dispatch_room(p_queue), 0), p_max);
     WHILE v_room > 0 LOOP
-        SELECT t.id, t.tenant, t.pass_value, t.head_id, t.in_flight, t.cap INTO v_line
+        SELECT t.id, t.tenant, t.head_id, t.in_flight, t.cap,
+               (SELECT s.max_jobs FROM fair_jobs_tenantqueueslot AS s
+                 WHERE s.tenant = t.tenant AND s.queue = p_queue) AS slot
+          INTO v_line
           FROM fair_jobs_dispatchtenant AS t
          WHERE t.queue = p_queue AND t.waiting > 0 AND NOT t.blocked
          ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id
          LIMIT 1
-           FOR UPDATE SKIP LOCKED;
+           FOR UPDATE OF t SKIP LOCKED;
         EXIT WHEN NOT FOUND;
-        SELECT s.max_jobs INTO v_slot FROM fair_jobs_tenantqueueslot AS s
-         WHERE s.tenant = v_line.tenant AND s.queue = p_queue;
-        v_limit := COALESCE(v_slot, v_line.cap);
+        v_limit := COALESCE(v_line.slot, v_line.cap);
         IF v_limit IS NOT NULL AND v_line.in_flight >= v_limit THEN
             UPDATE fair_jobs_dispatchtenant AS t SET blocked = true WHERE t.id = v_line.id;
             CONTINUE;
         END IF;
-        UPDATE fair_jobs_dispatchjob AS j SET state = 2, dispatched_at = now()
-         WHERE j.id = v_line.head_id AND j.state = 1
-        RETURNING j.id, j.signature INTO job_id, job_signature;
+        -- One statement: the head job is dispatched and its line moves on to its oldest
+        -- other waiting job (the statement's snapshot still sees the head as waiting).
+        WITH taken AS (
+            UPDATE fair_jobs_dispatchjob AS j SET state = 2, dispatched_at = now()
+             WHERE j.id = v_line.head_id AND j.state = 1
+            RETURNING j.id, j.signature
+        ), following AS (
+            SELECT j.id, j.cap FROM fair_jobs_dispatchjob AS j
+             WHERE j.queue = p_queue AND j.tenant = v_line.tenant AND j.state = 1
+               AND j.id <> v_line.head_id
+             ORDER BY j.id LIMIT 1
+        )
+        UPDATE fair_jobs_dispatchtenant AS t
+           SET in_flight = t.in_flight + 1,
+               waiting = t.waiting - 1,
+               pass_value = t.pass_value + 1.0 / t.weight,
+               served_pass = t.pass_value,
+               dispatched_total = t.dispatched_total + 1,
+               head_id = f.id,
+               cap = f.cap,
+               blocked = COALESCE(t.in_flight + 1 >= COALESCE(v_line.slot, f.cap), false)
+          FROM taken LEFT JOIN following AS f ON true
+         WHERE t.id = v_line.id
+        RETURNING taken.id, taken.signature INTO job_id, job_signature;
         IF NOT FOUND THEN
             -- A head that left the line another way (cancelled): recount, go on.
             UPDATE fair_jobs_dispatchtenant AS t
@@ -153,19 +181,6 @@ BEGIN
              WHERE t.id = v_line.id;
             CONTINUE;
         END IF;
-        SELECT j.id, j.cap INTO v_next FROM fair_jobs_dispatchjob AS j
-         WHERE j.queue = p_queue AND j.tenant = v_line.tenant AND j.state = 1
-         ORDER BY j.id LIMIT 1;
-        UPDATE fair_jobs_dispatchtenant AS t
-           SET in_flight = t.in_flight + 1,
-               waiting = t.waiting - 1,
-               pass_value = t.pass_value + 1.0 / t.weight,
-               served_pass = t.pass_value,
-               dispatched_total = t.dispatched_total + 1,
-               head_id = v_next.id,
-               cap = v_next.cap,
-               blocked = COALESCE(t.in_flight + 1 >= COALESCE(v_slot, v_next.cap), false)
-         WHERE t.id = v_line.id;
         RETURN NEXT;
         v_room := v_room - 1;
     END LOOP;
