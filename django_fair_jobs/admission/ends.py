@@ -6,6 +6,7 @@ next heartbeat, so that nothing is lost while the process lives."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -26,6 +27,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger("django_fair_jobs.admission")
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A finished job's tenant slot that this process keeps for its next job (slot
+    handoff, :mod:`django_fair_jobs.admission.handoff`)."""
+
+    grant: Grant
+    tenant: str
+    queue: str
+    until: float
+    app: Celery | None
+
+
 @dataclass
 class Ledger:
     """What this process remembers between a job's statements, so that nothing is lost
@@ -33,7 +46,9 @@ class Ledger:
     have been lost, is noted here and resolved from the rows by asking again (the
     heartbeat, the job's next copy, the shutdown)."""
 
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Condition = field(default_factory=lambda: threading.Condition(threading.Lock()))
+    """The one lock; a condition, on which the handoff's keeper thread waits for the slot
+    it keeps to come due."""
     pending_ends: dict[int, tuple[uuid.UUID, dispatch.Outcome]] = field(default_factory=dict)
     """Dispatched jobs whose end failed, or whose start may have committed with its reply
     lost (``"back"``): job id to (process, outcome), tried again at each heartbeat and at
@@ -59,10 +74,29 @@ class Ledger:
     """Task ids of woken claims that committed with their reply lost and whose lease was
     released, with when: the job's parked row is gone, so its next copy here starts as a
     fresh job (:func:`take_reclaimed`) instead of being dropped as a stale copy."""
+    kept: Kept | None = None
+    """The tenant slot this process keeps for its next job (slot handoff), if any."""
+    keeper: tuple[int, threading.Thread] | None = None
+    """The handoff's keeper thread (by pid: a forked child starts its own)."""
+    keeper_deadline: float | None = None
+    """When the keeper thread, waiting on :attr:`lock`, wakes next (``math.inf``: only
+    when woken); None while it is not waiting. A slot kept is woken for only if it is due
+    before then: in a busy worker each job's slot is due later than the one before, so
+    the keeper sleeps through them instead of being woken at every job (two context
+    switches and a contest for the GIL with the job's thread each time)."""
 
 
 LEDGER = Ledger()
 """This process's :class:`Ledger`."""
+
+
+def _new_ledger_in_child() -> None:
+    # A forked child (a prefork pool's) owes nothing of its parent's and must not inherit
+    # its lock, which another thread of the parent may have held at the fork.
+    LEDGER.__init__()  # type: ignore[misc]
+
+
+os.register_at_fork(after_in_child=_new_ledger_in_child)
 
 RECLAIMED_KEPT = 86400.0
 """Seconds a :attr:`Ledger.reclaimed` entry waits for its job's copy to come back here; a copy

@@ -25,42 +25,19 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from django.db import DatabaseError, close_old_connections, connections, router
 
 from django_fair_jobs import db, identity
 from django_fair_jobs.admission import ends
+from django_fair_jobs.admission.ends import LEDGER, Kept
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.leases.types import Acquisition, Grant
 from django_fair_jobs.slots import store as slot_store
 
 if TYPE_CHECKING:
     from celery import Celery
-
-
-@dataclass(frozen=True)
-class Kept:
-    """A finished job's slot that this process keeps for its next job."""
-
-    grant: Grant
-    tenant: str
-    queue: str
-    until: float
-    app: Celery | None
-
-
-_kept: Kept | None = None
-_changed = threading.Condition()
-_keeper: tuple[int, threading.Thread] | None = None
-"""The keeper thread of this process (by pid: a forked child starts its own)."""
-_keeper_deadline: float | None = None
-"""When the keeper thread, waiting on ``_changed``, wakes next (``math.inf``: only when
-woken); None while it is not waiting. :func:`keep` wakes it only for a slot due before
-then: in a busy worker each job's slot is due later than the one before, so the keeper
-sleeps through them instead of being woken at every job (two context switches and a
-contest for the GIL with the job's thread each time)."""
 
 
 def enabled() -> bool:
@@ -76,7 +53,6 @@ def keep(grant: Grant, *, tenant: str | None, queue: str, app: Celery | None) ->
     False when it cannot be kept (the caller releases it): handoff is off, the grant holds
     no tenant slot or holds a place in a limited queue, or the slot had no room to spare
     when the job took it (the tenant was at its limit, or jobs were parked on it)."""
-    global _kept
     if tenant is None or grant.slot_id is None or grant.queue_limit_id is not None:
         return False
     if not grant.spare:  # the tenant was at its limit, or jobs were parked: they go first
@@ -85,14 +61,14 @@ def keep(grant: Grant, *, tenant: str | None, queue: str, app: Celery | None) ->
         return False
     ends.unmark_running(grant.task_id)
     kept = Kept(grant, tenant, queue, time.monotonic() + fair_settings.SLOT_HANDOFF, app)
-    with _changed:
+    with LEDGER.lock:
         try:
             _start_keeper()
         except RuntimeError:  # no thread to be had: nothing would release it in time
             return False
-        earlier, _kept = _kept, kept
-        if _keeper_deadline is not None and kept.until < _keeper_deadline:
-            _changed.notify_all()
+        earlier, LEDGER.kept = LEDGER.kept, kept
+        if LEDGER.keeper_deadline is not None and kept.until < LEDGER.keeper_deadline:
+            LEDGER.lock.notify_all()
     if earlier is not None:  # two jobs ended at once (a threads pool): one slot is kept
         ends.release(earlier.grant, app=earlier.app)
     return True
@@ -101,9 +77,8 @@ def keep(grant: Grant, *, tenant: str | None, queue: str, app: Celery | None) ->
 def take() -> Kept | None:
     """Take the slot this process keeps, if any (its keeper no longer releases it): the
     caller hands it over or releases it."""
-    global _kept
-    with _changed:
-        kept, _kept = _kept, None
+    with LEDGER.lock:
+        kept, LEDGER.kept = LEDGER.kept, None
     return kept
 
 
@@ -130,7 +105,7 @@ def take_over(
       ``woken`` copy of the same tenant) the kept slot is released alone, which wakes a job
       parked on it.
     """
-    if _kept is None:
+    if LEDGER.kept is None:
         return None
     kept = take()
     if kept is None:
@@ -217,35 +192,27 @@ def release_kept() -> None:
         ends.release(kept.grant, app=kept.app)
 
 
-def _forget_in_child() -> None:
-    """A forked child keeps nothing of its parent's: not its kept slot, not its lock."""
-    global _kept, _changed, _keeper_deadline
-    _kept, _changed, _keeper_deadline = None, threading.Condition(), None
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
 def _start_keeper() -> None:
-    """Start this process's keeper thread if it has none (called holding ``_changed``)."""
-    global _keeper
-    if _keeper is not None and _keeper[0] == os.getpid() and _keeper[1].is_alive():
+    """Start this process's keeper thread if it has none (called holding the ledger's
+    lock)."""
+    keeper = LEDGER.keeper
+    if keeper is not None and keeper[0] == os.getpid() and keeper[1].is_alive():
         return
     thread = threading.Thread(target=_keep, name="fair-jobs-handoff", daemon=True)
-    _keeper = (os.getpid(), thread)
+    LEDGER.keeper = (os.getpid(), thread)
     thread.start()
 
 
 def _keep() -> None:
     """The keeper thread: release each kept slot that no job took in time."""
-    global _kept, _keeper_deadline
     while True:
-        with _changed:
-            while _kept is None or _kept.until > time.monotonic():
-                _keeper_deadline = math.inf if _kept is None else _kept.until
-                _changed.wait(None if _kept is None else _kept.until - time.monotonic())
-            _keeper_deadline = None
-            expired, _kept = _kept, None
+        with LEDGER.lock:
+            while LEDGER.kept is None or LEDGER.kept.until > time.monotonic():
+                kept = LEDGER.kept
+                LEDGER.keeper_deadline = math.inf if kept is None else kept.until
+                LEDGER.lock.wait(None if kept is None else kept.until - time.monotonic())
+            LEDGER.keeper_deadline = None
+            expired, LEDGER.kept = LEDGER.kept, None
         # As Django around a request: a connection past CONN_MAX_AGE (or broken) is closed
         # before and after, so with CONN_MAX_AGE = 0 the thread holds none between releases.
         close_old_connections()

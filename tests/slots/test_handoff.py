@@ -6,6 +6,7 @@ path on PostgreSQL with the keeper thread for real."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import uuid
@@ -364,7 +365,7 @@ def test_job_path__job_parked_on_kept_slot__next_job_other_tenant__parked_job_wo
         acquire(handing, other, 3, tenant="t", queue="fair")
     waiting = str(uuid.uuid4())
     with monkeypatch.context() as elsewhere:
-        elsewhere.setattr(handoff, "_kept", None)
+        elsewhere.setattr(ends.LEDGER, "kept", None)
         with pytest.raises(Ignore):
             run(tasks.limited3, "t", waiting)
     assert run(tasks.limited3, "u") == "u:done"
@@ -398,7 +399,7 @@ def test_job_path__job_parked_on_kept_slot__woken_first_next_job_parks(
     waiting = str(uuid.uuid4())
     with monkeypatch.context() as elsewhere:
         # Started by another process, which keeps no slot: it finds the slot held, parks.
-        elsewhere.setattr(handoff, "_kept", None)
+        elsewhere.setattr(ends.LEDGER, "kept", None)
         with pytest.raises(Ignore):
             run(tasks.limited3, "t", waiting)
     assert ParkedJob.objects.get().task_id == waiting
@@ -446,11 +447,11 @@ def keeper_sleeping_for_a_slot(seconds: float) -> float:
     with override_settings(FAIR_JOBS_SLOT_HANDOFF=0.2):
         run(tasks.limited3, "t")
         wait_for(lambda: not SlotLease.objects.exists(), 20, "the keeper to release it")
-        wait_for(lambda: handoff._keeper_deadline == math.inf, 20, "the keeper to wait idle")
+        wait_for(lambda: ends.LEDGER.keeper_deadline == math.inf, 20, "the keeper to wait idle")
     with override_settings(FAIR_JOBS_SLOT_HANDOFF=seconds):
         run(tasks.limited3, "t")  # wakes the idle keeper, which sleeps until it is due
-        wait_for(lambda: handoff._keeper_deadline != math.inf, 20, "the keeper to wait for it")
-    due = handoff._keeper_deadline
+        wait_for(lambda: ends.LEDGER.keeper_deadline != math.inf, 20, "the keeper to wait for it")
+    due = ends.LEDGER.keeper_deadline
     assert due is not None
     return due
 
@@ -458,13 +459,13 @@ def keeper_sleeping_for_a_slot(seconds: float) -> float:
 def count_wakes(monkeypatch: pytest.MonkeyPatch) -> list[None]:
     """A list that grows by one each time the keeper thread is woken from here on."""
     wakes: list[None] = []
-    notify_all = handoff._changed.notify_all
+    notify_all = ends.LEDGER.lock.notify_all
 
     def counted() -> None:
         wakes.append(None)
         notify_all()
 
-    monkeypatch.setattr(handoff._changed, "notify_all", counted)
+    monkeypatch.setattr(ends.LEDGER.lock, "notify_all", counted)
     return wakes
 
 
@@ -582,8 +583,27 @@ def test_job_path__no_keeper_thread_to_be_had__job_succeeds_slot_released(
     def no_thread(self: threading.Thread) -> None:
         raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(handoff, "_keeper", None)
+    monkeypatch.setattr(ends.LEDGER, "keeper", None)
     monkeypatch.setattr(threading.Thread, "start", no_thread)
     assert run(tasks.limited3, "t") == "t:done"
     assert not SlotLease.objects.exists()
     assert handoff.take() is None
+
+
+def test_fork__child_starts_with_a_ledger_of_its_own__not_its_parents_held_lock() -> None:
+    # A prefork pool forks its children while the parent's threads (the heartbeat, the
+    # keeper) may hold the ledger's lock: a child that inherited it held would hang at its
+    # first job, and one that inherited the kept slot would hand on its parent's lease.
+    grant = Grant(slot_id=1, queue_limit_id=None, token=uuid.uuid4(), task_id="kept")
+    with ends.LEDGER.lock:
+        ends.LEDGER.kept = ends.Kept(grant, "t", "q", time.monotonic() + 60, None)
+        ends.LEDGER.running.add("parent's job")
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if its ledger is its own and free
+            fresh = ends.LEDGER.lock.acquire(timeout=5)
+            own = ends.LEDGER.kept is None and not ends.LEDGER.running
+            os._exit(0 if fresh and own else 1)
+        ends.LEDGER.kept = None
+        ends.LEDGER.running.discard("parent's job")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
