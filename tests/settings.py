@@ -100,6 +100,7 @@ if not env.bool("FAIR_JOBS_TESTS_LIBRARY_DEFAULTS", default=False):
     FAIR_JOBS_DEFAULT_MAX_JOBS = env.int("FAIR_JOBS_DEFAULT_MAX_JOBS", default=1)
 FAIR_JOBS_HEARTBEAT_INTERVAL = env.float("FAIR_JOBS_HEARTBEAT_INTERVAL", default=0.5)
 FAIR_JOBS_WORKER_TIMEOUT = env.float("FAIR_JOBS_WORKER_TIMEOUT", default=3.0)
+FAIR_JOBS_DISPATCH_SLACK = env.int("FAIR_JOBS_DISPATCH_SLACK", default=1)
 
 # The worker's root handler prints these; no handler of our own, or lines would double.
 LOGGING = {

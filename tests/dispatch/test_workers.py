@@ -12,7 +12,12 @@ import pytest
 from celery import chain
 
 from django_fair_jobs import dispatch
-from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue, DispatchTenant
+from django_fair_jobs.dispatch.models import (
+    WAITING,
+    DispatchJob,
+    DispatchQueue,
+    DispatchTenant,
+)
 from django_fair_jobs.models import ParkedJob
 from tests.conftest import Worker, wait_for
 from tests.test_workers import max_overlap, wait_finished
@@ -157,6 +162,33 @@ def test_d1__many_retries_with_short_countdowns__no_deadlock__each_runs_twice(
     )
     wait_for(settled, 20, "dispatch rows and counters to settle")
     assert "deadlock detected" not in worker.output()
+
+
+def test_d18__revoke_terminate__job_survives__its_room_held_until_it_ends(
+    start_worker: Callable[..., Worker],
+) -> None:
+    # A dispatched job without a cap holds no slot lease, through which the terminate's
+    # handler found its pool process: its row was dropped at once, so the room it still
+    # used went to the next job while it ran on. One process, no slack: one room.
+    worker = start_worker(
+        "d", pool="prefork", concurrency=1, extra_env={**FAST, "FAIR_JOBS_DISPATCH_SLACK": "0"}
+    )
+    victim = tasks.dispatched_shrugs_off_soft_limit.delay("v", 4)
+    wait_for(lambda: JobRun.objects.filter(task_id=victim.id).exists(), 30, "the victim to start")
+    follower = tasks.dispatched.delay("f")
+    victim.revoke(terminate=True, signal="SIGUSR1")
+    wait_for(lambda: "Terminating" in worker.output(), 20, "the worker to signal the victim")
+    states: set[int] = set()
+    while not JobRun.objects.filter(task_id=victim.id, finished_at__isnull=False).exists():
+        victim_row = DispatchJob.objects.filter(task_id=victim.id).first()
+        follower_row = DispatchJob.objects.filter(task_id=follower.id).first()
+        assert victim_row is not None, "the terminated job's row went while it still ran"
+        if follower_row is not None:
+            states.add(follower_row.state)
+        time.sleep(0.05)
+    assert states == {WAITING}, "the room of the job that survived went to another"
+    assert follower.get(timeout=30) == "f:done"
+    wait_for(settled, 20, "dispatch rows and counters to settle")
 
 
 def test_chain__each_link_dispatched__result_flows(start_worker: Callable[..., Worker]) -> None:

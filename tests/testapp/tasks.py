@@ -317,12 +317,22 @@ def shrugs_off_soft_limit(self: Any, tenant: str, duration: float) -> str:
     """Catches ``SoftTimeLimitExceeded`` (what ``revoke(terminate=True, signal="SIGUSR1")``
     raises in a prefork child) and works on for its whole ``duration``: a terminate that
     does not stop the job."""
+    return _shrug(self, tenant, duration)
+
+
+@shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_dispatch=True)
+def dispatched_shrugs_off_soft_limit(self: Any, tenant: str, duration: float) -> str:
+    """:func:`shrugs_off_soft_limit` with fair dispatch (no cap: it holds no slot)."""
+    return _shrug(self, tenant, duration)
+
+
+def _shrug(task: Any, tenant: str, duration: float) -> str:
     from contextlib import suppress
 
     from celery.exceptions import SoftTimeLimitExceeded
 
     run = JobRun.objects.create(
-        task_id=self.request.id, tenant=tenant, pid=__import__("os").getpid(), started_at=Now()
+        task_id=task.request.id, tenant=tenant, pid=__import__("os").getpid(), started_at=Now()
     )
     deadline = time.monotonic() + duration
     while (left := deadline - time.monotonic()) > 0:
