@@ -10,9 +10,13 @@ Three figures, each beside its physical limit measured in the same run:
    count and dispatches the next job into its room), for ``--seconds``. Against pgbench
    with as many clients, each updating a row of its own (``UPDATE ... WHERE id =
    :client_id``): jobs per second over pgbench's transactions per second.
-2. **queues**: 9 queues, one session each, with and without a tenth queue held busy (a
-   transaction that holds the queue's row and all its lines): the 9 queues' jobs per
-   second with it over without.
+2. **queues**: 9 queues, one session each, with and without a tenth queue held busy: the 9
+   queues' jobs per second with it over without. Three ways to hold it, each run on its
+   own: ``busy``, its row and all its lines locked all along by transactions of 0.1 s that
+   take them again as each commits (as a busy queue's own steps hold them); ``open``, the
+   same locks held by one transaction open for the whole run; ``horizon``, a transaction
+   open for the whole run that locks nothing (it only holds back PostgreSQL's cleanup of
+   old row versions, the other cost of ``open``).
 3. **blocked**: ``--tenants`` tenants on one queue, all eligible, then all but one paused
    by their tenant slot: the median of a dispatch + end cycle (as ``bench_dispatch``
    measures it) with them over without.
@@ -90,6 +94,32 @@ def _cycle(dsn: str, queue: str, first: int, seconds: float, out: Any) -> None:
     out.put(ended)
 
 
+HOLDS = ("busy", "open", "horizon")
+"""The ways the tenth queue is held in the queues figure (see the module's docstring)."""
+
+LOCK_QUEUE = "SELECT 1 FROM fair_jobs_dispatchqueue WHERE queue = %s FOR UPDATE"
+LOCK_LINES = "SELECT 1 FROM fair_jobs_dispatchtenant WHERE queue = %s FOR UPDATE"
+
+
+def _hold(dsn: str, queue: str, hold: str, held: Any, stop: Any) -> None:
+    """Hold ``queue`` the ``hold`` way until ``stop`` is set; set ``held`` once it is."""
+    with psycopg.connect(dsn) as conn:
+        while True:
+            if hold == "horizon":
+                conn.execute("SELECT txid_current()")  # an xid of its own, no lock
+            else:
+                conn.execute(LOCK_QUEUE, [queue])
+                conn.execute(LOCK_LINES, [queue])
+            held.set()
+            if hold != "busy":
+                stop.wait()
+            elif not stop.wait(0.1):
+                conn.commit()  # and take them again at once
+                continue
+            conn.rollback()
+            return
+
+
 class Command(BaseCommand):
     """Measure how dispatch scales: sessions, queues, ineligible tenants."""
 
@@ -120,8 +150,10 @@ class Command(BaseCommand):
                 }  # fmt: skip
             names = [f"q{i}" for i in range(9)]
             alone = self._sessions(names, 1, seconds)
-            busy = self._sessions(names, 1, seconds, busy="q9")
-            figures["queues"] = {"jobs_s": alone, "with_busy_jobs_s": busy, "ratio": busy / alone}
+            figures["queues"] = {"jobs_s": alone}
+            for hold in HOLDS:
+                held = self._sessions(names, 1, seconds, busy="q9", hold=hold)
+                figures["queues"][hold] = {"jobs_s": held, "ratio": held / alone}
             figures["blocked"] = self._blocked(options["tenants"])
         finally:
             with connection.cursor() as cursor:
@@ -137,8 +169,8 @@ class Command(BaseCommand):
             )
         q = figures["queues"]
         self.stdout.write(
-            f"9 queues: {q['jobs_s']:.0f} jobs/s; with a tenth held busy "
-            f"{q['with_busy_jobs_s']:.0f} jobs/s; ratio {q['ratio']:.2f}x"
+            f"9 queues: {q['jobs_s']:.0f} jobs/s; with a tenth held "
+            + "; ".join(f"{h}: {q[h]['jobs_s']:.0f} jobs/s, {q[h]['ratio']:.2f}x" for h in HOLDS)
         )
         b = figures["blocked"]
         self.stdout.write(
@@ -160,10 +192,15 @@ class Command(BaseCommand):
             cursor.execute(f"ANALYZE {TABLES}")
 
     def _sessions(
-        self, queues: list[str], per_queue: int, seconds: float, busy: str | None = None
+        self,
+        queues: list[str],
+        per_queue: int,
+        seconds: float,
+        busy: str | None = None,
+        hold: str = "busy",
     ) -> float:
-        """Jobs per second of ``per_queue`` sessions on each of ``queues``, with ``busy``'s
-        row and lines held by an open transaction all along, if given."""
+        """Jobs per second of ``per_queue`` sessions on each of ``queues``, with ``busy``
+        held all along the ``hold`` way (see the module's docstring), if given."""
         self._fill(queues + ([busy] if busy else []), per_queue, 64, 60_000 // len(queues) + 4000)
         firsts: dict[str, list[int]] = {}
         with connection.cursor() as cursor:
@@ -171,16 +208,14 @@ class Command(BaseCommand):
                 cursor.execute(DISPATCH, [queue, per_queue])
                 firsts[queue] = [row[0] for row in cursor.fetchall()]
         connection.close()  # not inherited by the forked sessions
+        context = multiprocessing.get_context("fork")
+        stop = context.Event()
         holder = None
         if busy:
-            holder = psycopg.connect(_dsn())
-            holder.execute(
-                "SELECT 1 FROM fair_jobs_dispatchqueue WHERE queue = %s FOR UPDATE", [busy]
-            )
-            holder.execute(
-                "SELECT 1 FROM fair_jobs_dispatchtenant WHERE queue = %s FOR UPDATE", [busy]
-            )
-        context = multiprocessing.get_context("fork")
+            held = context.Event()
+            holder = context.Process(target=_hold, args=(_dsn(), busy, hold, held, stop))
+            holder.start()
+            held.wait(30)
         out = context.Queue()
         procs = [
             context.Process(target=_cycle, args=(_dsn(), q, job, seconds, out))
@@ -192,9 +227,9 @@ class Command(BaseCommand):
         total = sum(int(out.get(timeout=seconds + 60)) for _ in procs)
         for p in procs:
             p.join()
+        stop.set()
         if holder is not None:
-            holder.rollback()
-            holder.close()
+            holder.join(30)
         return total / seconds
 
     def _pgbench(self, clients: int, seconds: float, script_text: str) -> float:
