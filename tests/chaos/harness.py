@@ -238,6 +238,7 @@ class Cluster:
         self.frozen: tuple[list[int], datetime, datetime] | None = None
         self._frozen_pids: list[int] = []
         self._frozen_at = datetime.min
+        self._frozen_tasks: set[str] = set()
         self.samples = 0
         self.mismatches: list[str] = []
         self._conn: psycopg.Connection[Any] | None = None
@@ -586,10 +587,22 @@ class Cluster:
         return node.proc.pid
 
     def freeze(self, node: Node) -> None:
-        """SIGSTOP the whole node: its jobs and its heartbeat thread stop where they are."""
+        """SIGSTOP the whole node: its jobs and its heartbeat thread stop where they are.
+        The jobs its processes were admitted for (their leases, or their dispatched rows
+        running) are noted: one frozen after its admission and before its body began runs
+        after the thaw with its reaped lease, as one frozen mid-run ends with it."""
         self._frozen_pids = node.pids()
         node.signal_all(signal.SIGSTOP)
         self._frozen_at = self.now()
+        processes = self.processes_of(self._frozen_pids)
+        self._frozen_tasks = {
+            row[0]
+            for row in self.sql(
+                "SELECT task_id FROM fair_jobs_slotlease WHERE process_id = ANY(%s)"
+                " UNION SELECT task_id FROM fair_jobs_dispatchjob WHERE process_id = ANY(%s)",
+                (processes, processes),
+            )
+        }
 
     def freeze_running(self, node: Node, count: int = 2, tries: int = 20) -> None:
         """Freeze ``node`` while at least one of its jobs is open: wait until ``count`` of
@@ -828,8 +841,10 @@ class Cluster:
         return datetime.max.replace(tzinfo=run.started.tzinfo)  # still running: counts
 
     def _stale(self, runs: list[Run]) -> set[int]:
-        """Runs of the frozen node that started before the freeze and ended after it: their
-        leases were reaped meanwhile, so they overlap their successors by design."""
+        """Runs of the frozen node admitted before the freeze that ended after it: their
+        leases were reaped meanwhile, so they overlap their successors by design. That is
+        a run open at the freeze, or one whose job was admitted (its lease taken) and
+        frozen before its body began, which begins only after the thaw."""
         if self.frozen is None:
             return set()
         pids, start, _ = self.frozen
@@ -837,7 +852,9 @@ class Cluster:
             id(r)
             for r in runs
             # A frozen process writes nothing: a run open at the freeze ended after the thaw.
-            if r.pid in pids and r.started < start and (r.finished is None or r.finished > start)
+            if r.pid in pids
+            and (r.started < start or r.task_id in self._frozen_tasks)
+            and (r.finished is None or r.finished > start)
         }
 
 
