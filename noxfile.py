@@ -10,8 +10,11 @@ Run it with ``bash scripts/matrix.sh`` (it installs nox and finds pyenv's interp
   worker processes: about 4 minutes a cell.
 
 Every combination is a session of both kinds; ``nox -s tests`` runs them all (hours),
-``nox -t ci`` the cells CI runs beside the main one (``bash scripts/test.sh``). The services
-are those of ``scripts/test.sh`` (``DATABASE_URL``, ``CELERY_BROKER_URL`` override them).
+``nox -t ci`` the cells CI runs beside the main one (``bash scripts/test.sh``), and
+``bash scripts/matrix.sh --ci`` runs them two at once: the ``ci-workers`` cell beside the
+``ci-fast`` cells. The services are those of ``scripts/test.sh``, but each kind of cell has
+a database and broker numbers of its own (``DATABASE_URL``, ``CELERY_BROKER_URL`` and
+``CELERY_RESULT_BACKEND`` override them, for every cell alike).
 """
 
 from __future__ import annotations
@@ -42,14 +45,14 @@ def _supported(python: str, django: str) -> bool:
     return not (django >= "6.0" and python < "3.12")
 
 
-def _cells(ci: set[tuple[str, str, str]]) -> list[Any]:
+def _cells(ci: set[tuple[str, str, str]], kind: str) -> list[Any]:
     return [
         nox.param(
             python,
             django,
             celery,
             id=f"py{python}-dj{django}-cel{celery}",
-            tags=["ci"] if (python, django, celery) in ci else [],
+            tags=["ci", f"ci-{kind}"] if (python, django, celery) in ci else [],
         )
         for python in PYTHONS
         for django in DJANGOS
@@ -66,34 +69,46 @@ def _install(session: nox.Session, django: str, celery: str) -> None:
     )  # fmt: skip
 
 
-def _services() -> dict[str, str]:
+SERVICES = {
+    "workers": ("fair_jobs_workers", 11, 10),
+    "fast": ("fair_jobs_fast", 9, 8),
+}
+"""Per kind of cell: its database (the suite's test database is ``test_`` + this) and its
+broker and result backend's Redis numbers, none of them ``scripts/test.sh``'s (``fair_jobs``,
+15 to 12), so that a cell of each kind can run beside the other and beside the main suite."""
+
+
+def _services(kind: str) -> dict[str, str]:
+    database, broker, backend = SERVICES[kind]
     return {
         "DATABASE_URL": os.environ.get(
-            "DATABASE_URL", "postgres://postgres@127.0.0.1:5432/fair_jobs"
+            "DATABASE_URL", f"postgres://postgres@127.0.0.1:5432/{database}"
         ),
-        "CELERY_BROKER_URL": os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15"),
+        "CELERY_BROKER_URL": os.environ.get(
+            "CELERY_BROKER_URL", f"redis://127.0.0.1:6379/{broker}"
+        ),
         "CELERY_RESULT_BACKEND": os.environ.get(
-            "CELERY_RESULT_BACKEND", "redis://127.0.0.1:6379/14"
+            "CELERY_RESULT_BACKEND", f"redis://127.0.0.1:6379/{backend}"
         ),
     }
 
 
 @nox.session
-@nox.parametrize(("python", "django", "celery"), _cells(CI_TESTS))
+@nox.parametrize(("python", "django", "celery"), _cells(CI_TESTS, "workers"))
 def tests(session: nox.Session, django: str, celery: str) -> None:
     """The suite on PostgreSQL with real worker processes; the chaos subset is the main
     cell's (it tests the protocol against faults, not this combination's versions)."""
     _install(session, django, celery)
     subset = ["-m", "not chaos"]
-    session.run("python", "-m", "pytest", *subset, *session.posargs, env=_services())
+    session.run("python", "-m", "pytest", *subset, *session.posargs, env=_services("workers"))
 
 
 @nox.session
-@nox.parametrize(("python", "django", "celery"), _cells(CI_FAST))
+@nox.parametrize(("python", "django", "celery"), _cells(CI_FAST, "fast"))
 def fast(session: nox.Session, django: str, celery: str) -> None:
     """The suite on PostgreSQL without the tests that start worker processes.
 
     Tests marked ``workers`` or ``chaos`` are left out; SQLite is left to the main cell."""
     _install(session, django, celery)
     subset = ["-m", "not workers and not chaos"]
-    session.run("python", "-m", "pytest", *subset, *session.posargs, env=_services())
+    session.run("python", "-m", "pytest", *subset, *session.posargs, env=_services("fast"))

@@ -7,6 +7,7 @@
 #   bash scripts/matrix.sh                                     # every fast cell
 #   bash scripts/matrix.sh -s "tests(py3.13-dj6.1-cel5.7)"     # one whole cell
 #   bash scripts/matrix.sh -t ci                               # the cells CI runs
+#   bash scripts/matrix.sh --ci                                # the same, two at once
 #
 # Needs the services of scripts/test.sh, and python3.11, 3.12 and 3.13: on PATH, or
 # installed with pyenv (found here even when pyenv does not select them).
@@ -24,5 +25,25 @@ if command -v pyenv >/dev/null; then
         fi
     done
     export PATH
+fi
+if [ "${1:-}" = "--ci" ]; then
+    # The cell with workers spends most of its time waiting for them, so it runs beside the
+    # fast cells: each kind has a database and broker numbers of its own (noxfile.py). Its
+    # output follows theirs.
+    # The cells are installed first, one after the other: two builds of the package at once
+    # would write the same egg-info directory.
+    shift
+    .venv/bin/nox -t ci --install-only || exit 1
+    log=$(mktemp)
+    .venv/bin/nox -t ci-workers --no-install "$@" >"$log" 2>&1 &
+    workers=$!
+    .venv/bin/nox -t ci-fast --no-install "$@"
+    fast=$?
+    wait "$workers"
+    workers_status=$?
+    cat "$log"
+    rm -f "$log"
+    [ "$fast" = 0 ] && [ "$workers_status" = 0 ]
+    exit
 fi
 exec .venv/bin/nox "$@"
