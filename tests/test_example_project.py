@@ -64,6 +64,25 @@ SCENARIO = Scenario(
 MODES = ("plain", "slots", "reroute", "queue-limits", "planner", "dispatch", "combined")
 
 
+def processes_of_run(tmp_path: Path) -> list[int]:
+    """The processes still alive that a command run by :func:`run_manage` in ``tmp_path``
+    started (their environment carries its ``DEMO_DIR``), whatever else runs on the machine
+    (another run of the suite, or a benchmark)."""
+    mine = f"DEMO_DIR={tmp_path}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if mine in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.workers
 def test_fairbench__runs_every_mode_through_real_workers_and_cleans_up(tmp_path: Path) -> None:
     scenario = tmp_path / "tiny.py"
     scenario.write_text(TINY)
@@ -94,8 +113,7 @@ def test_fairbench__runs_every_mode_through_real_workers_and_cleans_up(tmp_path:
         for table in ("bench_jobrecord", "bench_statementcount", "fair_jobs_slotlease"):
             cursor.execute(f"SELECT COUNT(*) FROM {table}")
             assert cursor.fetchone() == (0,), table
-    leftover = subprocess.run(["pgrep", "-f", "bench1-"], capture_output=True, check=False)
-    assert leftover.stdout == b""
+    assert processes_of_run(tmp_path) == []
 
 
 WEIGHTED = """
@@ -114,6 +132,7 @@ SCENARIO = Scenario(
 """
 
 
+@pytest.mark.workers
 def test_fairbench__repeat_weights_and_nodes(tmp_path: Path) -> None:
     scenario = tmp_path / "tinyweighted.py"
     scenario.write_text(WEIGHTED)
