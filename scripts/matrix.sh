@@ -29,10 +29,14 @@ fi
 if [ "${1:-}" = "--ci" ]; then
     # The cell with workers spends most of its time waiting for them, so it runs beside the
     # fast cells: each kind has a database and broker numbers of its own (noxfile.py). Its
-    # output follows theirs.
-    # The cells are installed first, one after the other: two builds of the package at once
-    # would write the same egg-info directory.
+    # output follows theirs. The cells are installed first, one after the other: two builds
+    # of the package at once would write the same egg-info directory.
     shift
+    if [ -n "${DATABASE_URL:-}${CELERY_BROKER_URL:-}${CELERY_RESULT_BACKEND:-}" ]; then
+        echo "DATABASE_URL or a broker variable is set and every cell would share it:" \
+             "the CI cells run one after the other."
+        exec .venv/bin/nox -t ci "$@"
+    fi
     .venv/bin/nox -t ci --install-only || exit 1
     log=$(mktemp)
     .venv/bin/nox -t ci-workers --no-install "$@" >"$log" 2>&1 &
