@@ -142,6 +142,7 @@ def _on_process_init(**kwargs: Any) -> None:
     threading.Thread(
         target=maintenance.start_process, name="fair-jobs-register", daemon=True
     ).start()
+    admission.flusher.start()
 
 
 @worker_ready.connect
@@ -156,6 +157,7 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
         # capacity); solo runs one.
         identity.set_concurrency(int(getattr(pool, "limit", None) or 1))
         maintenance.start_process()
+        admission.flusher.start()
 
 
 @worker_process_shutdown.connect
@@ -163,6 +165,7 @@ def _on_process_shutdown(**kwargs: Any) -> None:
     # A prefork child exits: release the slot it kept for a next job (handoff), then
     # retire its row so its slots come back at once.
     admission.release_kept()
+    admission.flusher.stop()
     maintenance.shutdown()
 
 
@@ -170,6 +173,7 @@ def _on_process_shutdown(**kwargs: Any) -> None:
 def _on_worker_shutdown(**kwargs: Any) -> None:
     # The solo and threads pools run tasks in the main process.
     admission.release_kept()
+    admission.flusher.stop()
     maintenance.shutdown()
 
 

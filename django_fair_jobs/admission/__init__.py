@@ -50,7 +50,7 @@ from django_fair_jobs import (
     waits,
 )
 from django_fair_jobs import headers as fair_headers
-from django_fair_jobs.admission import deferral, ends, handoff
+from django_fair_jobs.admission import deferral, ends, flusher, handoff
 from django_fair_jobs.admission.ends import confirm_releases as confirm_releases
 from django_fair_jobs.admission.ends import drop_task as drop_task
 from django_fair_jobs.admission.ends import end as end
@@ -197,9 +197,11 @@ def dispatched_run(
     process = _process_id()
     task_id = str(task.request.id)
     if not ends.claim_running(task_id):
-        # A second copy delivered while the first runs here (threads or gevent pool).
+        # A second copy delivered while the first runs here (threads or gevent pool), or
+        # while the first's end waits for the flusher.
         logger.info("Job %s (%s) runs in this process: this copy is dropped", job_id, task.name)
         raise Ignore()
+    handed = False
     try:
         started = _start_dispatched(task, job_id, process)
         _dispatch_fence(task, job_id, process, started, tenant, queue)
@@ -214,9 +216,14 @@ def dispatched_run(
         finally:
             release_held(task)
             _store_deferred_retries(task)
-            ends.end(task, job_id, process, outcome=outcome)
+            # An end goes to the flusher thread, off the job's path; one that puts the job
+            # back in its line is done now, before its redelivered copy can start.
+            handed = outcome == "end" and flusher.hand(task.app, job_id, process, task_id)
+            if not handed:
+                ends.end(task, job_id, process, outcome=outcome)
     finally:
-        ends.unmark_running(task_id)
+        if not handed:  # else the flusher forgets it once the end is flushed
+            ends.unmark_running(task_id)
 
 
 def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> dispatch.Started:

@@ -78,6 +78,19 @@ class Ledger:
     """The tenant slot this process keeps for its next job (slot handoff), if any."""
     keeper: tuple[int, threading.Thread] | None = None
     """The handoff's keeper thread (by pid: a forked child starts its own)."""
+    ending: list[tuple[int, uuid.UUID, str, Any]] = field(default_factory=list)
+    """Ends handed to this process's flusher thread and not yet taken by it: (job id,
+    process, task id, Celery app) of dispatched jobs that ran to their end
+    (:mod:`django_fair_jobs.admission.flusher`)."""
+    flush_in_thread: bool = False
+    """Whether jobs' ends go to the flusher thread (a worker process on PostgreSQL)."""
+    flusher: tuple[int, threading.Thread] | None = None
+    """The flusher thread (by pid: a forked child starts its own)."""
+    flush_wanted: threading.Event = field(default_factory=threading.Event)
+    """Set when :attr:`ending` has something for the flusher, or it is to stop (an event,
+    not a lock: what it signals is read under :attr:`lock`)."""
+    flusher_stopping: bool = False
+    """The process is shutting down: the flusher flushes what it holds and ends."""
     keeper_deadline: float | None = None
     """When the keeper thread, waiting on :attr:`lock`, wakes next (``math.inf``: only
     when woken); None while it is not waiting. A slot kept is woken for only if it is due

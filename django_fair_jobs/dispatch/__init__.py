@@ -312,6 +312,15 @@ def end(
     )
 
 
+def end_many(job_ids: list[int], process_id: uuid.UUID, *, limit: int = BATCH) -> list[Ready]:
+    """End many jobs that ran to their end under ``process_id`` in one round trip (a
+    process's ends flushed together); a job not running under it is skipped. Each queue
+    they leave dispatches up to ``limit`` jobs into its room; returns the jobs to publish."""
+    if not job_ids:
+        return []
+    return _store().end_many(job_ids, process_id, limit=limit)  # type: ignore[no-any-return]
+
+
 def dispatch(queue: str, limit: int = BATCH) -> list[Ready]:
     """Dispatch into whatever room ``queue`` has; returns the jobs to publish."""
     return _store().dispatch(queue, limit)  # type: ignore[no-any-return]

@@ -94,6 +94,13 @@ class Store:
         }  # fmt: skip
         return self._ready(self._rows("dispatch_end", params))
 
+    def end_many(
+        self, job_ids: list[int], process_id: uuid.UUID, limit: int = BATCH
+    ) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.end_many`."""
+        params = {"jobs": list(job_ids), "process": process_id, "max": limit}
+        return self._ready(self._rows("dispatch_end_many", params))
+
     def failures(self, job_id: int) -> int:
         """How often publishing ``job_id`` failed so far."""
         rows = self._rows("dispatch_failures", {"job": job_id})

@@ -43,6 +43,10 @@ SELECT job_id, job_signature
   FROM fair_jobs_dispatch_end(%(job)s, %(process)s, %(outcome)s, %(delay)s, %(block)s,
                               %(max)s);
 
+-- name: dispatch_end_many
+SELECT job_id, job_signature
+  FROM fair_jobs_dispatch_end_many(%(jobs)s::bigint[], %(process)s, %(max)s);
+
 -- name: dispatch_next
 SELECT job_id, job_signature FROM fair_jobs_dispatch(%(queue)s, %(max)s);
 

@@ -282,6 +282,24 @@ class Store(pg_store.Store):
             line.save(update_fields=["in_flight", "waiting", "head_id", "cap", "blocked"])
             return self._dispatch(job.queue, limit) if limit > 0 else []
 
+    def end_many(
+        self, job_ids: list[int], process_id: uuid.UUID, limit: int = BATCH
+    ) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.end_many`."""
+        with transaction.atomic(using=self.alias):
+            held = self._jobs().filter(pk__in=job_ids, state=RUNNING, process_id=process_id)
+            rows = sorted(held.values_list("queue", "tenant"))
+            held.delete()
+            for queue, tenant in sorted(set(rows)):
+                line = self._tenants().get(queue=queue, tenant=tenant)
+                line.in_flight = max(line.in_flight - rows.count((queue, tenant)), 0)
+                line.blocked = False
+                line.save(update_fields=["in_flight", "blocked"])
+            if limit <= 0:
+                return []
+            queues = sorted({queue for queue, _ in rows})
+            return [ready for queue in queues for ready in self._dispatch(queue, limit)]
+
     def failures(self, job_id: int) -> int:
         """See :meth:`django_fair_jobs.dispatch.store.Store.failures`."""
         rows = self._jobs().filter(pk=job_id).values_list("publish_failures", flat=True)

@@ -368,6 +368,52 @@ BEGIN
 END;
 $$;
 
+-- End many jobs that ran under p_process (a process's ends, flushed together by its
+-- flusher thread): their rows go, their lines' counts drop, then each queue they left
+-- dispatches up to p_max jobs into its room. The job rows first, then their lines in
+-- (queue, tenant) order, as enqueue_many takes them, so two flushes never wait for each
+-- other out of order. A job not running under p_process (ended already, or reaped) is
+-- skipped. Returns the jobs to publish.
+CREATE OR REPLACE FUNCTION fair_jobs_dispatch_end_many(
+    p_jobs bigint[], p_process uuid, p_max integer
+)
+RETURNS TABLE (job_id bigint, job_signature text)
+LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
+DECLARE
+    v_queues text[];
+    v_tenants text[];
+    v_counts integer[];
+    v_queue text;
+BEGIN
+    WITH gone AS (
+        DELETE FROM fair_jobs_dispatchjob AS j
+         WHERE j.id = ANY(p_jobs) AND j.state = 3 AND j.process_id = p_process
+        RETURNING j.queue, j.tenant
+    ), lines AS (
+        SELECT g.queue, g.tenant, count(*)::integer AS n FROM gone AS g GROUP BY 1, 2
+    )
+    SELECT array_agg(l.queue ORDER BY l.queue, l.tenant),
+           array_agg(l.tenant ORDER BY l.queue, l.tenant),
+           array_agg(l.n ORDER BY l.queue, l.tenant)
+      INTO v_queues, v_tenants, v_counts FROM lines AS l;
+    IF v_queues IS NULL THEN
+        RETURN;
+    END IF;
+    FOR i IN 1 .. array_length(v_queues, 1) LOOP
+        UPDATE fair_jobs_dispatchtenant AS t
+           SET in_flight = GREATEST(t.in_flight - v_counts[i], 0), blocked = false
+         WHERE t.queue = v_queues[i] AND t.tenant = v_tenants[i];
+    END LOOP;
+    IF p_max > 0 THEN
+        FOR v_queue IN SELECT DISTINCT q.queue FROM unnest(v_queues) AS q(queue) ORDER BY 1
+        LOOP
+            RETURN QUERY SELECT d.job_id, d.job_signature
+                           FROM fair_jobs_dispatch(v_queue, p_max) AS d;
+        END LOOP;
+    END IF;
+END;
+$$;
+
 -- Recount every line's waiting and in-flight jobs from the job rows (maintenance), each
 -- line locked first (SKIP LOCKED: one a step holds is recounted at the next pass), so that
 -- a count that drifted is set right and returned to be logged, never hidden.

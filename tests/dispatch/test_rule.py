@@ -220,6 +220,30 @@ def test_end__fenced_by_the_process_that_started_it(published: list[int]) -> Non
     assert not DispatchJob.objects.filter(pk=job).exists()
 
 
+def test_end_many__one_round_trip__only_its_own_running_jobs__room_dispatched(
+    published: list[int],
+) -> None:
+    enqueue("a", 2)
+    enqueue("b", 2)
+    enqueue("c", 1)
+    set_capacity(2)
+    pump()
+    mine, theirs = published  # a's and b's first jobs
+    other = uuid.uuid4()
+    dispatch.start(mine, PROCESS)
+    dispatch.start(theirs, other)
+    with CaptureQueriesContext(connection) as queries:
+        ready = dispatch.end_many([mine, theirs], PROCESS)
+    assert not DispatchJob.objects.filter(pk=mine).exists()
+    assert DispatchJob.objects.get(pk=theirs).state == RUNNING  # another process's: kept
+    assert [tenant_of(r.job_id) for r in ready] == ["c"]  # the one place it left
+    lines = dict(DispatchTenant.objects.values_list("tenant", "in_flight"))
+    assert lines == {"a": 0, "b": 1, "c": 1}
+    assert dispatch.end_many([mine], PROCESS) == []  # sent again: nothing left to end
+    if runs_sql():
+        assert len(queries) == 1
+
+
 def test_countdown__not_dispatched_before_it_is_due(published: list[int]) -> None:
     set_capacity(2)
     tasks.dispatched.apply_async(("a",), countdown=3600)

@@ -1,0 +1,144 @@
+"""Ends flushed in batches, off the job's path. A dispatched job that ran to its end hands
+its end to this process's flusher thread (:func:`hand`) and returns at once, so the worker
+takes its next job without waiting for the database. The thread ends every job handed to
+it since its last flush in one round trip (``fair_jobs_dispatch_end_many``: the rows go,
+their lines' counts drop, each queue's room is dispatched) and publishes the jobs
+dispatched into that room. Ends that come together share one statement and one commit.
+
+What it bends: until the flush (one round trip after the end, longer while the database
+is slow) the job still counts in flight, so the room it leaves is dispatched that much
+later; and a node that crashes in that window leaves the job running under a dead
+process, so the reap treats it as a job whose worker died (an ``acks_late`` job runs
+again, as Celery redelivers an unacknowledged message). Until its end is flushed, the
+job's task id stays marked running here, so a copy of it delivered to this process is
+refused, never run again.
+
+Only in worker processes on PostgreSQL (:func:`start`, when a pool process starts): on
+SQLite, whose writers are serialized, the thread would write beside the job's thread, and
+a job run in-process (tests, ``apply()``) ends in its own thread as before. At shutdown the
+thread flushes what it holds and stops (:func:`stop`); an end whose flush failed is kept
+with the process's pending ends and tried again at each heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from typing import Any
+
+from django.db import DatabaseError, connections
+
+from django_fair_jobs import db, dispatch
+from django_fair_jobs.admission import ends
+from django_fair_jobs.admission.ends import LEDGER
+
+logger = logging.getLogger("django_fair_jobs.admission")
+
+STOP_TIMEOUT = 10.0
+"""Seconds :func:`stop` waits for a flush under way (its statement's lock_timeout is 2 s)."""
+
+
+def start() -> None:
+    """Send this worker process's jobs' ends to a flusher thread from now on (PostgreSQL
+    only; see the module's docstring)."""
+    enabled = db.uses_sql(dispatch.alias())
+    with LEDGER.lock:
+        LEDGER.flush_in_thread = enabled
+        LEDGER.flusher_stopping = False
+
+
+def hand(app: Any, job_id: int, process: uuid.UUID, task_id: str) -> bool:
+    """Hand the end of ``job_id`` (ran to its end under ``process``) to the flusher thread;
+    False if this process ends jobs itself (the caller ends it now). The flusher forgets
+    ``task_id`` as running once the end is flushed."""
+    with LEDGER.lock:
+        if not LEDGER.flush_in_thread or LEDGER.flusher_stopping:
+            return False
+        try:
+            _start_thread()
+        except RuntimeError:  # no thread to be had: the caller ends the job itself
+            return False
+        LEDGER.ending.append((job_id, process, task_id, app))
+    LEDGER.flush_wanted.set()
+    return True
+
+
+def _start_thread() -> None:
+    """Start this process's flusher thread if it has none (called holding the lock)."""
+    flusher = LEDGER.flusher
+    if flusher is not None and flusher[0] == os.getpid() and flusher[1].is_alive():
+        return
+    thread = threading.Thread(target=_loop, name="fair-jobs-flusher", daemon=True)
+    LEDGER.flusher = (os.getpid(), thread)
+    thread.start()
+
+
+def _loop() -> None:
+    """The flusher thread: flush whatever was handed to it, as soon as it was."""
+    try:
+        while True:
+            LEDGER.flush_wanted.wait()
+            LEDGER.flush_wanted.clear()
+            with LEDGER.lock:
+                batch, LEDGER.ending = LEDGER.ending, []
+                stopping = LEDGER.flusher_stopping
+            if batch:
+                flush(batch)
+            if stopping:
+                return
+    finally:
+        connections.close_all()
+
+
+def flush(batch: list[tuple[int, uuid.UUID, str, Any]]) -> int:
+    """End the jobs of ``batch`` (see :attr:`~django_fair_jobs.admission.ends.Ledger.ending`)
+    in one round trip per process and publish what their room went to; an end that fails
+    is kept for the heartbeat. Returns how many jobs were flushed."""
+    by_process: dict[uuid.UUID, list[tuple[int, str, Any]]] = {}
+    for job_id, process, task_id, app in batch:
+        by_process.setdefault(process, []).append((job_id, task_id, app))
+    for process, items in by_process.items():
+        ready: list[dispatch.Ready] = []
+        try:
+            ready = dispatch.end_many([job_id for job_id, _, _ in items], process)
+        except Exception:  # a closed connection raises InterfaceError, not DatabaseError
+            logger.exception(
+                "Could not end %d dispatched jobs; retrying at the next heartbeat", len(items)
+            )
+            _drop_connections()
+            for job_id, _, _ in items:
+                ends.end_later(job_id, process, outcome="end")
+        finally:
+            for _, task_id, _ in items:
+                ends.unmark_running(task_id)
+        try:
+            dispatch.publish(items[-1][2], ready)
+        except Exception:  # publish sets aside what it could not send; never end the thread
+            logger.exception("Could not publish the jobs dispatched by a flush")
+    return len(batch)
+
+
+def _drop_connections() -> None:
+    """Drop this thread's connections after a failed flush: the next one opens anew."""
+    try:
+        connections.close_all()
+    except DatabaseError:
+        logger.debug("A broken connection could not be closed", exc_info=True)
+
+
+def stop(timeout: float = STOP_TIMEOUT) -> int:
+    """This process shuts down: the flusher flushes what it holds and ends (waiting up to
+    ``timeout`` seconds), and whatever is left is flushed here. Returns how many ends were
+    flushed here."""
+    with LEDGER.lock:
+        LEDGER.flusher_stopping = True
+        flusher = LEDGER.flusher
+    LEDGER.flush_wanted.set()
+    mine = flusher is not None and flusher[0] == os.getpid()
+    if flusher is not None and mine and flusher[1] is not threading.current_thread():
+        flusher[1].join(timeout)
+    with LEDGER.lock:
+        left, LEDGER.ending = LEDGER.ending, []
+    return flush(left) if left else 0

@@ -1,0 +1,137 @@
+"""Ends flushed in batches, off the job's path (:mod:`django_fair_jobs.admission.flusher`):
+a dispatched job's end goes to its process's flusher thread, which ends every job handed
+to it in one statement, and nothing is lost or run twice meanwhile."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery.exceptions import Reject
+from django.db import OperationalError, connection
+from django.test.utils import CaptureQueriesContext
+
+from django_fair_jobs import admission, dispatch
+from django_fair_jobs.admission import ends, flusher
+from django_fair_jobs.admission.ends import LEDGER
+from django_fair_jobs.dispatch.models import RUNNING, DispatchJob
+from tests.conftest import runs_sql
+from tests.dispatch.conftest import deliver, job_of, set_capacity
+from tests.testapp import tasks
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("engine", "in_process_worker", "collected"),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_ledger() -> Iterator[None]:
+    """Each test starts with a ledger of its own, as a new worker process does, and its
+    flusher thread is stopped after it."""
+    LEDGER.__init__()  # type: ignore[misc]
+    yield
+    flusher.stop()
+    LEDGER.__init__()  # type: ignore[misc]
+
+
+@pytest.fixture
+def end_many_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that called ``dispatch.end_many``, in order."""
+    names: list[str] = []
+    real = dispatch.end_many
+
+    def recorded(*args: Any, **kwargs: Any) -> list[dispatch.Ready]:
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "end_many", recorded)
+    return names
+
+
+def needs_sql() -> None:
+    if not runs_sql():
+        pytest.skip("the flusher runs on PostgreSQL only; the ORM path's ends are tested below")
+
+
+def test_end__handed_to_the_flusher_thread__which_ends_it_and_dispatches_the_room(
+    collected: list[int], end_many_threads: list[str]
+) -> None:
+    set_capacity(1)
+    first = job_of(tasks.dispatched.delay("acme").id)
+    second = job_of(tasks.dispatched.delay("acme").id)
+    flusher.start()
+    assert deliver(first) == "ran"
+    flusher.stop()  # waits for the thread's flush
+    assert not DispatchJob.objects.filter(pk=first.pk).exists()
+    assert collected == [first.pk, second.pk]  # the flush dispatched the room it left
+    if runs_sql():
+        assert end_many_threads == ["fair-jobs-flusher"]
+    else:  # SQLite and the ORM path: the job ended in its own thread, as before
+        assert end_many_threads == []
+        assert LEDGER.flusher is None
+
+
+def test_a_copy_delivered_before_the_flush__refused__then_flushed_at_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    needs_sql()
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    flusher.start()
+    monkeypatch.setattr(flusher, "_start_thread", lambda: None)  # nothing flushes yet
+    assert deliver(job) == "ran"
+    assert DispatchJob.objects.get(pk=job.pk).state == RUNNING  # its end waits
+    assert deliver(job) == "not run"  # a copy here, before the flush: never run twice
+    assert flusher.stop() == 1  # what the thread did not take is flushed at shutdown
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()
+    assert ends.claim_running(job.task_id)  # forgotten once flushed
+
+
+def test_flush__many_ends__one_statement(collected: list[int]) -> None:
+    needs_sql()
+    set_capacity(2)
+    jobs = [job_of(tasks.dispatched.delay(t).id) for t in ("a", "b", "c")]
+    process = uuid.uuid4()
+    for job in jobs[:2]:
+        assert dispatch.start(job.pk, process).status == "started"
+    batch = [(job.pk, process, job.task_id, None) for job in jobs[:2]]
+    with CaptureQueriesContext(connection) as queries:
+        assert flusher.flush(batch) == 2
+    assert len(queries) == 1
+    assert list(DispatchJob.objects.values_list("pk", flat=True)) == [jobs[2].pk]
+    assert collected[-1] == jobs[2].pk
+
+
+def test_a_flush_that_fails__kept__ended_at_the_next_heartbeat(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    needs_sql()
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    real = dispatch.end_many
+    monkeypatch.setattr(
+        dispatch, "end_many", lambda *a, **k: (_ for _ in ()).throw(OperationalError("down"))
+    )
+    flusher.start()
+    assert deliver(job) == "ran"
+    flusher.stop()
+    assert DispatchJob.objects.get(pk=job.pk).state == RUNNING  # kept, not lost
+    assert job.pk in LEDGER.pending_ends
+    monkeypatch.setattr(dispatch, "end_many", real)
+    assert admission.retry_pending_ends(celery_app) == 1
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()
+
+
+def test_an_end_that_puts_the_job_back__not_handed__done_at_once() -> None:
+    needs_sql()
+    set_capacity(1)
+    job = job_of(tasks.dispatched_rejecting.delay("acme").id)
+    flusher.start()
+    with pytest.raises(Reject):  # requeue=True: back in its line for the redelivered copy
+        deliver(job, tasks.dispatched_rejecting)
+    assert LEDGER.ending == [] and LEDGER.flusher is None
+    assert DispatchJob.objects.get(pk=job.pk).state != RUNNING
