@@ -51,6 +51,10 @@ from tests.testapp.chaos_tasks import (
 ROOT = Path(__file__).resolve().parents[2]
 BROKER = os.environ.get("FAIR_JOBS_CHAOS_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
 QUEUES = ("chaos", "chaos_slow", "chaos_limited")
+
+FROZEN_STATEMENTS_DONE = 0.5
+"""Seconds after a freeze by which the statements its processes had sent are done: they
+take a millisecond or so, unless one waits for a lock."""
 WORKER_TIMEOUT = 3.0
 
 UNGUARDED = frozenset({"chaos_planned"})
@@ -595,14 +599,20 @@ class Cluster:
         node.signal_all(signal.SIGSTOP)
         self._frozen_at = self.now()
         processes = self.processes_of(self._frozen_pids)
-        self._frozen_tasks = {
-            row[0]
-            for row in self.sql(
-                "SELECT task_id FROM fair_jobs_slotlease WHERE process_id = ANY(%s)"
-                " UNION SELECT task_id FROM fair_jobs_dispatchjob WHERE process_id = ANY(%s)",
-                (processes, processes),
-            )
-        }
+        # A statement a process had sent when it was stopped still runs and commits on the
+        # server (an acquire whose reply it will read after the thaw): read again once
+        # such statements are done, and keep both reads.
+        self._frozen_tasks = set()
+        for pause in (0.0, FROZEN_STATEMENTS_DONE):
+            time.sleep(pause)
+            self._frozen_tasks |= {
+                row[0]
+                for row in self.sql(
+                    "SELECT task_id FROM fair_jobs_slotlease WHERE process_id = ANY(%s)"
+                    " UNION SELECT task_id FROM fair_jobs_dispatchjob WHERE process_id = ANY(%s)",
+                    (processes, processes),
+                )
+            }
 
     def freeze_running(self, node: Node, count: int = 2, tries: int = 20) -> None:
         """Freeze ``node`` while at least one of its jobs is open: wait until ``count`` of
