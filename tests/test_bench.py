@@ -15,6 +15,7 @@ from bench.metrics import (
     Record,
     peak_overlap,
     percentile,
+    process_gaps,
     progress,
     ratio,
     share_error,
@@ -120,6 +121,20 @@ def test_summarize__synthetic_records() -> None:
     assert s.throughput == 1.0  # 4 distinct jobs done in 4 s
     assert (s.peak_tenant, s.peak_jobs, s.greedy_peak) == ("g", 2, 2)
     assert s.statements_per_job == 4.0
+
+
+def test_process_gaps__between_a_processs_jobs__idle_time_left_out() -> None:
+    records = [
+        Record(1, "g", 0.0, 1.0, 2.0, pid=7),
+        Record(2, "g", 0.0, 2.5, 3.0, pid=7),  # waiting since 0: a gap of 0.5
+        Record(3, "g", 5.0, 5.1, 6.0, pid=7),  # enqueued after 2 ended: idleness, left out
+        Record(4, "g", 0.0, 2.0, 4.0, pid=8),
+        Record(5, "g", 0.0, 4.25, 5.0, pid=8),  # another process: 0.25
+        Record(6, "g", 0.0, 9.0, 9.5),  # no process known (the ideal's): left out
+    ]
+    assert sorted(process_gaps(records)) == [0.25, 0.5]
+    s = summarize(records, range(1, 7), frozenset({"g"}), origin=0.0)
+    assert s.job_gap_ms == 375.0
 
 
 def test_summarize__no_small_tenants_and_no_records() -> None:

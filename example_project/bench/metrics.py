@@ -6,7 +6,9 @@ records and the ideal scheduler's runs go through exactly the same code as real 
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,6 +23,8 @@ class Record:
     enqueued_at: float
     started_at: float
     finished_at: float
+    pid: int | None = None
+    """The worker process that ran it (None for the ideal's runs)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class Summary:
     peak_jobs: int
     greedy_peak: int | None
     statements_per_job: float | None
+    job_gap_ms: float | None = None
+    """The median time, in a worker process, from the end of one job's body to the start of
+    the next's, over the jobs already enqueued when the one before ended: what Celery and
+    the library spend between two jobs (see :func:`process_gaps`)."""
     shares: dict[str, float] | None = None
     """With weights: each weighted tenant's share of the starts while all were backlogged."""
     share_error: float | None = None
@@ -111,6 +119,23 @@ def share_error(observed: Mapping[str, float] | None, weights: Mapping[str, floa
     return max(abs(observed[t] / (w / total) - 1) for t, w in weights.items())
 
 
+def process_gaps(records: Iterable[Record]) -> list[float]:
+    """Per worker process, the seconds from the end of one job's body to the start of the
+    next job's, for each next job that was enqueued before the one before it ended (so a
+    gap is time spent between two jobs, never time the process had nothing to do)."""
+    by_pid: dict[int, list[Record]] = {}
+    for r in records:
+        if r.pid is not None:
+            by_pid.setdefault(r.pid, []).append(r)
+    gaps = []
+    for runs in by_pid.values():
+        runs.sort(key=lambda r: r.started_at)
+        for before, after in itertools.pairwise(runs):
+            if after.enqueued_at <= before.finished_at:
+                gaps.append(after.started_at - before.finished_at)
+    return gaps
+
+
 def summarize(
     records: Sequence[Record],
     expected: Iterable[int],
@@ -143,6 +168,7 @@ def summarize(
     # On a tie, name the greedy tenant: it is the one a limit is meant to hold back.
     peak_tenant = max(peaks, key=lambda t: (peaks[t], t in greedy, t)) if peaks else None
     greedy_peaks = [peaks[t] for t in greedy if t in peaks]
+    gaps = process_gaps(records)
     return Summary(
         jobs=len(expected_ids),
         completed=len(done),
@@ -160,6 +186,7 @@ def summarize(
         statements_per_job=(statements / len(expected_ids))
         if statements is not None and expected_ids
         else None,
+        job_gap_ms=statistics.median(gaps) * 1000 if gaps else None,
         shares=shares(records, weights) if weights else None,
         share_error=share_error(shares(records, weights), weights) if weights else None,
     )

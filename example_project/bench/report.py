@@ -82,6 +82,9 @@ def build(
             "small_p95_vs_ideal": ratio(s.small_wait_p95, summaries[IDEAL].small_wait_p95),
             "makespan_vs_plain": ratio(s.makespan, ref.makespan if ref else None),
             "throughput_vs_plain": ratio(s.throughput, ref.throughput if ref else None),
+            "added_ms": None
+            if s.job_gap_ms is None or ref is None or ref.job_gap_ms is None
+            else s.job_gap_ms - ref.job_gap_ms,
         }
     return {
         "summaries": out,
@@ -130,9 +133,10 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         "| mode | small wait p50 | p95 | max | p95 / ideal | greedy makespan | makespan "
         "| makespan / plain | jobs/s | jobs/s / plain | most of one tenant at once "
-        "| lost | run twice | library statements / job |"
+        "| lost | run twice | library statements / job | gap between jobs in a process "
+        "| added to a job |"
         + (" shares while all backlogged | share gap |" if weights else ""),
-        "|---" * (16 if weights else 14) + "|",
+        "|---" * (18 if weights else 16) + "|",
     ]
     for name, s in report["summaries"].items():
         peak = f"{s['peak_jobs']} ({s['peak_tenant']})" if s["peak_tenant"] else "n/a"
@@ -143,7 +147,8 @@ def table(report: dict[str, Any]) -> str:
             f"| {_f(s['makespan_vs_plain'], 'x')} | {_f(s['throughput'], '', 0)} "
             f"| {_f(s['throughput_vs_plain'], 'x')} | {peak} "
             f"| {'-' if name == IDEAL else s['lost']} | {'-' if name == IDEAL else s['run_twice']} "
-            f"| {'-' if name == IDEAL else _f(s['statements_per_job'], '', 1)} |"
+            f"| {'-' if name == IDEAL else _f(s['statements_per_job'], '', 1)} "
+            f"| {_f(s['job_gap_ms'], ' ms', 1)} | {_f(s['added_ms'], ' ms', 1)} |"
             + (f" {'- | -' if name == IDEAL else _shares(s, weights)} |" if weights else "")
         )
     return "\n".join(lines)
@@ -172,6 +177,7 @@ RATIOS = (
     "makespan_vs_plain",
     "throughput_vs_plain",
     "statements_per_job",
+    "added_ms",
     "share_error",
 )
 """The figures ``--repeat`` reports as median and spread over the runs."""
@@ -214,8 +220,8 @@ def aggregate_table(aggregated: dict[str, dict[str, Any]]) -> str:
     """The markdown table of :func:`aggregate`: each figure's median (lowest-highest)."""
     lines = [
         "| mode | runs | p95 / ideal | makespan / plain | jobs/s / plain "
-        "| library statements / job | share gap | lost | run twice |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| library statements / job | added to a job | share gap | lost | run twice |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in aggregated.items():
         gap = a["share_error"]
@@ -224,6 +230,7 @@ def aggregate_table(aggregated: dict[str, dict[str, Any]]) -> str:
             f"| {name} | {a['runs']} | {_spread(a['small_p95_vs_ideal'], 'x')} "
             f"| {_spread(a['makespan_vs_plain'], 'x')} | {_spread(a['throughput_vs_plain'], 'x')} "
             f"| {_spread(a['statements_per_job'], '', 1)} "
+            f"| {_spread(a['added_ms'], ' ms', 1)} "
             f"| {'n/a' if gap is None else _spread({k: v * 100 for k, v in gap.items()}, '%', 1)} "
             f"| {lost} | {twice} |"
         )

@@ -411,7 +411,7 @@ def run_mode(
     result = ModeResult(
         mode=mode,
         origin=origin,
-        records=[Record(j, t, q, s, e) for j, t, q, s, e, _ in rows],
+        records=[Record(j, t, q, s, e, pid) for j, t, q, s, e, pid in rows],
         statements=None
         if missing
         else sum(counts.values_list("statements", flat=True)) + publisher_statements,
