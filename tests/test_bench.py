@@ -113,7 +113,9 @@ def test_summarize__synthetic_records() -> None:
         Record(3, "s1", 100.5, 101.5, 102.5),
         Record(4, "s2", 100.5, 102.5, 103.0),
     ]
-    s = summarize(records, [1, 2, 3, 4, 5], frozenset({"g"}), origin=100.0, statements=20)
+    s = summarize(
+        records, [1, 2, 3, 4, 5], frozenset({"g"}), origin=100.0, statements=20, on_path=5
+    )
     assert (s.jobs, s.completed, s.lost, s.run_twice) == (5, 4, 1, 1)
     assert (s.small_wait_p50, s.small_wait_p95, s.small_wait_max) == (1.0, 2.0, 2.0)
     assert s.greedy_makespan == 4.0
@@ -121,6 +123,7 @@ def test_summarize__synthetic_records() -> None:
     assert s.throughput == 1.0  # 4 distinct jobs done in 4 s
     assert (s.peak_tenant, s.peak_jobs, s.greedy_peak) == ("g", 2, 2)
     assert s.statements_per_job == 4.0
+    assert s.on_path_per_job == 1.0
 
 
 def test_process_gaps__between_a_processs_jobs__idle_time_left_out() -> None:

@@ -45,6 +45,8 @@ class Summary:
     peak_jobs: int
     greedy_peak: int | None
     statements_per_job: float | None
+    on_path_per_job: float | None = None
+    """Statements per job sent by the worker processes' job threads (the job's path)."""
     job_gap_ms: float | None = None
     """The median time, in a worker process, from the end of one job's body to the start of
     the next's, over the jobs already enqueued when the one before ended: what Celery and
@@ -143,13 +145,15 @@ def summarize(
     origin: float,
     statements: int | None = None,
     weights: Mapping[str, float] | None = None,
+    on_path: int | None = None,
 ) -> Summary:
     """Summarize one mode.
 
     ``expected`` are the job ids that were enqueued; ``greedy`` the greedy tenants (every
     other tenant is small); ``origin`` the time the mode's first job was enqueued;
     ``statements`` the statements on the library's tables during the mode, if counted;
-    ``weights`` the tenants' weights, if the scenario weighs them.
+    ``weights`` the tenants' weights, if the scenario weighs them; ``on_path`` the
+    statements the worker processes sent from the thread that runs the jobs, if counted.
     """
     expected_ids = set(expected)
     first = first_runs(records)
@@ -185,6 +189,9 @@ def summarize(
         greedy_peak=max(greedy_peaks) if greedy_peaks else None,
         statements_per_job=(statements / len(expected_ids))
         if statements is not None and expected_ids
+        else None,
+        on_path_per_job=(on_path / len(expected_ids))
+        if on_path is not None and expected_ids
         else None,
         job_gap_ms=statistics.median(gaps) * 1000 if gaps else None,
         shares=shares(records, weights) if weights else None,

@@ -32,3 +32,5 @@ class StatementCount(models.Model):
     mode = models.CharField(max_length=32)
     pid = models.IntegerField()
     statements = models.BigIntegerField()
+    on_path = models.BigIntegerField(default=0)
+    """Of them, those sent by the thread that runs the jobs."""

@@ -23,6 +23,8 @@ class ModeData:
     origin: float
     records: list[Record]
     statements: int | None
+    on_path: int | None = None
+    """Of the statements, those the worker processes sent from the thread running the jobs."""
 
 
 def ideal_records(
@@ -72,7 +74,7 @@ def build(
     }
     for m in modes:
         summaries[m.name] = summarize(
-            m.records, nominal, greedy, m.origin, m.statements, weights or None
+            m.records, nominal, greedy, m.origin, m.statements, weights or None, m.on_path
         )
     ref = summaries.get(reference)
     out: dict[str, Any] = {}
@@ -133,10 +135,10 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         "| mode | small wait p50 | p95 | max | p95 / ideal | greedy makespan | makespan "
         "| makespan / plain | jobs/s | jobs/s / plain | most of one tenant at once "
-        "| lost | run twice | library statements / job | gap between jobs in a process "
-        "| added to a job |"
-        + (" shares while all backlogged | share gap |" if weights else ""),
-        "|---" * (18 if weights else 16) + "|",
+        "| lost | run twice | library statements / job | on the job's path "
+        "| gap between jobs in a process "
+        "| added to a job |" + (" shares while all backlogged | share gap |" if weights else ""),
+        "|---" * (19 if weights else 17) + "|",
     ]
     for name, s in report["summaries"].items():
         peak = f"{s['peak_jobs']} ({s['peak_tenant']})" if s["peak_tenant"] else "n/a"
@@ -148,6 +150,7 @@ def table(report: dict[str, Any]) -> str:
             f"| {_f(s['throughput_vs_plain'], 'x')} | {peak} "
             f"| {'-' if name == IDEAL else s['lost']} | {'-' if name == IDEAL else s['run_twice']} "
             f"| {'-' if name == IDEAL else _f(s['statements_per_job'], '', 1)} "
+            f"| {'-' if name == IDEAL else _f(s['on_path_per_job'], '', 1)} "
             f"| {_f(s['job_gap_ms'], ' ms', 1)} | {_f(s['added_ms'], ' ms', 1)} |"
             + (f" {'- | -' if name == IDEAL else _shares(s, weights)} |" if weights else "")
         )
@@ -177,6 +180,7 @@ RATIOS = (
     "makespan_vs_plain",
     "throughput_vs_plain",
     "statements_per_job",
+    "on_path_per_job",
     "added_ms",
     "share_error",
 )
@@ -220,8 +224,9 @@ def aggregate_table(aggregated: dict[str, dict[str, Any]]) -> str:
     """The markdown table of :func:`aggregate`: each figure's median (lowest-highest)."""
     lines = [
         "| mode | runs | p95 / ideal | makespan / plain | jobs/s / plain "
-        "| library statements / job | added to a job | share gap | lost | run twice |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| library statements / job | on the job's path | added to a job | share gap | lost "
+        "| run twice |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in aggregated.items():
         gap = a["share_error"]
@@ -230,6 +235,7 @@ def aggregate_table(aggregated: dict[str, dict[str, Any]]) -> str:
             f"| {name} | {a['runs']} | {_spread(a['small_p95_vs_ideal'], 'x')} "
             f"| {_spread(a['makespan_vs_plain'], 'x')} | {_spread(a['throughput_vs_plain'], 'x')} "
             f"| {_spread(a['statements_per_job'], '', 1)} "
+            f"| {_spread(a['on_path_per_job'], '', 1)} "
             f"| {_spread(a['added_ms'], ' ms', 1)} "
             f"| {'n/a' if gap is None else _spread({k: v * 100 for k, v in gap.items()}, '%', 1)} "
             f"| {lost} | {twice} |"

@@ -73,6 +73,8 @@ class ModeResult:
     leftover: dict[str, int]
     timed_out: bool
     notes: list[str] = field(default_factory=list)
+    on_path: int | None = None
+    """Statements the worker processes sent from the thread that runs the jobs."""
 
 
 def describe_database() -> str:
@@ -416,6 +418,7 @@ def run_mode(
         if missing
         else sum(counts.values_list("statements", flat=True)) + publisher_statements,
         publisher_statements=publisher_statements,
+        on_path=None if missing else sum(counts.values_list("on_path", flat=True)),
         leftover=library_leftover(),
         timed_out=timed_out,
         notes=notes,

@@ -20,6 +20,14 @@ LIBRARY_TABLE_PREFIX = "fair_jobs_"
 
 _lock = threading.Lock()
 _count = 0
+_on_path = 0
+
+
+def on_path() -> int:
+    """Of :func:`count`, the statements sent by this process's main thread: in a worker
+    process, the thread that runs the jobs (the statements on a job's path); the library's
+    own threads (heartbeat, maintenance, the flusher) send the rest."""
+    return _on_path
 
 
 def count() -> int:
@@ -29,18 +37,20 @@ def count() -> int:
 
 def reset() -> None:
     """Start counting from 0 (a forked worker child inherits its parent's count)."""
-    global _count
+    global _count, _on_path
     with _lock:
-        _count = 0
+        _count = _on_path = 0
 
 
 def _counting(
     execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
 ) -> Any:
-    global _count
+    global _count, _on_path
     if LIBRARY_TABLE_PREFIX in sql:
+        main = threading.current_thread() is threading.main_thread()
         with _lock:
             _count += 1
+            _on_path += main
     return execute(sql, params, many, context)
 
 

@@ -162,7 +162,11 @@ def _save_count(**_: Any) -> None:
     run, mode = os.environ.get("BENCH_RUN"), os.environ.get("BENCH_MODE")
     if run and mode:
         StatementCount.objects.create(
-            run=run, mode=mode, pid=os.getpid(), statements=statements.count()
+            run=run,
+            mode=mode,
+            pid=os.getpid(),
+            statements=statements.count(),
+            on_path=statements.on_path(),
         )
 
 

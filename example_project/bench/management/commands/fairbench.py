@@ -244,7 +244,9 @@ class Command(BaseCommand):
             runner.cleanup(run)
         nominal = {j.id: (j.tenant, j.offset, j.seconds) for j in scenario.jobs}
         data = [
-            report.ModeData(r.mode.name, r.mode.description, r.origin, r.records, r.statements)
+            report.ModeData(
+                r.mode.name, r.mode.description, r.origin, r.records, r.statements, r.on_path
+            )
             for r in results
         ]
         built = report.build(
