@@ -81,6 +81,9 @@ DATABASE_URL=sqlite:///$SQLITE_DIR/test.sqlite3 CELERY_BROKER_URL=redis://127.0.
     .venv/bin/python -m pytest -p no:cacheprovider -m "not chaos" "$@" \
     >"$SQLITE_DIR/sqlite.log" 2>&1 &
 sqlite=$!
+# Ctrl-C or a kill of this script stops the SQLite pass too, and then removes its files.
+trap 'kill "$sqlite" 2>/dev/null; wait "$sqlite" 2>/dev/null; rm -rf "$SQLITE_DIR"' EXIT
+trap 'exit 130' INT TERM
 export DATABASE_URL=$PG_URL CELERY_BROKER_URL=$BROKER
 export CELERY_RESULT_BACKEND=${CELERY_RESULT_BACKEND:-redis://127.0.0.1:6379/14}
 status=0
