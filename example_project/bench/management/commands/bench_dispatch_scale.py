@@ -11,12 +11,13 @@ Three figures, each beside its physical limit measured in the same run:
    with as many clients, each updating a row of its own (``UPDATE ... WHERE id =
    :client_id``): jobs per second over pgbench's transactions per second.
 2. **queues**: 9 queues, one session each, with and without a tenth queue held busy: the 9
-   queues' jobs per second with it over without. Three ways to hold it, each run on its
-   own: ``busy``, its row and all its lines locked all along by transactions of 0.1 s that
-   take them again as each commits (as a busy queue's own steps hold them); ``open``, the
-   same locks held by one transaction open for the whole run; ``horizon``, a transaction
-   open for the whole run that locks nothing (it only holds back PostgreSQL's cleanup of
-   old row versions, the other cost of ``open``).
+   queues' jobs per second with it over without (over the mean of the runs without it just
+   before and just after, as the machine's speed drifts between runs). Three ways to hold
+   it, each run on its own: ``busy``, its row and all its lines locked all along by
+   transactions of 0.1 s that take them again as each commits (as a busy queue's own steps
+   hold them); ``open``, the same locks held by one transaction open for the whole run;
+   ``horizon``, a transaction open for the whole run that locks nothing (it only holds
+   back PostgreSQL's cleanup of old row versions, the other cost of ``open``).
 3. **blocked**: ``--tenants`` tenants on one queue, all eligible, then all but one paused
    by their tenant slot: the median of a dispatch + end cycle (as ``bench_dispatch``
    measures it) with them over without.
@@ -149,11 +150,20 @@ class Command(BaseCommand):
                     "pgbench_cycle_tps": cycle, "cycle_ratio": cycle / raw,
                 }  # fmt: skip
             names = [f"q{i}" for i in range(9)]
-            alone = self._sessions(names, 1, seconds)
-            figures["queues"] = {"jobs_s": alone}
+            # Each held run between two runs alone, against their mean: from one run of a
+            # few seconds to the next, this machine's speed drifts by up to a fifth.
+            alone = [self._sessions(names, 1, seconds)]
+            figures["queues"] = {}
             for hold in HOLDS:
                 held = self._sessions(names, 1, seconds, busy="q9", hold=hold)
-                figures["queues"][hold] = {"jobs_s": held, "ratio": held / alone}
+                alone.append(self._sessions(names, 1, seconds))
+                around = statistics.mean(alone[-2:])
+                figures["queues"][hold] = {
+                    "jobs_s": held,
+                    "alone_s": around,
+                    "ratio": held / around,
+                }
+            figures["queues"]["jobs_s"] = statistics.mean(alone)
             figures["blocked"] = self._blocked(options["tenants"])
         finally:
             with connection.cursor() as cursor:
