@@ -196,12 +196,11 @@ def dispatched_run(
     """
     process = _process_id()
     task_id = str(task.request.id)
-    if not ends.claim_running(task_id):
-        # A second copy delivered while the first runs here (threads or gevent pool), or
-        # while the first's end waits for the flusher.
+    if ends.ended_here(job_id) or not ends.claim_running(task_id):
+        # A second copy delivered while the first runs here (threads pool), or after it
+        # ended here while its end waits for the flusher.
         logger.info("Job %s (%s) runs in this process: this copy is dropped", job_id, task.name)
         raise Ignore()
-    handed = False
     try:
         started = _start_dispatched(task, job_id, process)
         _dispatch_fence(task, job_id, process, started, tenant, queue)
@@ -218,12 +217,10 @@ def dispatched_run(
             _store_deferred_retries(task)
             # An end goes to the flusher thread, off the job's path; one that puts the job
             # back in its line is done now, before its redelivered copy can start.
-            handed = outcome == "end" and flusher.hand(task.app, job_id, process, task_id)
-            if not handed:
+            if not (outcome == "end" and flusher.hand(task.app, job_id, process)):
                 ends.end(task, job_id, process, outcome=outcome)
     finally:
-        if not handed:  # else the flusher forgets it once the end is flushed
-            ends.unmark_running(task_id)
+        ends.unmark_running(task_id)
 
 
 def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> dispatch.Started:

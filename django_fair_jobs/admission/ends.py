@@ -78,10 +78,15 @@ class Ledger:
     """The tenant slot this process keeps for its next job (slot handoff), if any."""
     keeper: tuple[int, threading.Thread] | None = None
     """The handoff's keeper thread (by pid: a forked child starts its own)."""
-    ending: list[tuple[int, uuid.UUID, str, Any]] = field(default_factory=list)
+    ending: list[tuple[int, uuid.UUID, Any]] = field(default_factory=list)
     """Ends handed to this process's flusher thread and not yet taken by it: (job id,
-    process, task id, Celery app) of dispatched jobs that ran to their end
+    process, Celery app) of dispatched jobs that ran to their end
     (:mod:`django_fair_jobs.admission.flusher`)."""
+    unflushed: set[int] = field(default_factory=set)
+    """Row ids of dispatched jobs that ran to their end here and whose end is not committed
+    yet (handed to the flusher, or kept after a failed flush): a copy of one delivered here
+    is refused, as its row still says it runs here. By row id, not task id: a retry of the
+    job is a new row under the same task id, and runs."""
     flush_in_thread: bool = False
     """Whether jobs' ends go to the flusher thread (a worker process on PostgreSQL)."""
     flusher: tuple[int, threading.Thread] | None = None
@@ -373,6 +378,13 @@ def end_later(job_id: int, process: uuid.UUID, *, outcome: dispatch.Outcome) -> 
         LEDGER.pending_ends[job_id] = (process, outcome)
 
 
+def ended_here(job_id: int) -> bool:
+    """Whether ``job_id`` ran to its end in this process and its end is not committed yet
+    (see :attr:`Ledger.unflushed`)."""
+    with LEDGER.lock:
+        return job_id in LEDGER.unflushed
+
+
 def forget_end(job_id: int) -> None:
     """Drop a kept end of ``job_id``: a start whose reply was lost did commit, and the job
     runs here now (its own end follows)."""
@@ -393,6 +405,7 @@ def retry_pending_ends(app: Any) -> int:
         with LEDGER.lock:
             if LEDGER.pending_ends.get(job_id) == (process, outcome):
                 del LEDGER.pending_ends[job_id]
+            LEDGER.unflushed.discard(job_id)
         dispatch.publish(app, ready)
         done += 1
     return done

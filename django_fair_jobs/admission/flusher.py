@@ -7,11 +7,11 @@ dispatched into that room. Ends that come together share one statement and one c
 
 What it bends: until the flush (one round trip after the end, longer while the database
 is slow) the job still counts in flight, so the room it leaves is dispatched that much
-later; and a node that crashes in that window leaves the job running under a dead
-process, so the reap treats it as a job whose worker died (an ``acks_late`` job runs
-again, as Celery redelivers an unacknowledged message). Until its end is flushed, the
-job's task id stays marked running here, so a copy of it delivered to this process is
-refused, never run again.
+later; and a node or pool process that dies in that window leaves the job running under
+a dead process, so the reap treats it as a job whose worker died: an ``acks_late`` job
+runs again, where plain Celery, which acknowledged it when it returned, would not. Until
+its end is committed, the job's row id is kept (``Ledger.unflushed``), so a copy of it
+delivered to this process is refused, never run again.
 
 Only in worker processes on PostgreSQL (:func:`start`, when a pool process starts): on
 SQLite, whose writers are serialized, the thread would write beside the job's thread, and
@@ -49,10 +49,10 @@ def start() -> None:
         LEDGER.flusher_stopping = False
 
 
-def hand(app: Any, job_id: int, process: uuid.UUID, task_id: str) -> bool:
+def hand(app: Any, job_id: int, process: uuid.UUID) -> bool:
     """Hand the end of ``job_id`` (ran to its end under ``process``) to the flusher thread;
-    False if this process ends jobs itself (the caller ends it now). The flusher forgets
-    ``task_id`` as running once the end is flushed."""
+    False if this process ends jobs itself (the caller ends it now). Until the end is
+    committed, a copy of the job delivered here is refused (``ends.ended_here``)."""
     with LEDGER.lock:
         if not LEDGER.flush_in_thread or LEDGER.flusher_stopping:
             return False
@@ -60,7 +60,8 @@ def hand(app: Any, job_id: int, process: uuid.UUID, task_id: str) -> bool:
             _start_thread()
         except RuntimeError:  # no thread to be had: the caller ends the job itself
             return False
-        LEDGER.ending.append((job_id, process, task_id, app))
+        LEDGER.ending.append((job_id, process, app))
+        LEDGER.unflushed.add(job_id)
     LEDGER.flush_wanted.set()
     return True
 
@@ -92,29 +93,29 @@ def _loop() -> None:
         connections.close_all()
 
 
-def flush(batch: list[tuple[int, uuid.UUID, str, Any]]) -> int:
+def flush(batch: list[tuple[int, uuid.UUID, Any]]) -> int:
     """End the jobs of ``batch`` (see :attr:`~django_fair_jobs.admission.ends.Ledger.ending`)
     in one round trip per process and publish what their room went to; an end that fails
     is kept for the heartbeat. Returns how many jobs were flushed."""
-    by_process: dict[uuid.UUID, list[tuple[int, str, Any]]] = {}
-    for job_id, process, task_id, app in batch:
-        by_process.setdefault(process, []).append((job_id, task_id, app))
+    by_process: dict[uuid.UUID, list[tuple[int, Any]]] = {}
+    for job_id, process, app in batch:
+        by_process.setdefault(process, []).append((job_id, app))
     for process, items in by_process.items():
-        ready: list[dispatch.Ready] = []
+        ids = [job_id for job_id, _ in items]
         try:
-            ready = dispatch.end_many([job_id for job_id, _, _ in items], process)
+            ready = dispatch.end_many(ids, process)
         except Exception:  # a closed connection raises InterfaceError, not DatabaseError
             logger.exception(
                 "Could not end %d dispatched jobs; retrying at the next heartbeat", len(items)
             )
             _drop_connections()
-            for job_id, _, _ in items:
+            for job_id in ids:  # still unflushed: their copies stay refused here
                 ends.end_later(job_id, process, outcome="end")
-        finally:
-            for _, task_id, _ in items:
-                ends.unmark_running(task_id)
+            continue
+        with LEDGER.lock:
+            LEDGER.unflushed.difference_update(ids)
         try:
-            dispatch.publish(items[-1][2], ready)
+            dispatch.publish(items[-1][1], ready)
         except Exception:  # publish sets aside what it could not send; never end the thread
             logger.exception("Could not publish the jobs dispatched by a flush")
     return len(batch)
@@ -139,6 +140,12 @@ def stop(timeout: float = STOP_TIMEOUT) -> int:
     mine = flusher is not None and flusher[0] == os.getpid()
     if flusher is not None and mine and flusher[1] is not threading.current_thread():
         flusher[1].join(timeout)
+        if flusher[1].is_alive():
+            logger.error(
+                "The flusher did not finish its flush within %s s; the jobs it holds may be "
+                "reaped as if their process had died",
+                timeout,
+            )
     with LEDGER.lock:
         left, LEDGER.ending = LEDGER.ending, []
     return flush(left) if left else 0

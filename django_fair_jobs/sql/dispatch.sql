@@ -10,7 +10,9 @@
 --   2. A tenant's line, then its scheduled or waiting jobs (enqueue, the due step, the
 --      selection, cancel, the start of a job that went back to its line).
 -- A step waits only for the line of its own job; any other line is taken with SKIP LOCKED
--- (skipped, never waited for). Every function runs with a lock_timeout of 2 s: a wait the
+-- (skipped, never waited for). Two steps wait for several lines, and both take them in
+-- (queue, tenant) order by byte value (COLLATE "C", the order Python sorts them in):
+-- enqueue_many and end_many. Every function runs with a lock_timeout of 2 s: a wait the
 -- order allows is short, and a longer one fails fast (the caller tries again) instead of
 -- stalling the queue.
 -- States: 0 scheduled (a countdown not yet due, or a job stored inside its caller's
@@ -371,9 +373,9 @@ $$;
 -- End many jobs that ran under p_process (a process's ends, flushed together by its
 -- flusher thread): their rows go, their lines' counts drop, then each queue they left
 -- dispatches up to p_max jobs into its room. The job rows first, then their lines in
--- (queue, tenant) order, as enqueue_many takes them, so two flushes never wait for each
--- other out of order. A job not running under p_process (ended already, or reaped) is
--- skipped. Returns the jobs to publish.
+-- (queue, tenant) order by byte value, as enqueue_many takes them, so two flushes or a
+-- flush and a bulk enqueue never wait for each other out of order. A job not running
+-- under p_process (ended already, or reaped) is skipped. Returns the jobs to publish.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_end_many(
     p_jobs bigint[], p_process uuid, p_max integer
 )
@@ -392,9 +394,9 @@ BEGIN
     ), lines AS (
         SELECT g.queue, g.tenant, count(*)::integer AS n FROM gone AS g GROUP BY 1, 2
     )
-    SELECT array_agg(l.queue ORDER BY l.queue, l.tenant),
-           array_agg(l.tenant ORDER BY l.queue, l.tenant),
-           array_agg(l.n ORDER BY l.queue, l.tenant)
+    SELECT array_agg(l.queue ORDER BY l.queue COLLATE "C", l.tenant COLLATE "C"),
+           array_agg(l.tenant ORDER BY l.queue COLLATE "C", l.tenant COLLATE "C"),
+           array_agg(l.n ORDER BY l.queue COLLATE "C", l.tenant COLLATE "C")
       INTO v_queues, v_tenants, v_counts FROM lines AS l;
     IF v_queues IS NULL THEN
         RETURN;

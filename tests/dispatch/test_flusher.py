@@ -88,7 +88,22 @@ def test_a_copy_delivered_before_the_flush__refused__then_flushed_at_stop(
     assert deliver(job) == "not run"  # a copy here, before the flush: never run twice
     assert flusher.stop() == 1  # what the thread did not take is flushed at shutdown
     assert not DispatchJob.objects.filter(pk=job.pk).exists()
-    assert ends.claim_running(job.task_id)  # forgotten once flushed
+    assert not ends.ended_here(job.pk)  # forgotten once flushed
+
+
+def test_a_retry_under_the_same_task_id__runs_before_the_flush(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    needs_sql()
+    set_capacity(2)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    flusher.start()
+    monkeypatch.setattr(flusher, "_start_thread", lambda: None)  # nothing flushes yet
+    assert deliver(job) == "ran"
+    # A retry is a new row under the same task id (self.retry() stores one): not a copy.
+    tasks.dispatched.apply_async(("acme",), task_id=job.task_id)
+    retry = DispatchJob.objects.exclude(pk=job.pk).get(task_id=job.task_id)
+    assert deliver(retry) == "ran"
 
 
 def test_flush__many_ends__one_statement(collected: list[int]) -> None:
@@ -98,7 +113,7 @@ def test_flush__many_ends__one_statement(collected: list[int]) -> None:
     process = uuid.uuid4()
     for job in jobs[:2]:
         assert dispatch.start(job.pk, process).status == "started"
-    batch = [(job.pk, process, job.task_id, None) for job in jobs[:2]]
+    batch = [(job.pk, process, None) for job in jobs[:2]]
     with CaptureQueriesContext(connection) as queries:
         assert flusher.flush(batch) == 2
     assert len(queries) == 1
@@ -121,9 +136,11 @@ def test_a_flush_that_fails__kept__ended_at_the_next_heartbeat(
     flusher.stop()
     assert DispatchJob.objects.get(pk=job.pk).state == RUNNING  # kept, not lost
     assert job.pk in LEDGER.pending_ends
+    assert deliver(job) == "not run"  # its end is not committed: a copy here is refused
     monkeypatch.setattr(dispatch, "end_many", real)
     assert admission.retry_pending_ends(celery_app) == 1
     assert not DispatchJob.objects.filter(pk=job.pk).exists()
+    assert not ends.ended_here(job.pk)
 
 
 def test_an_end_that_puts_the_job_back__not_handed__done_at_once() -> None:
