@@ -191,6 +191,11 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     ran_twice: list[str] = field(default_factory=list)
     """The tasks of the jobs that ran more than once (one entry per job)."""
+    reran_unflushed: int = 0
+    """Jobs that ended on the frozen node just before the freeze, their end handed to its
+    flusher and not yet committed, and ran again after its processes were reaped: the
+    flusher's at-least-once window, the one kind of second run a freeze may cause. Not in
+    :attr:`duplicated`."""
 
     def row(self) -> dict[str, Any]:
         """A JSON-able record for the report."""
@@ -804,11 +809,18 @@ class Cluster:
             if n > 1 and tasks[task_id] in UNGUARDED:
                 notes.append(f"{tasks[task_id]} {task_id}: {n} copies at once (at least once)")
         self_overlap = max(copies_at_once.values(), default=0)
+        unflushed = self._reran_unflushed(by_id)
+        if unflushed:
+            notes.append(
+                f"{len(unflushed)} job(s) ended on the frozen node just before the freeze, "
+                "their end not yet flushed, and ran again after the reap (the flusher's window)"
+            )
+        twice = {i for i, rs in by_id.items() if len(rs) > 1} - unflushed
         return Outcome(
             fault=fault,
             accepted=len(self.jobs),
             completed=len(completed),
-            duplicated=sum(1 for rs in by_id.values() if len(rs) > 1),
+            duplicated=len(twice),
             failed_by_design=len(overruns),
             lost=lost,
             concurrency=limits,
@@ -820,7 +832,8 @@ class Cluster:
             self_overlap=self_overlap,
             self_overlapping=sorted(i for i, n in copies_at_once.items() if n > 1),
             notes=notes,
-            ran_twice=sorted(tasks[i] for i, rs in by_id.items() if len(rs) > 1),
+            ran_twice=sorted(tasks[i] for i in twice),
+            reran_unflushed=len(unflushed),
         )
 
     @staticmethod
@@ -849,6 +862,21 @@ class Cluster:
         if run.pid in self.killed:
             return self.killed[run.pid]
         return datetime.max.replace(tzinfo=run.started.tzinfo)  # still running: counts
+
+    def _reran_unflushed(self, by_id: dict[str, list[Run]]) -> set[str]:
+        """Task ids that ran again after a run of the frozen node that had finished before
+        the freeze while its row still ran there (its end handed to the flusher, not yet
+        committed): see :attr:`Outcome.reran_unflushed`."""
+        if self.frozen is None:
+            return set()
+        pids, start, _ = self.frozen
+        return {
+            task_id
+            for task_id, rs in by_id.items()
+            if len(rs) > 1
+            and task_id in self._frozen_tasks
+            and any(r.pid in pids and r.finished is not None and r.finished <= start for r in rs)
+        }
 
     def _stale(self, runs: list[Run]) -> set[int]:
         """Runs of the frozen node admitted before the freeze that ended after it: their

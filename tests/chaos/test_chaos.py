@@ -75,6 +75,10 @@ def test_sigstop_past_worker_timeout__late_release_frees_nothing(cluster: Cluste
     outcome = cluster.outcome("SIGSTOP past the worker timeout, then SIGCONT", recovery)
     check(outcome, exactly_once=True)
     assert outcome.stale_runs >= 1  # the frozen jobs outlived their leases, and are reported
+    # The flusher's window: only a job whose end a frozen process had not yet flushed may
+    # run again: at most one per process, as a flush (a round trip) is shorter than any of
+    # the workload's jobs, so a process's flusher holds at most the end of its last job.
+    assert outcome.reran_unflushed <= len(frozen_processes)
 
 
 def test_connections_terminated__workers_recover_without_restart(cluster: Cluster) -> None:
