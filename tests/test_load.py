@@ -85,7 +85,7 @@ def _fill(first: int, n: int) -> None:
     DispatchTenant.objects.bulk_create([DispatchTenant(queue="load", tenant=t) for t in tenants])
     DispatchJob.objects.bulk_create(
         [DispatchJob(queue="load", tenant=t, task_name="load.task", task_id=f"disp-{t}",
-                     signature="{}") for t in tenants]
+                     message="{}") for t in tenants]
     )  # fmt: skip
     JobDecision.objects.bulk_create(
         [JobDecision(task_id=f"park-{t}", task_name="load.task", tenant=t, queue="load",

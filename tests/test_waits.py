@@ -160,7 +160,7 @@ def test_enqueue__stamps_the_time__a_re_publish_keeps_it(published: list[int]) -
     before = time.time()
     job = tasks.dispatched.delay("acme")
     row = DispatchJob.objects.get(task_id=job.id)
-    stamped = json.loads(row.signature)["options"]["headers"][headers.ENQUEUED_AT]
+    stamped = json.loads(row.message)["headers"][headers.ENQUEUED_AT]
     assert before <= stamped <= time.time()
 
 

@@ -49,19 +49,18 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import router
 from django.utils import timezone
-from kombu.utils.json import dumps, loads
 
 from django_fair_jobs import db, validation
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.dispatch import message
 from django_fair_jobs.dispatch.types import BATCH as BATCH
 from django_fair_jobs.dispatch.types import Job as Job
 from django_fair_jobs.dispatch.types import Outcome as Outcome
@@ -174,8 +173,8 @@ def prepare(
     kwargs: Any,
     publish_options: dict[str, Any],
 ) -> Job:
-    """Freeze a job to wait in its tenant's line: its queue, its due time and the
-    signature that re-publishes it unchanged. Raises :class:`DispatchError` without a
+    """Freeze a job to wait in its tenant's line: its queue, its due time and its
+    message, built now as Celery would publish it. Raises :class:`DispatchError` without a
     tenant or when the job cannot be stored as JSON."""
 
     tenant = tenant if tenant is not None else fair_settings.PLANNER_DEFAULT_TENANT
@@ -198,21 +197,13 @@ def prepare(
         # Celery counts a number of seconds from the publish; the job's clock starts at
         # delay(), however long it waits in its line.
         publish_options["expires"] = (timezone.now() + timedelta(seconds=expires)).isoformat()
-    # The job's lineage is what Celery would give it now, at delay(): it is published
-    # later, from whatever job's end has room for it, which must not become its parent.
-    parent = task.app.current_worker_task
-    if parent is not None:
-        publish_options.setdefault("root_id", parent.request.root_id or parent.request.id)
-        publish_options.setdefault("parent_id", parent.request.id)
-        inherited = (parent.request.delivery_info or {}).get("priority")
-        if task.app.conf.task_inherit_parent_priority and inherited is not None:
-            publish_options.setdefault("priority", inherited)
     queue = queue_name(publish_options.get("queue") or declared_queue(task, args, kwargs))
     publish_options["queue"] = queue
-    signature = task.signature(args, kwargs, task_id=task_id, **publish_options)
     try:
-        stored = dumps(dict(signature))
-    except (TypeError, ValueError) as exc:
+        # Built now, as Celery would for a plain publish (lineage, priority, headers,
+        # routing): it is published as stored when the job is dispatched.
+        stored = message.build(task, args, kwargs, {**publish_options, "task_id": task_id})
+    except ValueError as exc:
         raise DispatchError(
             f"{task.name}: the job cannot wait in its tenant's line as JSON ({exc}); pass "
             "arguments, headers and options that JSON can hold."
@@ -222,7 +213,7 @@ def prepare(
         tenant=str(tenant),
         task_name=task.name,
         task_id=task_id,
-        signature=stored,
+        message=stored,
         not_before=not_before,
         weight=weight_of(options, queue, str(tenant), task.name),
         cap=getattr(task, "fair_max_jobs", None),
@@ -344,36 +335,24 @@ def publish(app: Celery, ready: list[Ready]) -> int:
     publishes them again once the broker is back. So one call makes at most one failed
     attempt and returns (a ``delay()`` fails as fast as plain Celery's), and a poison job
     never stalls the others."""
+    if not ready:
+        return 0
     published = 0
-    for position, item in enumerate(ready):
-        try:
-            signature = app.signature(loads(item.signature))
-            with _outside_any_task():
-                signature.apply_async(**_marked(app, signature, item.job_id))
-        except Exception:
-            logger.exception("Could not publish dispatched job %s; it goes aside", item.job_id)
-            _set_aside(item.job_id)
-            if position + 1 < len(ready):
-                logger.warning(
-                    "%d dispatched jobs are published again by the lost-message repair",
-                    len(ready) - position - 1,
-                )
-            break
-        published += 1
+    with app.producer_or_acquire() as producer:
+        for position, item in enumerate(ready):
+            try:
+                message.send(app, producer, item.message, item.job_id)
+            except Exception:
+                logger.exception("Could not publish dispatched job %s; it goes aside", item.job_id)
+                _set_aside(item.job_id)
+                if position + 1 < len(ready):
+                    logger.warning(
+                        "%d dispatched jobs are published again by the lost-message repair",
+                        len(ready) - position - 1,
+                    )
+                break
+            published += 1
     return published
-
-
-def _marked(app: Celery, signature: Any, job_id: int) -> dict[str, Any]:
-    """The options that publish a dispatched job's stored signature with the mark that
-    names its row. A process that does not know the task (a maintenance pass run by
-    ``manage.py fair_jobs_reap`` or a web process that imports other modules) sends it by
-    name, so the mark goes in the headers itself; a ``FairTask`` puts it there from
-    ``fair_dispatched``."""
-    if signature.task in app.tasks:
-        return {"fair_dispatched": job_id}
-    headers = dict(signature.options.get("headers") or {})
-    headers[fair_headers.DISPATCH] = job_id
-    return {"headers": headers}
 
 
 def _set_aside(job_id: int) -> None:
@@ -391,23 +370,6 @@ def _set_aside(job_id: int) -> None:
             store_.end(job_id, None, outcome="later", delay=delay, limit=0)
     except Exception:
         logger.exception("Could not set job %s aside; the lost-message repair will", job_id)
-
-
-@contextmanager
-def _outside_any_task() -> Iterator[None]:
-    """Publish as from outside any task. Inside a job (its end publishes the next one),
-    Celery's ``send_task`` would make that job the published one's parent and root and
-    add it to that job's children; a dispatched job's lineage was fixed at its ``delay()``
-    (:func:`prepare`)."""
-    from celery._state import _task_stack  # type: ignore[attr-defined]  # no stub; stable since 3.x
-
-    stack = _task_stack.stack
-    saved = list(stack)
-    del stack[:]
-    try:
-        yield
-    finally:
-        stack[:] = saved
 
 
 def drop(app: Celery, task_id: str, *, terminated: bool) -> None:

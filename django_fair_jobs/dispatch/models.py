@@ -123,13 +123,14 @@ class DispatchTenant(models.Model):
 class DispatchJob(models.Model):
     """A job of a task with ``fair_dispatch``, from ``delay()`` to its end.
 
-    ``signature`` re-publishes the job unchanged (task id, arguments, headers, links)."""
+    ``message`` is the job's Celery message, built at ``delay()`` (task id, arguments,
+    headers, links, routing) and published as it is when the job is dispatched."""
 
     queue = models.CharField(max_length=255)
     tenant = models.CharField(max_length=TENANT_MAX_LENGTH)
     task_name = models.CharField(max_length=255)
     task_id = models.CharField(max_length=255)
-    signature = models.TextField()
+    message = models.TextField()
     state = models.SmallIntegerField(choices=STATES, default=WAITING)
     not_before = models.DateTimeField(null=True, blank=True)
     enqueued_at = models.DateTimeField(db_default=Now())

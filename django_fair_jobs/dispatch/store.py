@@ -38,7 +38,7 @@ class Store:
     @staticmethod
     def _ready(rows: list[tuple[Any, ...]]) -> list[Ready]:
 
-        return [Ready(int(job_id), signature) for job_id, signature in rows if job_id is not None]
+        return [Ready(int(job_id), message) for job_id, message in rows if job_id is not None]
 
     @staticmethod
     def _job(job: Job) -> dict[str, Any]:
@@ -47,7 +47,7 @@ class Store:
             "tenant": job.tenant,
             "task_name": job.task_name,
             "task_id": job.task_id,
-            "signature": job.signature,
+            "message": job.message,
             "delay": job.delay,
             "not_before": job.not_before,
             "weight": job.weight,

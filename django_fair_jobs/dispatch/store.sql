@@ -4,8 +4,8 @@
 -- name: dispatch_enqueue
 -- Fair dispatch: store a job in its tenant's line, dispatching while the queue has room
 -- (the functions are in dispatch.sql).
-SELECT job_id, job_signature FROM fair_jobs_enqueue(
-    %(queue)s, %(tenant)s, %(task_name)s, %(task_id)s, %(signature)s, %(delay)s,
+SELECT job_id, job_message FROM fair_jobs_enqueue(
+    %(queue)s, %(tenant)s, %(task_name)s, %(task_id)s, %(message)s, %(delay)s,
     %(not_before)s, %(weight)s, %(cap)s, %(on_loss)s::smallint, true);
 
 -- name: dispatch_stage
@@ -14,24 +14,24 @@ SELECT job_id, job_signature FROM fair_jobs_enqueue(
 -- and lock nothing another step waits for. The dispatch after the commit (or the due poll)
 -- puts them in their lines.
 INSERT INTO fair_jobs_dispatchjob
-       (queue, tenant, task_name, task_id, signature, state, not_before, enqueued_at,
+       (queue, tenant, task_name, task_id, message, state, not_before, enqueued_at,
         publish_failures, republished, cap, weight, on_loss)
-SELECT j.queue, j.tenant, j.task_name, j.task_id, j.signature, 0,
+SELECT j.queue, j.tenant, j.task_name, j.task_id, j.message, 0,
        COALESCE(j.not_before, now() + make_interval(secs => j.delay)), now(), 0, 0,
        j.cap, j.weight, j.on_loss
   FROM unnest(%(queues)s::text[], %(tenants)s::text[], %(task_names)s::text[],
-              %(task_ids)s::text[], %(signatures)s::text[], %(delays)s::double precision[],
+              %(task_ids)s::text[], %(messages)s::text[], %(delays)s::double precision[],
               %(not_befores)s::timestamptz[], %(weights)s::double precision[],
               %(caps)s::integer[], %(on_losses)s::smallint[])
-       AS j(queue, tenant, task_name, task_id, signature, delay, not_before, weight, cap,
+       AS j(queue, tenant, task_name, task_id, message, delay, not_before, weight, cap,
             on_loss)
 RETURNING id;
 
 -- name: dispatch_enqueue_many
 -- Fair dispatch: store many jobs (bulk_enqueue) in one round trip, then dispatch each of
 -- their queues once.
-SELECT job_id, job_signature FROM fair_jobs_enqueue_many(
-    %(queues)s, %(tenants)s, %(task_names)s, %(task_ids)s, %(signatures)s,
+SELECT job_id, job_message FROM fair_jobs_enqueue_many(
+    %(queues)s, %(tenants)s, %(task_names)s, %(task_ids)s, %(messages)s,
     %(delays)s::double precision[], %(not_befores)s::timestamptz[],
     %(weights)s::double precision[], %(caps)s::integer[], %(on_losses)s::smallint[]);
 
@@ -39,16 +39,16 @@ SELECT job_id, job_signature FROM fair_jobs_enqueue_many(
 SELECT status, cap FROM fair_jobs_dispatch_start(%(job)s, %(process)s);
 
 -- name: dispatch_end
-SELECT job_id, job_signature
+SELECT job_id, job_message
   FROM fair_jobs_dispatch_end(%(job)s, %(process)s, %(outcome)s, %(delay)s, %(block)s,
                               %(max)s);
 
 -- name: dispatch_end_many
-SELECT job_id, job_signature
+SELECT job_id, job_message
   FROM fair_jobs_dispatch_end_many(%(jobs)s::bigint[], %(process)s, %(max)s);
 
 -- name: dispatch_next
-SELECT job_id, job_signature FROM fair_jobs_dispatch(%(queue)s, %(max)s);
+SELECT job_id, job_message FROM fair_jobs_dispatch(%(queue)s, %(max)s);
 
 -- name: dispatch_make_lines
 -- The lines of tenants whose due jobs have none yet (jobs stored inside their caller's
@@ -103,7 +103,7 @@ UPDATE fair_jobs_dispatchjob AS j SET dispatched_at = now(), republished = j.rep
            secs => %(lost_after)s * power(2, LEAST(j.republished, 6)))
    AND EXISTS (SELECT 1 FROM fair_jobs_dispatchqueue AS q
                 WHERE q.queue = j.queue AND q.capacity > 0)
-RETURNING j.id, j.signature;
+RETURNING j.id, j.message;
 
 -- name: dispatch_queues_with_room
 SELECT q.queue FROM fair_jobs_dispatchqueue AS q

@@ -150,8 +150,8 @@ class Store(pg_store.Store):
                 cap=head_cap,
                 blocked=cap_next is not None and line.in_flight + 1 >= cap_next,
             )
-            signature = self._jobs().filter(pk=job_id).values_list("signature", flat=True).get()
-            ready.append(Ready(int(job_id), signature))
+            message = self._jobs().filter(pk=job_id).values_list("message", flat=True).get()
+            ready.append(Ready(int(job_id), message))
             room -= 1
         return ready
 
@@ -176,7 +176,7 @@ class Store(pg_store.Store):
     def _create(self, job: Job, state: int, not_before: Any) -> DispatchJob:
         return self._jobs().create(  # type: ignore[no-any-return]
             queue=job.queue, tenant=job.tenant, task_name=job.task_name,
-            task_id=job.task_id, signature=job.signature, state=state,
+            task_id=job.task_id, message=job.message, state=state,
             not_before=not_before, cap=job.cap, weight=job.weight, on_loss=job.on_loss,
         )  # fmt: skip
 
@@ -375,7 +375,7 @@ class Store(pg_store.Store):
                     self._jobs().filter(pk=job.pk).update(
                         dispatched_at=Now(), republished=F("republished") + 1
                     )
-                    ready.append(Ready(int(job.pk), job.signature))
+                    ready.append(Ready(int(job.pk), job.message))
         return ready
 
     def due_queues(self, queues: list[str]) -> list[str]:

@@ -19,10 +19,11 @@ for a delay, or failed (its message could never be published)."""
 
 @dataclass(frozen=True)
 class Ready:
-    """A job dispatched and to be published now: its row id and stored signature."""
+    """A job dispatched and to be published now: its row id and its message, built at
+    ``delay()`` (see :mod:`django_fair_jobs.dispatch.message`)."""
 
     job_id: int
-    signature: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Job:
     tenant: str
     task_name: str
     task_id: str
-    signature: str
+    message: str
     not_before: datetime | None
     weight: float | None
     cap: int | None

@@ -123,14 +123,19 @@ $$;
 -- limit changed, the maintenance pass), so the choice stays one index probe however many
 -- tenants cannot be chosen. Returns the jobs to publish. Due jobs join their lines first.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch(p_queue text, p_max integer)
-RETURNS TABLE (job_id bigint, job_signature text)
+RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
     v_room integer;
     v_line record;
     v_limit integer;
 BEGIN
-    PERFORM fair_jobs_dispatch_due(p_queue);
+    -- The probe alone, not the call: a call costs more than the probe, and most
+    -- dispatches find nothing due.
+    IF EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
+                WHERE j.queue = p_queue AND j.state = 0 AND j.not_before <= now()) THEN
+        PERFORM fair_jobs_dispatch_due(p_queue);
+    END IF;
     v_room := LEAST(COALESCE(fair_jobs_dispatch_room(p_queue), 0), p_max);
     WHILE v_room > 0 LOOP
         SELECT t.id, t.tenant, t.head_id, t.in_flight, t.cap,
@@ -153,7 +158,7 @@ BEGIN
         WITH taken AS (
             UPDATE fair_jobs_dispatchjob AS j SET state = 2, dispatched_at = now()
              WHERE j.id = v_line.head_id AND j.state = 1
-            RETURNING j.id, j.signature
+            RETURNING j.id, j.message
         ), following AS (
             SELECT j.id, j.cap FROM fair_jobs_dispatchjob AS j
              WHERE j.queue = p_queue AND j.tenant = v_line.tenant AND j.state = 1
@@ -171,7 +176,7 @@ BEGIN
                blocked = COALESCE(t.in_flight + 1 >= COALESCE(v_line.slot, f.cap), false)
           FROM taken LEFT JOIN following AS f ON true
          WHERE t.id = v_line.id
-        RETURNING taken.id, taken.signature INTO job_id, job_signature;
+        RETURNING taken.id, taken.message INTO job_id, job_message;
         IF NOT FOUND THEN
             -- A head that left the line another way (cancelled): recount, go on.
             UPDATE fair_jobs_dispatchtenant AS t
@@ -194,11 +199,11 @@ $$;
 -- dispatch while the queue has room. Waits only for its own tenant's line. Returns the
 -- jobs to publish (usually this one, or nothing while the queue is full).
 CREATE OR REPLACE FUNCTION fair_jobs_enqueue(
-    p_queue text, p_tenant text, p_task_name text, p_task_id text, p_signature text,
+    p_queue text, p_tenant text, p_task_name text, p_task_id text, p_message text,
     p_delay double precision, p_not_before timestamptz, p_weight double precision,
     p_cap integer, p_on_loss smallint, p_dispatch boolean
 )
-RETURNS TABLE (job_id bigint, job_signature text)
+RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
     v_id bigint;
@@ -209,9 +214,9 @@ DECLARE
     v_vt double precision := 0;
 BEGIN
     INSERT INTO fair_jobs_dispatchjob
-           (queue, tenant, task_name, task_id, signature, state, not_before, enqueued_at,
+           (queue, tenant, task_name, task_id, message, state, not_before, enqueued_at,
             publish_failures, republished, cap, weight, on_loss)
-    VALUES (p_queue, p_tenant, p_task_name, p_task_id, p_signature,
+    VALUES (p_queue, p_tenant, p_task_name, p_task_id, p_message,
             CASE WHEN v_due THEN 1 ELSE 0 END, v_not_before, now(), 0, 0, p_cap, p_weight,
             p_on_loss)
     RETURNING id INTO v_id;
@@ -233,7 +238,7 @@ BEGIN
                              THEN GREATEST(t.pass_value, v_vt) ELSE t.pass_value END,
            weight = COALESCE(p_weight, t.weight);
     IF p_dispatch AND v_due THEN
-        RETURN QUERY SELECT d.job_id, d.job_signature FROM fair_jobs_dispatch(p_queue, 1000) AS d;
+        RETURN QUERY SELECT d.job_id, d.job_message FROM fair_jobs_dispatch(p_queue, 1000) AS d;
     END IF;
 END;
 $$;
@@ -243,21 +248,21 @@ $$;
 -- that two calls take their lines in the same order. Returns the jobs to publish.
 CREATE OR REPLACE FUNCTION fair_jobs_enqueue_many(
     p_queues text[], p_tenants text[], p_task_names text[], p_task_ids text[],
-    p_signatures text[], p_delays double precision[], p_not_befores timestamptz[],
+    p_messages text[], p_delays double precision[], p_not_befores timestamptz[],
     p_weights double precision[], p_caps integer[], p_on_losses smallint[]
 )
-RETURNS TABLE (job_id bigint, job_signature text)
+RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
     v_queue text;
 BEGIN
     FOR i IN 1 .. COALESCE(array_length(p_queues, 1), 0) LOOP
         PERFORM 1 FROM fair_jobs_enqueue(
-            p_queues[i], p_tenants[i], p_task_names[i], p_task_ids[i], p_signatures[i],
+            p_queues[i], p_tenants[i], p_task_names[i], p_task_ids[i], p_messages[i],
             p_delays[i], p_not_befores[i], p_weights[i], p_caps[i], p_on_losses[i], false);
     END LOOP;
     FOR v_queue IN SELECT DISTINCT q.queue FROM unnest(p_queues) AS q(queue) ORDER BY 1 LOOP
-        RETURN QUERY SELECT d.job_id, d.job_signature FROM fair_jobs_dispatch(v_queue, 1000) AS d;
+        RETURN QUERY SELECT d.job_id, d.job_message FROM fair_jobs_dispatch(v_queue, 1000) AS d;
     END LOOP;
 END;
 $$;
@@ -325,7 +330,7 @@ CREATE OR REPLACE FUNCTION fair_jobs_dispatch_end(
     p_job bigint, p_process uuid, p_outcome text, p_delay double precision,
     p_block boolean, p_max integer
 )
-RETURNS TABLE (job_id bigint, job_signature text)
+RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
     v_job record;
@@ -364,7 +369,7 @@ BEGIN
            blocked = p_block
      WHERE t.queue = v_job.queue AND t.tenant = v_job.tenant;
     IF p_max > 0 THEN
-        RETURN QUERY SELECT d.job_id, d.job_signature
+        RETURN QUERY SELECT d.job_id, d.job_message
                        FROM fair_jobs_dispatch(v_job.queue, p_max) AS d;
     END IF;
 END;
@@ -379,7 +384,7 @@ $$;
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_end_many(
     p_jobs bigint[], p_process uuid, p_max integer
 )
-RETURNS TABLE (job_id bigint, job_signature text)
+RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
     v_queues text[];
@@ -409,7 +414,7 @@ BEGIN
     IF p_max > 0 THEN
         FOR v_queue IN SELECT DISTINCT q.queue FROM unnest(v_queues) AS q(queue) ORDER BY 1
         LOOP
-            RETURN QUERY SELECT d.job_id, d.job_signature
+            RETURN QUERY SELECT d.job_id, d.job_message
                            FROM fair_jobs_dispatch(v_queue, p_max) AS d;
         END LOOP;
     END IF;

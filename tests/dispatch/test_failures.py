@@ -83,11 +83,11 @@ def test_d6__broker_down__one_delay_makes_one_publish_attempt(
     monkeypatch.undo()  # the real publish, against a broker that refuses every message
     attempts: list[str] = []
 
-    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
-        attempts.append(self.args[0])
+    def refuse(self: Any, body: Any, **kwargs: Any) -> None:
+        attempts.append(body[0][0])
         raise OperationalError("[Errno 111] Connection refused")
 
-    monkeypatch.setattr("celery.canvas.Signature.apply_async", refuse)
+    monkeypatch.setattr("kombu.messaging.Producer.publish", refuse)
     set_capacity(0)
     for i in range(30):
         tasks.dispatched.delay(f"t{i}")
@@ -164,10 +164,10 @@ def test_d19__a_job_no_broker_takes__ends_failed__explain_says_so(
 
     monkeypatch.undo()
 
-    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+    def refuse(self: Any, body: Any, **kwargs: Any) -> None:
         raise ValueError("the serializer refuses it")
 
-    monkeypatch.setattr("celery.canvas.Signature.apply_async", refuse)
+    monkeypatch.setattr("kombu.messaging.Producer.publish", refuse)
     set_capacity(1)
     task_id = tasks.dispatched.delay("poison").id
     for _ in range(10):
@@ -181,7 +181,7 @@ def test_d19__a_job_no_broker_takes__ends_failed__explain_says_so(
     assert dispatch.in_flight() == {}  # it holds no room
     assert "1 FAILED (see the admin)" in status.as_text(status.snapshot())
     # Once its cause is removed, the operator puts it back in line (the admin's action).
-    monkeypatch.setattr("celery.canvas.Signature.apply_async", lambda self, *a, **k: None)
+    monkeypatch.setattr("kombu.messaging.Producer.publish", lambda self, *a, **k: None)
     assert dispatch.put_back_failed(celery_app, [row.pk]) == 1
     assert DispatchJob.objects.get(pk=row.pk).state == DISPATCHED
 
@@ -199,7 +199,7 @@ def test_published_by_a_process_that_does_not_know_the_task__the_mark_goes_with_
 
     monkeypatch.undo()
     sent: list[dict[str, Any]] = []
-    monkeypatch.setattr("celery.canvas.Signature.apply_async", lambda self, *a, **k: sent.append(k))
+    monkeypatch.setattr("kombu.messaging.Producer.publish", lambda self, *a, **k: sent.append(k))
     set_capacity(0)
     job = job_of(tasks.dispatched.delay("acme").id)
     set_capacity(1)

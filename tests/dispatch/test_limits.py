@@ -152,7 +152,7 @@ def test_d12__ineligible_tenants__the_choice_reads_as_few_rows_as_when_all_are_e
                 tenant=t,
                 task_name=tasks.dispatched.name,
                 task_id=f"id-{t}-{n}",
-                signature="{}",
+                message="{}",
                 not_before=None,
                 weight=None,
                 cap=None,

@@ -118,7 +118,7 @@ def test_d16__the_reap_does_what_celery_would(task: Any, node_alive: bool, back:
 def test_d20__a_numeric_expires__counts_from_delay() -> None:
     set_capacity(0)
     job = job_of(tasks.dispatched.apply_async(("acme",), expires=60).id)
-    expires = loads(job.signature)["options"]["expires"]
+    expires = loads(job.message)["headers"]["expires"]
     assert isinstance(expires, str)
     at = datetime.fromisoformat(expires)
     assert timezone.now() + timedelta(seconds=50) < at < timezone.now() + timedelta(seconds=61)

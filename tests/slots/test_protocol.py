@@ -5,7 +5,7 @@ through ``FairTask.__call__`` as a worker runs a delivered message."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -113,22 +113,25 @@ def test_acquire_reply_lost__the_copy_starts_here_before_the_heartbeat__it_runs(
 
 
 @pytest.fixture
-def committed_at_publish() -> Iterator[Callable[[Callable[[], object]], list[bool]]]:
-    """``committed_at_publish(check)`` runs ``check`` from another connection at each
-    publish and returns the list of its answers. Another connection sees only what is
-    committed, as a worker does; a check that waits on a row lock held across the publish
-    fails the test."""
+def committed_at_publish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Callable[[Callable[[], object]], list[bool]]:
+    """``committed_at_publish(check)`` runs ``check`` from another connection each time a
+    message goes to the broker (kombu's ``Producer.publish``) and returns the list of its
+    answers. Another connection sees only what is committed, as a worker does; a check
+    that waits on a row lock held across the publish fails the test."""
     import threading
 
     from django.db import connection
+    from kombu.messaging import Producer
 
-    handlers: list[Callable[..., None]] = []
+    checks: list[tuple[Callable[[], object], list[bool]]] = []
+    real = Producer.publish
 
-    def start(check: Callable[[], object]) -> list[bool]:
-        seen: list[bool] = []
+    def publish(self: Any, body: Any, *args: Any, **kwargs: Any) -> Any:
+        for check, seen in checks:
 
-        def on_publish(sender: Any = None, **kwargs: Any) -> None:
-            def look() -> None:
+            def look(check: Callable[[], object] = check, seen: list[bool] = seen) -> None:
                 try:
                     seen.append(bool(check()))
                 finally:
@@ -138,14 +141,16 @@ def committed_at_publish() -> Iterator[Callable[[Callable[[], object]], list[boo
             thread.start()
             thread.join(10)
             assert not thread.is_alive(), "a row lock was held across the publish"
+        return real(self, body, *args, **kwargs)
 
-        before_task_publish.connect(on_publish, weak=False)
-        handlers.append(on_publish)
+    monkeypatch.setattr(Producer, "publish", publish)
+
+    def start(check: Callable[[], object]) -> list[bool]:
+        seen: list[bool] = []
+        checks.append((check, seen))
         return seen
 
-    yield start
-    for handler in handlers:
-        before_task_publish.disconnect(handler)
+    return start
 
 
 def test_limit_raised_inside_atomic__wake_up_published_after_the_commit(

@@ -263,7 +263,7 @@ class Command(BaseCommand):
     def _job(self, tenant: str = "acme") -> Job:
         return Job(
             queue=QUEUE, tenant=tenant, task_name="bench.costs", task_id=str(uuid.uuid4()),
-            signature="{}", not_before=None, weight=None, cap=None,
+            message="{}", not_before=None, weight=None, cap=None,
         )  # fmt: skip
 
     def _enqueue(self, i: int) -> None:
@@ -279,7 +279,7 @@ class Command(BaseCommand):
         job = self._job()
         return {
             "queue": queue, "tenant": job.tenant, "task_name": job.task_name,
-            "task_id": job.task_id, "signature": job.signature, "not_before": None,
+            "task_id": job.task_id, "message": job.message, "not_before": None,
             "delay": 0.0, "weight": None, "cap": None, "on_loss": 0,
         }  # fmt: skip
 

@@ -38,7 +38,7 @@ FILL = (
     # Room for one job at a time: every cycle dispatches exactly one.
     "INSERT INTO fair_jobs_dispatchqueue (queue, capacity, slack, nodes, updated_at) "
     "VALUES (%(queue)s, 1, 0, 1, now())",
-    "INSERT INTO fair_jobs_dispatchjob (queue, tenant, task_name, task_id, signature, state, "
+    "INSERT INTO fair_jobs_dispatchjob (queue, tenant, task_name, task_id, message, state, "
     "enqueued_at, publish_failures, republished, on_loss) "
     "SELECT %(queue)s, 'tenant-' || (i %% %(tenants)s), 'bench.dispatch_job', "
     "md5(i::text), '{}', 1, now(), 0, 0, 0 FROM generate_series(1, %(jobs)s) AS i",

@@ -46,7 +46,7 @@ FILL_QUEUE = (
     "VALUES (%(queue)s, %(capacity)s, 0, 1, now())"
 )
 FILL_JOBS = (
-    "INSERT INTO fair_jobs_dispatchjob (queue, tenant, task_name, task_id, signature, state, "
+    "INSERT INTO fair_jobs_dispatchjob (queue, tenant, task_name, task_id, message, state, "
     "enqueued_at, publish_failures, republished, on_loss) "
     "SELECT %(queue)s, %(queue)s || '-t' || (i %% %(tenants)s), 'bench', md5(%(queue)s || i), "
     "'{}', 1, now(), 0, 0, 0 FROM generate_series(1, %(jobs)s) AS i"

@@ -178,7 +178,7 @@ FILL = [
     # A waiting job per tenant (the dispatched jobs' admin page lists them).
     f"""
     INSERT INTO fair_jobs_dispatchjob
-           (queue, tenant, task_name, task_id, signature, state, enqueued_at,
+           (queue, tenant, task_name, task_id, message, state, enqueued_at,
             publish_failures, republished, on_loss)
     SELECT %(queue)s, {TENANT.format("i")}, 'load.dispatched', 'disp-' || i, '{{}}', 1, now(),
            0, 0, 0

@@ -68,7 +68,7 @@ def _fill_scale(tenants: int, per_tenant: int) -> None:
     )  # fmt: skip
     jobs = DispatchJob.objects.bulk_create(
         [DispatchJob(queue="bench.lines", tenant=f"t{i:05d}", task_name="bench",
-                     task_id=f"d-{i}-{n}", signature="{}", state=WAITING)
+                     task_id=f"d-{i}-{n}", message="{}", state=WAITING)
          for i in range(tenants) for n in range(per_tenant)],
         batch_size=5000,
     )  # fmt: skip

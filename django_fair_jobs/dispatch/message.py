@@ -1,0 +1,176 @@
+"""A dispatched job's message, built once at ``delay()`` and published as stored.
+
+At ``delay()`` Celery builds the job's message as it would for a plain publish (its
+``send_task``: routing, lineage, headers, time limits, the publish signals), but the
+producer it is handed records the message instead of sending it: :func:`build` returns
+it as JSON, stored in the job's row. When the job is dispatched, :func:`send` publishes
+that message through a real producer with the mark that names the row, without building
+it again (issue of cost: building a message took as long as sending it). Several jobs
+dispatched together share one producer.
+
+What is recorded: the body (arguments, keyword arguments, callbacks), the headers and
+properties, the exchange and routing key, the queue to declare, the serializer and
+compression. Celery's ``before_task_publish`` and ``after_task_publish`` signals are sent
+at ``delay()``, when the message is built, as for any ``delay()``; a ``task-sent`` event
+is sent when the job is published, with the queue it goes to.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, cast
+
+from celery.app.task import Task as CeleryTask
+from kombu.utils.json import dumps, loads
+
+from django_fair_jobs import headers as fair_headers
+
+if TYPE_CHECKING:
+    from celery import Celery, Task
+
+PUBLISH_KEYS = (
+    "exchange", "routing_key", "serializer", "compression", "delivery_mode", "headers",
+    "timeout", "confirm_timeout", "retry",
+)  # fmt: skip
+"""The keyword arguments of the recorded publish that are stored as they are; ``declare``
+is stored as queue names, ``retry_policy`` when it holds only JSON, the rest as the
+message's properties (reply-to, correlation id, priority, expiration)."""
+
+
+class _Connection:
+    """What Celery asks of a producer's connection while it builds a message."""
+
+    recoverable_connection_errors: tuple[type[BaseException], ...] = ()
+    connection_errors: tuple[type[BaseException], ...] = ()
+    channel_errors: tuple[type[BaseException], ...] = ()
+
+    def _reraise_as_library_errors(self) -> nullcontext[None]:
+        return nullcontext()
+
+
+class _Recorder:
+    """A producer that records the first message published through it and sends nothing:
+    the job's message. Its ``channel`` is a real one, taken from the app's pool when asked
+    for: the ``rpc://`` result backend declares the caller's reply queue on it at
+    ``delay()``, as for any publish."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self.connection = _Connection()
+        self.serializer: str | None = None
+        self.message: tuple[Any, dict[str, Any]] | None = None
+        self.real: Any = None
+
+    @property
+    def channel(self) -> Any:
+        if self.real is None:
+            self.real = self.app.producer_pool.acquire(block=True)
+        return self.real.channel
+
+    def publish(self, body: Any, **kwargs: Any) -> None:
+        if self.message is None:
+            self.message = (body, kwargs)
+
+    def release(self) -> None:
+        """Give the real producer back to the pool, if one was taken."""
+        if self.real is not None:
+            self.real.release()
+            self.real = None
+
+
+class _Events:
+    """An event dispatcher that keeps the ``task-sent`` event's fields for :func:`send`."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, Any] | None = None
+
+    def publish(self, type: str, fields: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if type == "task-sent":
+            self.sent = {k: v for k, v in fields.items() if k not in ("queue", "exchange")}
+
+
+def build(task: Task[Any, Any], args: Any, kwargs: Any, options: dict[str, Any]) -> str:
+    """The message Celery would publish for ``task`` with ``args``, ``kwargs`` and the
+    publish ``options`` now (``task_id`` among them; no countdown or ETA: the job's row
+    keeps its due time), as JSON. Raises ``ValueError`` when part of it cannot be stored
+    as JSON, and what Celery raises for options it refuses."""
+    recorder, events = _Recorder(task.app), _Events()
+    # Celery's own apply_async, not a FairTask's (which would hold the job again); its
+    # send_task passes the options it does not know on to the message's publish.
+    extra: dict[str, Any] = {"add_to_parent": False, "event_dispatcher": events}
+    try:
+        CeleryTask.apply_async(
+            task, args, kwargs, producer=cast(Any, recorder), **{**options, **extra}
+        )
+    finally:
+        recorder.release()
+    if recorder.message is None:  # pragma: no cover - Celery always publishes once
+        raise ValueError("Celery built no message")
+    body, publish = recorder.message
+    stored: dict[str, Any] = {key: publish[key] for key in PUBLISH_KEYS if key in publish}
+    exchange = stored.get("exchange")
+    if exchange is not None and not isinstance(exchange, str):
+        stored["exchange"] = exchange.name
+    stored["declare"] = [q.name for q in publish.get("declare") or () if hasattr(q, "bindings")]
+    try:
+        dumps(publish.get("retry_policy"))
+        stored["retry_policy"] = publish.get("retry_policy")
+    except (TypeError, ValueError):
+        pass  # it names exception classes: the app's policy applies when it is sent
+    skip = {*PUBLISH_KEYS, "declare", "retry_policy"}
+    stored["properties"] = {k: v for k, v in publish.items() if k not in skip}
+    stored["body"] = body
+    stored["sent_event"] = events.sent
+    try:
+        return str(dumps(stored))
+    except TypeError as exc:  # an argument, header or option JSON cannot hold
+        raise ValueError(str(exc)) from None
+
+
+def task_of(stored: str) -> tuple[str, Any, Any]:
+    """The task name, arguments and keyword arguments of a stored message."""
+    message = loads(stored)
+    args, kwargs = message["body"][0], message["body"][1]
+    return message["headers"]["task"], args, kwargs
+
+
+def send(app: Celery, producer: Any, stored: str, job_id: int) -> None:
+    """Publish the stored message of the job whose row is ``job_id`` through
+    ``producer``, with the mark that names that row. Raises what the broker raises."""
+    message = loads(stored)
+    headers = dict(message["headers"])
+    headers[fair_headers.DISPATCH] = job_id
+    properties = dict(message["properties"])
+    expires = headers.get("expires")
+    if expires and "expiration" in properties:
+        # The broker's time to live counts from now: the job waited in its line.
+        left = datetime.fromisoformat(expires).timestamp() - app.now().timestamp()
+        properties["expiration"] = max(left, 0.0)
+    queues = app.amqp.queues
+    declare = [queues[name] for name in message["declare"]]
+    policy = message.get("retry_policy")
+    producer.publish(
+        message["body"],
+        exchange=message.get("exchange", ""),
+        routing_key=message.get("routing_key"),
+        serializer=message.get("serializer"),
+        compression=message.get("compression"),
+        delivery_mode=message.get("delivery_mode"),
+        headers=headers,
+        declare=declare,
+        retry=message.get("retry", app.conf.task_publish_retry),
+        retry_policy=policy if policy is not None else app.conf.task_publish_retry_policy,
+        timeout=message.get("timeout"),
+        confirm_timeout=message.get("confirm_timeout"),
+        **properties,
+    )
+    sent = message.get("sent_event")
+    if sent is not None:
+        route = {"queue": message["declare"][0] if message["declare"] else None}
+        route["exchange"] = message.get("exchange", "")
+        # A dispatcher that is not enabled publishes through the producer it is given, as
+        # Celery's send_task_message does.
+        app.events.Dispatcher(enabled=False).publish(
+            "task-sent", {**sent, **route, "routing_key": message.get("routing_key")}, producer
+        )

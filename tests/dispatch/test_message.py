@@ -1,0 +1,141 @@
+"""A dispatched job's message is built once, at ``delay()``, as Celery builds a plain
+job's, and published as stored when the job is dispatched (issue: publish without
+rebuilding)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from celery.signals import before_task_publish
+
+from django_fair_jobs import dispatch, headers
+from tests.dispatch.conftest import job_of, set_capacity
+from tests.testapp import tasks
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("engine", "in_process_worker"),
+]
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, dict[str, Any]]]:
+    """What reaches kombu's producer: ``(body, keyword arguments)`` of each publish."""
+    out: list[tuple[Any, dict[str, Any]]] = []
+    monkeypatch.setattr(
+        "kombu.messaging.Producer.publish", lambda self, body, **kw: out.append((body, kw))
+    )
+    return out
+
+
+def test_publish__builds_no_message__sends_the_stored_one(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any, sent: list[Any]
+) -> None:
+    built: list[str] = []
+    create = celery_app.amqp.create_task_message
+
+    def counting(task_id: str, *args: Any, **kwargs: Any) -> Any:
+        built.append(task_id)
+        return create(task_id, *args, **kwargs)
+
+    monkeypatch.setattr(celery_app.amqp, "create_task_message", counting)
+    set_capacity(0)
+    task_id = tasks.dispatched.delay("acme").id
+    assert built == [task_id]  # at delay(), as for a plain job
+    set_capacity(1)
+    assert dispatch.publish(celery_app, dispatch.dispatch("fair")) == 1
+    assert built == [task_id]  # and never again
+    ((body, publish),) = sent
+    assert body[0] == ["acme"]
+    assert publish["headers"]["id"] == task_id
+    assert publish["headers"][headers.TENANT] == "acme"
+    assert publish["headers"][headers.DISPATCH] == job_of(task_id).pk
+    assert publish["routing_key"] == "fair"
+
+
+def test_publish_signals__sent_at_delay_with_the_stored_headers(
+    celery_app: Any, sent: list[Any]
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def receiver(sender: str, headers: dict[str, Any], **kwargs: Any) -> None:
+        headers["traced"] = "at-delay"  # as a tracing library adds its context
+        seen.append(dict(headers))
+
+    before_task_publish.connect(receiver, weak=False)
+    try:
+        set_capacity(0)
+        task_id = tasks.dispatched.delay("acme").id
+        assert [h["id"] for h in seen] == [task_id]
+        set_capacity(1)
+        dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    finally:
+        before_task_publish.disconnect(receiver)
+    assert len(seen) == 1  # not sent again at the publish
+    ((_, publish),) = sent
+    assert publish["headers"]["traced"] == "at-delay"  # what the receiver added is kept
+
+
+def test_expires__the_brokers_time_to_live_counts_from_the_publish(
+    celery_app: Any, sent: list[Any]
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    set_capacity(0)
+    task_id = tasks.dispatched.apply_async(("acme",), expires=60).id
+    row = job_of(task_id)
+    stored = json.loads(row.message)
+    # The job waited 50 s in its line: 10 s are left of its 60.
+    at = timezone.now() + timedelta(seconds=10)
+    stored["headers"]["expires"] = at.isoformat()
+    row.message = json.dumps(stored)
+    row.save(update_fields=["message"])
+    set_capacity(1)
+    dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    ((_, publish),) = sent
+    assert 8 < publish["expiration"] <= 10
+
+
+def test_task_sent_event__sent_when_the_job_is_published(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any, sent: list[Any]
+) -> None:
+    from celery.events.dispatcher import EventDispatcher
+
+    events: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(
+        EventDispatcher,
+        "publish",
+        lambda self, type, fields, *a, **k: events.append((type, fields)),
+    )
+    was = celery_app.conf.task_send_sent_event
+    celery_app.conf.task_send_sent_event = True
+    try:
+        set_capacity(0)
+        task_id = tasks.dispatched.delay("acme").id
+        assert events == []  # nothing is sent while the job waits in its line
+        set_capacity(1)
+        dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    finally:
+        celery_app.conf.task_send_sent_event = was
+    ((kind, fields),) = events
+    assert kind == "task-sent"
+    assert fields["uuid"] == task_id and fields["queue"] == "fair"
+
+
+def test_rpc_result_backend__reply_queue_declared_at_delay__replies_to_the_caller(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any, sent: list[Any]
+) -> None:
+    from celery.backends.rpc import RPCBackend
+
+    # The rpc:// backend declares the caller's reply queue on the producer's channel at
+    # every publish; the job's message must name this process as the one to reply to.
+    monkeypatch.setattr(celery_app._local, "backend", RPCBackend(app=celery_app), raising=False)
+    set_capacity(0)
+    task_id = tasks.dispatched.apply_async(("acme",), ignore_result=False).id
+    stored = json.loads(job_of(task_id).message)
+    assert stored["properties"]["reply_to"] == celery_app.thread_oid
+    assert stored["properties"]["correlation_id"] == task_id
