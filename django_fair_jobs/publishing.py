@@ -147,13 +147,41 @@ def hold_many_for_dispatch(
     return [task.AsyncResult(job.task_id) for job in jobs]
 
 
+class _DispatchAfterCommit:
+    """What runs once the caller's transaction commits: a dispatch of each queue its jobs
+    went to, once per queue however many jobs the transaction stored."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.queues: set[str] = set()
+
+    def __call__(self) -> None:
+        for queue in sorted(self.queues):
+            dispatch.publish(self.app, dispatch.dispatch(queue))
+
+
 def _store_until_commit(task: Task[Any, Any], jobs: list[dispatch.Job]) -> None:
     """Inside the caller's ``atomic()``: write the jobs' rows alone (one statement), and
-    dispatch their queues once the caller's transaction commits."""
+    dispatch their queues once the caller's transaction commits.
+
+    The transaction's first such call registers the dispatch; later ones add their queues
+    to it. It is found among the transaction's commit callbacks, so a savepoint rolled back
+    with it takes it away and the next call registers another: one that survives covers
+    every job stored after it (a savepoint that can still roll it back holds them too)."""
     dispatch.stage(jobs)
     app, alias = task.app, dispatch.alias()
-    for queue in sorted({job.queue for job in jobs}):
-        after_commit(lambda q=queue: dispatch.publish(app, dispatch.dispatch(q)), alias)  # type: ignore[misc]
+    pending = next(
+        (
+            entry[1]
+            for entry in connections[alias].run_on_commit
+            if isinstance(entry[1], _DispatchAfterCommit) and entry[1].app is app
+        ),
+        None,
+    )
+    if pending is None:
+        pending = _DispatchAfterCommit(app)
+        after_commit(pending, alias)
+    pending.queues.update(job.queue for job in jobs)
 
 
 def _dispatch_options(task: Task[Any, Any]) -> dispatch.Options:
