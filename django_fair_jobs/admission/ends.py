@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -393,19 +394,46 @@ def forget_end(job_id: int) -> None:
 
 
 def retry_pending_ends(app: Any) -> int:
-    """End the rows whose end failed earlier in this process; returns how many ended."""
+    """End the rows whose end failed earlier in this process; returns how many ended.
+    The jobs that ran to their end go in one round trip per process
+    (``fair_jobs_dispatch_end_many``), the others (back, later, failed) one at a time."""
     with LEDGER.lock:
         pending = dict(LEDGER.pending_ends)
-    done = 0
+    batches: dict[uuid.UUID, list[int]] = {}
+    singles: list[tuple[list[int], uuid.UUID, dispatch.Outcome]] = []
     for job_id, (process, outcome) in pending.items():
+        if outcome == "end":
+            batches.setdefault(process, []).append(job_id)
+        else:
+            singles.append(([job_id], process, outcome))
+    done = 0
+    for ids, process, outcome in [*((ids, p, "end") for p, ids in batches.items()), *singles]:
         try:
-            ready = dispatch.end(job_id, process, outcome=outcome)
+            if outcome == "end":
+                ready = dispatch.end_many(ids, process)
+            else:
+                ready = dispatch.end(ids[0], process, outcome=outcome)
         except DatabaseError:
             break
         with LEDGER.lock:
-            if LEDGER.pending_ends.get(job_id) == (process, outcome):
-                del LEDGER.pending_ends[job_id]
-            LEDGER.unflushed.discard(job_id)
+            for job_id in ids:
+                if LEDGER.pending_ends.get(job_id) == (process, outcome):
+                    del LEDGER.pending_ends[job_id]
+                LEDGER.unflushed.discard(job_id)
         dispatch.publish(app, ready)
-        done += 1
+        done += len(ids)
     return done
+
+
+def own_thread(
+    current: tuple[int, threading.Thread] | None, target: Callable[[], None], name: str
+) -> tuple[int, threading.Thread]:
+    """``current`` if it is a live thread of this process, else a new daemon thread
+    running ``target``, started (a forked child inherits its parent's ledger entry but
+    not the thread). Called holding the ledger's lock; raises ``RuntimeError`` when no
+    thread can be started."""
+    if current is not None and current[0] == os.getpid() and current[1].is_alive():
+        return current
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return (os.getpid(), thread)

@@ -57,23 +57,13 @@ def hand(app: Any, job_id: int, process: uuid.UUID) -> bool:
         if not LEDGER.flush_in_thread or LEDGER.flusher_stopping:
             return False
         try:
-            _start_thread()
+            LEDGER.flusher = ends.own_thread(LEDGER.flusher, _loop, "fair-jobs-flusher")
         except RuntimeError:  # no thread to be had: the caller ends the job itself
             return False
         LEDGER.ending.append((job_id, process, app))
         LEDGER.unflushed.add(job_id)
     LEDGER.flush_wanted.set()
     return True
-
-
-def _start_thread() -> None:
-    """Start this process's flusher thread if it has none (called holding the lock)."""
-    flusher = LEDGER.flusher
-    if flusher is not None and flusher[0] == os.getpid() and flusher[1].is_alive():
-        return
-    thread = threading.Thread(target=_loop, name="fair-jobs-flusher", daemon=True)
-    LEDGER.flusher = (os.getpid(), thread)
-    thread.start()
 
 
 def _loop() -> None:

@@ -20,8 +20,6 @@ serializes writers, and the keeper would write beside the job's thread).
 from __future__ import annotations
 
 import math
-import os
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,7 +61,7 @@ def keep(grant: Grant, *, tenant: str | None, queue: str, app: Celery | None) ->
     kept = Kept(grant, tenant, queue, time.monotonic() + fair_settings.SLOT_HANDOFF, app)
     with LEDGER.lock:
         try:
-            _start_keeper()
+            LEDGER.keeper = ends.own_thread(LEDGER.keeper, _keep, "fair-jobs-handoff")
         except RuntimeError:  # no thread to be had: nothing would release it in time
             return False
         earlier, LEDGER.kept = LEDGER.kept, kept
@@ -190,17 +188,6 @@ def release_kept() -> None:
     kept = take()
     if kept is not None:
         ends.release(kept.grant, app=kept.app)
-
-
-def _start_keeper() -> None:
-    """Start this process's keeper thread if it has none (called holding the ledger's
-    lock)."""
-    keeper = LEDGER.keeper
-    if keeper is not None and keeper[0] == os.getpid() and keeper[1].is_alive():
-        return
-    thread = threading.Thread(target=_keep, name="fair-jobs-handoff", daemon=True)
-    LEDGER.keeper = (os.getpid(), thread)
-    thread.start()
 
 
 def _keep() -> None:

@@ -4,6 +4,7 @@ to it in one statement, and nothing is lost or run twice meanwhile."""
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -52,6 +53,12 @@ def end_many_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
+def no_thread(current: Any, target: Any, name: str) -> tuple[int, threading.Thread]:
+    """In place of ``ends.own_thread``: no flusher thread starts (the test's own thread
+    stands for it), so whatever is handed waits for :func:`flusher.stop`."""
+    return (os.getpid(), threading.current_thread())
+
+
 def needs_sql() -> None:
     if not runs_sql():
         pytest.skip("the flusher runs on PostgreSQL only; the ORM path's ends are tested below")
@@ -82,7 +89,7 @@ def test_a_copy_delivered_before_the_flush__refused__then_flushed_at_stop(
     set_capacity(1)
     job = job_of(tasks.dispatched.delay("acme").id)
     flusher.start()
-    monkeypatch.setattr(flusher, "_start_thread", lambda: None)  # nothing flushes yet
+    monkeypatch.setattr(ends, "own_thread", no_thread)  # nothing flushes yet
     assert deliver(job) == "ran"
     assert DispatchJob.objects.get(pk=job.pk).state == RUNNING  # its end waits
     assert deliver(job) == "not run"  # a copy here, before the flush: never run twice
@@ -98,7 +105,7 @@ def test_a_retry_under_the_same_task_id__runs_before_the_flush(
     set_capacity(2)
     job = job_of(tasks.dispatched.delay("acme").id)
     flusher.start()
-    monkeypatch.setattr(flusher, "_start_thread", lambda: None)  # nothing flushes yet
+    monkeypatch.setattr(ends, "own_thread", no_thread)  # nothing flushes yet
     assert deliver(job) == "ran"
     # A retry is a new row under the same task id (self.retry() stores one): not a copy.
     tasks.dispatched.apply_async(("acme",), task_id=job.task_id)
@@ -152,3 +159,23 @@ def test_an_end_that_puts_the_job_back__not_handed__done_at_once() -> None:
         deliver(job, tasks.dispatched_rejecting)
     assert LEDGER.ending == [] and LEDGER.flusher is None
     assert DispatchJob.objects.get(pk=job.pk).state != RUNNING
+
+
+def test_pending_ends__retried_in_one_statement_per_process(celery_app: Any) -> None:
+    # After an outage, a process may hold many ends whose flush failed: the heartbeat ends
+    # them together, not one round trip each; an end of another kind goes on its own.
+    set_capacity(5)
+    jobs = [job_of(tasks.dispatched.delay(t).id) for t in ("a", "b", "c", "d")]
+    process = uuid.uuid4()
+    for job in jobs:
+        assert dispatch.start(job.pk, process).status == "started"
+    for job in jobs[:3]:
+        ends.end_later(job.pk, process, outcome="end")
+    ends.end_later(jobs[3].pk, process, outcome="back")
+    with CaptureQueriesContext(connection) as queries:
+        assert admission.retry_pending_ends(celery_app) == 4
+    if runs_sql():  # the ORM store's end_many is several statements of its own
+        assert len(queries) == 2
+    assert not DispatchJob.objects.filter(pk__in=[j.pk for j in jobs[:3]]).exists()
+    assert DispatchJob.objects.get(pk=jobs[3].pk).state != RUNNING
+    assert LEDGER.pending_ends == {}
