@@ -24,6 +24,7 @@ from bench.metrics import (
 )
 from bench.report import (
     IDEAL,
+    IDEAL_AT_PLAIN,
     ModeData,
     aggregate,
     aggregate_table,
@@ -281,6 +282,23 @@ def test_report__ratios_table_json_and_figure(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "r.json").read_text())["recommended"] == "slots"
     write_figure(report, "t", tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report__the_ideal_at_plains_speed__each_job_lasts_plains_gap_longer() -> None:
+    nominal = {i: ("g" if i < 4 else "s", 0.0, 1.0) for i in range(6)}
+    # Plain Celery's one process spends 0.5 s between two jobs: each takes 1.5 s of it.
+    order = [0, 4, 1, 5, 2, 3]
+    plain = [Record(j, nominal[j][0], 0.0, 1.5 * k, 1.5 * k + 1.0, 7) for k, j in enumerate(order)]
+    fair = [Record(j, nominal[j][0], 0.0, 2.0 * k, 2.0 * k + 1.0, 8) for k, j in enumerate(order)]
+    modes = [ModeData("plain", "", 0.0, plain, 0), ModeData("dispatch", "", 0.0, fair, 12)]
+    report = build(modes, nominal, frozenset({"g"}), 1, "plain", "dispatch")
+    s = report["summaries"]
+    assert list(s) == [IDEAL, IDEAL_AT_PLAIN, "plain", "dispatch"]
+    # The same order as the ideal's, every job 1.5 s instead of 1 s: each wait x1.5.
+    assert s[IDEAL_AT_PLAIN]["small_wait_p95"] == pytest.approx(1.5 * s[IDEAL]["small_wait_p95"])
+    assert s["plain"]["small_p95_vs_ideal_at_plain"] == pytest.approx(1.0)
+    assert s["dispatch"]["small_p95_vs_ideal_at_plain"] == pytest.approx(2.0 / 1.5)
+    assert "| ideal at plain's speed |" in table(report)
 
 
 def test_aggregate__median_and_spread_over_runs() -> None:

@@ -161,6 +161,55 @@ def test_fairbench__repeat_weights_and_nodes(tmp_path: Path) -> None:
     assert report["weights"] == {"light": 1.0, "heavy": 3.0}
 
 
+def test_latency_proxy__a_session_through_it_works__each_round_trip_waits_the_delay() -> None:
+    # A lower bound: the delay is what the proxy adds, so this cannot fail on a slow machine.
+    import time
+
+    import psycopg
+
+    from bench.latency import Proxy
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the proxy stands in front of PostgreSQL")
+    s = connection.settings_dict
+    proxy = Proxy(s.get("HOST") or "127.0.0.1", int(s.get("PORT") or 5432), 25.0)
+    dsn = f"host=127.0.0.1 port={proxy.port} dbname={s['NAME']} user={s.get('USER') or 'postgres'}"
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            rows = conn.execute("SELECT generate_series(1, 20000)").fetchall()
+            assert [r[0] for r in rows] == list(range(1, 20001))  # nothing lost or reordered
+            started = time.perf_counter()
+            for _ in range(3):
+                assert conn.execute("SELECT 1").fetchone() == (1,)
+            assert time.perf_counter() - started >= 3 * 2 * 0.025
+    finally:
+        proxy.stop()
+    assert proxy.proc.poll() is not None
+
+
+@pytest.mark.workers
+def test_fairbench__db_latency__every_mode_through_the_proxy(tmp_path: Path) -> None:
+    scenario = tmp_path / "tiny.py"
+    scenario.write_text(TINY)
+    out = tmp_path / "out"
+    result = run_manage(
+        tmp_path, "fairbench", str(scenario), "--modes", "plain,dispatch", "--db-latency-ms",
+        "2", "--output", str(out),
+    )  # fmt: skip
+    if connection.vendor != "postgresql":
+        assert result.returncode != 0
+        assert "--db-latency-ms takes a number of ms >= 0, on PostgreSQL only." in result.stderr
+        return
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "behind a proxy adding 2 ms each way" in result.stdout
+    report = json.loads((out / "tiny.json").read_text())
+    assert report["environment"]["db_latency_ms"] == 2.0
+    for mode in ("plain", "dispatch"):
+        s = report["summaries"][mode]
+        assert (s["completed"], s["lost"], s["run_twice"]) == (18, 0, 0)
+    assert processes_of_run(tmp_path) == []
+
+
 def test_fairbench__refuses_clearly_when_the_broker_is_down(tmp_path: Path) -> None:
     result = run_manage(
         tmp_path, "fairbench", "demo", env={"CELERY_BROKER_URL": "redis://127.0.0.1:9/0"}

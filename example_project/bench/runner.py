@@ -19,12 +19,12 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from django.core.management import call_command
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, connections
 from django.test import override_settings
 
 import bench.tasks  # noqa: F401  (registers the benchmark's tasks in the publisher)
@@ -83,6 +83,39 @@ def describe_database() -> str:
     if connection.vendor == "sqlite":
         return f"SQLite ({s['NAME']})"
     return f"{connection.vendor} ({s.get('HOST') or 'socket'}:{s.get('PORT') or ''}/{s['NAME']})"
+
+
+@contextlib.contextmanager
+def database_latency(delay_ms: float) -> Iterator[None]:
+    """For the block, every new connection to the database (this process's publisher and
+    the worker nodes started in it) goes through a proxy that delays each chunk by
+    ``delay_ms`` each way (:mod:`bench.latency`); nothing changes with 0."""
+    if not delay_ms:
+        yield
+        return
+    if connection.vendor != "postgresql":
+        raise BenchError("--db-latency-ms needs PostgreSQL (DATABASE_URL=postgres://...).")
+    from bench.latency import Proxy
+
+    settings_dict = connection.settings_dict  # the dict every new connection reads
+    host, port = settings_dict.get("HOST") or "127.0.0.1", settings_dict.get("PORT") or 5432
+    proxy = Proxy(host, int(port), delay_ms)
+    url = os.environ.get("DATABASE_URL")
+    user, name = settings_dict.get("USER") or "postgres", settings_dict["NAME"]
+    password = f":{settings_dict['PASSWORD']}" if settings_dict.get("PASSWORD") else ""
+    connections.close_all()
+    settings_dict["HOST"], settings_dict["PORT"] = "127.0.0.1", proxy.port
+    os.environ["DATABASE_URL"] = f"postgres://{user}{password}@127.0.0.1:{proxy.port}/{name}"
+    try:
+        yield
+    finally:
+        connections.close_all()
+        settings_dict["HOST"], settings_dict["PORT"] = host, port
+        if url is None:
+            os.environ.pop("DATABASE_URL", None)
+        else:
+            os.environ["DATABASE_URL"] = url
+        proxy.stop()
 
 
 def describe_broker() -> str:

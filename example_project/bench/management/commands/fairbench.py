@@ -81,6 +81,14 @@ class Command(BaseCommand):
             help="Give up on a mode after this many seconds (default 600).",
         )
         parser.add_argument(
+            "--db-latency-ms",
+            type=float,
+            default=0.0,
+            help="Put PostgreSQL behind a proxy that delays each packet by this many ms each "
+            "way, for every mode, so the run shows what a database across a network costs "
+            "(default 0: no proxy).",
+        )
+        parser.add_argument(
             "--output",
             type=Path,
             default=REPO_DIR / "benchmark-output",
@@ -138,6 +146,11 @@ class Command(BaseCommand):
             f"{len(scenario.jobs)} jobs; {nodes} worker node(s) x {concurrency} "
             f"({options['pool']} pool); tenant limit of fair modes: {limit}."
         )
+        latency = options["db_latency_ms"]
+        if latency < 0 or (latency and not database.startswith("postgresql")):
+            raise CommandError("--db-latency-ms takes a number of ms >= 0, on PostgreSQL only.")
+        if latency:
+            database += f", behind a proxy adding {latency:g} ms each way"
         self.stdout.write(f"Database: {database}. Broker: {broker}.")
         repeat: int = options["repeat"]
         reports: list[dict[str, Any]] = []
@@ -145,9 +158,10 @@ class Command(BaseCommand):
         for i in range(repeat):
             if repeat > 1:
                 self.stdout.write(f"Run {i + 1} of {repeat}")
-            built, results = self._run_once(
-                scenario, modes, concurrency, nodes, limit, options, log_dir
-            )
+            with runner.database_latency(options["db_latency_ms"]):
+                built, results = self._run_once(
+                    scenario, modes, concurrency, nodes, limit, options, log_dir
+                )
             reports.append(built)
             problems += self._problems(built, results)
             if repeat > 1:
@@ -166,6 +180,7 @@ class Command(BaseCommand):
             "environment": {
                 "date": datetime.now(UTC).isoformat(timespec="seconds"),
                 "database": database,
+                "db_latency_ms": options["db_latency_ms"],
                 "broker": broker,
                 "python": platform.python_version(),
                 "django": django.get_version(),
