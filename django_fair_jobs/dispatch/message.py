@@ -148,7 +148,14 @@ def send(app: Celery, producer: Any, stored: str, job_id: int) -> None:
         left = datetime.fromisoformat(expires).timestamp() - app.now().timestamp()
         properties["expiration"] = max(left, 0.0)
     queues = app.amqp.queues
-    declare = [queues[name] for name in message["declare"]]
+    # What this connection declared already goes unsaid: kombu would find it in the same
+    # cache, but only after binding a copy of the queue to the channel at every publish.
+    declared = getattr(producer.connection, "declared_entities", ())
+    declare = [
+        queue
+        for queue in (queues[name] for name in message["declare"])
+        if not (queue.can_cache_declaration and hash(queue) in declared)
+    ]
     policy = message.get("retry_policy")
     producer.publish(
         message["body"],
