@@ -29,6 +29,7 @@ from bench.report import (
     aggregate,
     aggregate_table,
     build,
+    headline,
     ideal_records,
     table,
     write_figure,
@@ -299,6 +300,16 @@ def test_report__the_ideal_at_plains_speed__each_job_lasts_plains_gap_longer() -
     assert s["plain"]["small_p95_vs_ideal_at_plain"] == pytest.approx(1.0)
     assert s["dispatch"]["small_p95_vs_ideal_at_plain"] == pytest.approx(2.0 / 1.5)
     assert "| ideal at plain's speed |" in table(report)
+
+
+def test_headline__a_scenario_without_small_tenants__no_wait_figure() -> None:
+    nominal = {i: ("g", 0.0, 1.0) for i in range(3)}
+    plain = [Record(i, "g", 0.0, float(i), i + 1.0) for i in range(3)]
+    fair = [Record(i, "g", 0.0, 2.0 * i, 2.0 * i + 1.0) for i in range(3)]
+    modes = [ModeData("plain", "", 0.0, plain, 0), ModeData("dispatch", "", 0.0, fair, 9)]
+    text = headline(build(modes, nominal, frozenset({"g"}), 1, "plain", "dispatch"))
+    assert text.startswith("Headline (dispatch): makespan 1.67x of plain Celery; ")
+    assert "n/a" not in text and "wait" not in text
 
 
 def test_aggregate__median_and_spread_over_runs() -> None:

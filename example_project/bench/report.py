@@ -193,10 +193,14 @@ def headline(report: dict[str, Any]) -> str:
         if s.get("share_error") is not None
         else ""
     )
+    wait = (
+        f"small-tenant p95 wait {_f(s['small_p95_vs_ideal'], 'x')} of the ideal; "
+        if s["small_p95_vs_ideal"] is not None
+        else ""
+    )
     return (
-        f"Headline ({name}): small-tenant p95 wait {_f(s['small_p95_vs_ideal'], 'x')} of the "
-        f"ideal; makespan {_f(s['makespan_vs_plain'], 'x')} of plain Celery; throughput "
-        f"{_f(s['throughput_vs_plain'], 'x')} of plain Celery.{shares}"
+        f"Headline ({name}): {wait}makespan {_f(s['makespan_vs_plain'], 'x')} of plain "
+        f"Celery; throughput {_f(s['throughput_vs_plain'], 'x')} of plain Celery.{shares}"
     )
 
 

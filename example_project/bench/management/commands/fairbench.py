@@ -309,10 +309,13 @@ def _median_headline(aggregated: dict[str, dict[str, Any]]) -> str:
     if a is None:
         return "The recommended mode did not run; no headline."
     parts = [
-        f"small-tenant p95 wait {report.median_of(a, 'small_p95_vs_ideal')}x of the ideal",
         f"makespan {report.median_of(a, 'makespan_vs_plain')}x of plain Celery",
         f"throughput {report.median_of(a, 'throughput_vs_plain')}x of plain Celery",
     ]
+    if a["small_p95_vs_ideal"] is not None:  # a scenario with small tenants
+        parts.insert(
+            0, f"small-tenant p95 wait {report.median_of(a, 'small_p95_vs_ideal')}x of the ideal"
+        )
     if a["share_error"] is not None:
         parts.append(f"shares within {a['share_error']['median']:.1%} of the weights")
     return f"Headline ({RECOMMENDED}, median of {a['runs']} runs): " + "; ".join(parts) + "."
