@@ -154,8 +154,12 @@ class _DispatchAfterCommit:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.queues: set[str] = set()
+        self.done = False
 
     def __call__(self) -> None:
+        # Django's captureOnCommitCallbacks runs it and leaves it in the transaction's
+        # list: the jobs stored after that need one of their own.
+        self.done = True
         for queue in sorted(self.queues):
             dispatch.publish(self.app, dispatch.dispatch(queue))
 
@@ -174,7 +178,9 @@ def _store_until_commit(task: Task[Any, Any], jobs: list[dispatch.Job]) -> None:
         (
             entry[1]
             for entry in connections[alias].run_on_commit
-            if isinstance(entry[1], _DispatchAfterCommit) and entry[1].app is app
+            if isinstance(entry[1], _DispatchAfterCommit)
+            and entry[1].app is app
+            and not entry[1].done
         ),
         None,
     )

@@ -13,9 +13,13 @@ runs again, where plain Celery, which acknowledged it when it returned, would no
 its end is committed, the job's row id is kept (``Ledger.unflushed``), so a copy of it
 delivered to this process is refused, never run again.
 
-Only in worker processes on PostgreSQL (:func:`start`, when a pool process starts): on
-SQLite, whose writers are serialized, the thread would write beside the job's thread, and
-a job run in-process (tests, ``apply()``) ends in its own thread as before. At shutdown the
+Only in worker processes (:func:`start`, when a pool process starts). On SQLite only with
+``transaction_mode = "IMMEDIATE"`` (as ``RECOMMENDED_SQLITE_OPTIONS`` sets): the thread's
+transaction and the job thread's next start then queue for the database's one write lock
+in turn, which costs the job less than the end's statements did; in SQLite's default mode
+two such transactions can both fail with "database is locked" instead, so there the job
+ends its own row as before. A job run in-process (tests, ``apply()``) ends in its own
+thread too. At shutdown the
 thread flushes what it holds and stops (:func:`stop`); an end whose flush failed is kept
 with the process's pending ends and tried again at each heartbeat.
 """
@@ -30,23 +34,41 @@ from typing import Any
 
 from django.db import DatabaseError, connections
 
-from django_fair_jobs import db, dispatch
+from django_fair_jobs import dispatch
 from django_fair_jobs.admission import ends
 from django_fair_jobs.admission.ends import LEDGER
 
 logger = logging.getLogger("django_fair_jobs.admission")
 
 STOP_TIMEOUT = 10.0
-"""Seconds :func:`stop` waits for a flush under way (its statement's lock_timeout is 2 s)."""
+"""Seconds :func:`stop` waits for a flush under way on PostgreSQL (its statement's
+lock_timeout is 2 s); on SQLite, 5 s more than the connection's busy timeout."""
 
 
 def start() -> None:
-    """Send this worker process's jobs' ends to a flusher thread from now on (PostgreSQL
-    only; see the module's docstring)."""
-    enabled = db.uses_sql(dispatch.alias())
+    """Send this worker process's jobs' ends to a flusher thread from now on, where the
+    database allows it (see the module's docstring)."""
+    options = _sqlite_options()
+    enabled = options is None or options.get("transaction_mode") == "IMMEDIATE"
     with LEDGER.lock:
         LEDGER.flush_in_thread = enabled
         LEDGER.flusher_stopping = False
+
+
+def _sqlite_options() -> dict[str, Any] | None:
+    """The ``OPTIONS`` of the lines' database if it is SQLite, else None."""
+    connection = connections[dispatch.alias()]
+    if connection.vendor != "sqlite":
+        return None
+    options: dict[str, Any] = connection.settings_dict.get("OPTIONS") or {}
+    return options
+
+
+def _stop_timeout() -> float:
+    options = _sqlite_options()
+    if options is None:
+        return STOP_TIMEOUT
+    return float(options.get("timeout", 5)) + 5.0
 
 
 def hand(app: Any, job_id: int, process: uuid.UUID) -> bool:
@@ -119,10 +141,11 @@ def _drop_connections() -> None:
         logger.debug("A broken connection could not be closed", exc_info=True)
 
 
-def stop(timeout: float = STOP_TIMEOUT) -> int:
+def stop(timeout: float | None = None) -> int:
     """This process shuts down: the flusher flushes what it holds and ends (waiting up to
-    ``timeout`` seconds), and whatever is left is flushed here. Returns how many ends were
-    flushed here."""
+    ``timeout`` seconds, by default :data:`STOP_TIMEOUT` or SQLite's busy timeout and 5),
+    and whatever is left is flushed here. Returns how many ends were flushed here."""
+    timeout = _stop_timeout() if timeout is None else timeout
     with LEDGER.lock:
         LEDGER.flusher_stopping = True
         flusher = LEDGER.flusher

@@ -203,7 +203,7 @@ def prepare(
         # Built now, as Celery would for a plain publish (lineage, priority, headers,
         # routing): it is published as stored when the job is dispatched.
         stored = message.build(task, args, kwargs, {**publish_options, "task_id": task_id})
-    except ValueError as exc:
+    except message.Unstorable as exc:
         raise DispatchError(
             f"{task.name}: the job cannot wait in its tenant's line as JSON ({exc}); pass "
             "arguments, headers and options that JSON can hold."

@@ -17,8 +17,9 @@ is sent when the job is published, with the queue it goes to.
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from celery.app.task import Task as CeleryTask
@@ -31,10 +32,10 @@ if TYPE_CHECKING:
 
 PUBLISH_KEYS = (
     "exchange", "routing_key", "serializer", "compression", "delivery_mode", "headers",
-    "timeout", "confirm_timeout", "retry",
+    "timeout", "confirm_timeout",
 )  # fmt: skip
 """The keyword arguments of the recorded publish that are stored as they are; ``declare``
-is stored as queue names, ``retry_policy`` when it holds only JSON, the rest as the
+is stored as queue names, the retry settings as the caller gave them, the rest as the
 message's properties (reply-to, correlation id, priority, expiration)."""
 
 
@@ -51,9 +52,11 @@ class _Connection:
 
 class _Recorder:
     """A producer that records the first message published through it and sends nothing:
-    the job's message. Its ``channel`` is a real one, taken from the app's pool when asked
-    for: the ``rpc://`` result backend declares the caller's reply queue on it at
-    ``delay()``, as for any publish."""
+    the job's message. Its ``channel`` is a real one, on a connection of its own opened
+    when asked for: the ``rpc://`` result backend declares the caller's reply queue on it
+    at ``delay()``, as for any publish. (Not one of the app's pooled producers: a caller
+    such as a group holds one already, and a thread waiting for a second could wait for
+    ever once the pool is exhausted.)"""
 
     def __init__(self, app: Celery) -> None:
         self.app = app
@@ -65,15 +68,15 @@ class _Recorder:
     @property
     def channel(self) -> Any:
         if self.real is None:
-            self.real = self.app.producer_pool.acquire(block=True)
-        return self.real.channel
+            self.real = self.app.connection_for_write()
+        return self.real.default_channel
 
     def publish(self, body: Any, **kwargs: Any) -> None:
         if self.message is None:
             self.message = (body, kwargs)
 
     def release(self) -> None:
-        """Give the real producer back to the pool, if one was taken."""
+        """Close the connection of :attr:`channel`, if one was opened."""
         if self.real is not None:
             self.real.release()
             self.real = None
@@ -90,49 +93,54 @@ class _Events:
             self.sent = {k: v for k, v in fields.items() if k not in ("queue", "exchange")}
 
 
+class Unstorable(ValueError):
+    """Part of a job's message cannot be stored as JSON."""
+
+
+NOT_RECORDED = ("connection", "publisher", "producer", "retry", "retry_policy")
+"""Options not handed to Celery when the message is built: a connection, publisher or
+producer of the caller's would send it at once, and the retry settings apply when it is
+sent (the caller's own are stored apart)."""
+
+
 def build(task: Task[Any, Any], args: Any, kwargs: Any, options: dict[str, Any]) -> str:
     """The message Celery would publish for ``task`` with ``args``, ``kwargs`` and the
     publish ``options`` now (``task_id`` among them; no countdown or ETA: the job's row
-    keeps its due time), as JSON. Raises ``ValueError`` when part of it cannot be stored
-    as JSON, and what Celery raises for options it refuses."""
+    keeps its due time), as JSON. Raises :class:`Unstorable` when part of it cannot be
+    stored as JSON, and what Celery raises for options it refuses."""
     recorder, events = _Recorder(task.app), _Events()
     # Celery's own apply_async, not a FairTask's (which would hold the job again); its
     # send_task passes the options it does not know on to the message's publish.
+    given = {k: v for k, v in options.items() if k not in NOT_RECORDED}
     extra: dict[str, Any] = {"add_to_parent": False, "event_dispatcher": events}
     try:
         CeleryTask.apply_async(
-            task, args, kwargs, producer=cast(Any, recorder), **{**options, **extra}
+            task, args, kwargs, producer=cast(Any, recorder), **{**given, **extra}
         )
     finally:
         recorder.release()
     if recorder.message is None:  # pragma: no cover - Celery always publishes once
-        raise ValueError("Celery built no message")
+        raise Unstorable("Celery built no message")
     body, publish = recorder.message
     stored: dict[str, Any] = {key: publish[key] for key in PUBLISH_KEYS if key in publish}
     exchange = stored.get("exchange")
     if exchange is not None and not isinstance(exchange, str):
         stored["exchange"] = exchange.name
-    stored["declare"] = [q.name for q in publish.get("declare") or () if hasattr(q, "bindings")]
-    try:
-        dumps(publish.get("retry_policy"))
-        stored["retry_policy"] = publish.get("retry_policy")
-    except (TypeError, ValueError):
-        pass  # it names exception classes: the app's policy applies when it is sent
-    skip = {*PUBLISH_KEYS, "declare", "retry_policy"}
+    declared = [q for q in publish.get("declare") or () if hasattr(q, "bindings")]
+    stored["declare"] = [q.name for q in declared]
+    # The queue a task-sent event names, as Celery's send_task_message gives it.
+    stored["queue"] = declared[0].name if declared else publish.get("routing_key")
+    # Only the caller's own retry settings; the app's apply when the job is sent.
+    stored["retry"] = options.get("retry")
+    stored["retry_policy"] = options.get("retry_policy")
+    skip = {*PUBLISH_KEYS, "declare", "retry", "retry_policy"}
     stored["properties"] = {k: v for k, v in publish.items() if k not in skip}
     stored["body"] = body
     stored["sent_event"] = events.sent
     try:
         return str(dumps(stored))
     except TypeError as exc:  # an argument, header or option JSON cannot hold
-        raise ValueError(str(exc)) from None
-
-
-def task_of(stored: str) -> tuple[str, Any, Any]:
-    """The task name, arguments and keyword arguments of a stored message."""
-    message = loads(stored)
-    args, kwargs = message["body"][0], message["body"][1]
-    return message["headers"]["task"], args, kwargs
+        raise Unstorable(str(exc)) from None
 
 
 def send(app: Celery, producer: Any, stored: str, job_id: int) -> None:
@@ -144,9 +152,11 @@ def send(app: Celery, producer: Any, stored: str, job_id: int) -> None:
     properties = dict(message["properties"])
     expires = headers.get("expires")
     if expires and "expiration" in properties:
-        # The broker's time to live counts from now: the job waited in its line.
-        left = datetime.fromisoformat(expires).timestamp() - app.now().timestamp()
-        properties["expiration"] = max(left, 0.0)
+        # The broker's time to live counts from now: the job waited in its line. Celery
+        # writes an aware time; a naive one is read as UTC, as Celery reads it.
+        at = datetime.fromisoformat(expires)
+        at = at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+        properties["expiration"] = max(at.timestamp() - time.time(), 0.0)
     queues = app.amqp.queues
     # What this connection declared already goes unsaid: kombu would find it in the same
     # cache, but only after binding a copy of the queue to the channel at every publish.
@@ -156,7 +166,8 @@ def send(app: Celery, producer: Any, stored: str, job_id: int) -> None:
         for queue in (queues[name] for name in message["declare"])
         if not (queue.can_cache_declaration and hash(queue) in declared)
     ]
-    policy = message.get("retry_policy")
+    retry, policy = message.get("retry"), message.get("retry_policy")
+    default_policy = app.conf.task_publish_retry_policy
     producer.publish(
         message["body"],
         exchange=message.get("exchange", ""),
@@ -166,18 +177,17 @@ def send(app: Celery, producer: Any, stored: str, job_id: int) -> None:
         delivery_mode=message.get("delivery_mode"),
         headers=headers,
         declare=declare,
-        retry=message.get("retry", app.conf.task_publish_retry),
-        retry_policy=policy if policy is not None else app.conf.task_publish_retry_policy,
+        retry=app.conf.task_publish_retry if retry is None else retry,
+        retry_policy=default_policy if policy is None else {**default_policy, **policy},
         timeout=message.get("timeout"),
         confirm_timeout=message.get("confirm_timeout"),
         **properties,
     )
     sent = message.get("sent_event")
     if sent is not None:
-        route = {"queue": message["declare"][0] if message["declare"] else None}
-        route["exchange"] = message.get("exchange", "")
-        # A dispatcher that is not enabled publishes through the producer it is given, as
-        # Celery's send_task_message does.
-        app.events.Dispatcher(enabled=False).publish(
+        route = {"queue": message.get("queue"), "exchange": message.get("exchange", "")}
+        # Celery's own dispatcher (not enabled: it publishes through the producer given),
+        # as its send_task_message uses.
+        cast(Any, app.amqp)._event_dispatcher.publish(
             "task-sent", {**sent, **route, "routing_key": message.get("routing_key")}, producer
         )

@@ -95,17 +95,23 @@ def database_latency(delay_ms: float) -> Iterator[None]:
         return
     if connection.vendor != "postgresql":
         raise BenchError("--db-latency-ms needs PostgreSQL (DATABASE_URL=postgres://...).")
+    from urllib.parse import quote
+
     from bench.latency import Proxy
 
     settings_dict = connection.settings_dict  # the dict every new connection reads
     host, port = settings_dict.get("HOST") or "127.0.0.1", settings_dict.get("PORT") or 5432
+    if str(host).startswith("/"):
+        raise BenchError("--db-latency-ms needs PostgreSQL over TCP, not a Unix socket.")
     proxy = Proxy(host, int(port), delay_ms)
     url = os.environ.get("DATABASE_URL")
-    user, name = settings_dict.get("USER") or "postgres", settings_dict["NAME"]
-    password = f":{settings_dict['PASSWORD']}" if settings_dict.get("PASSWORD") else ""
+    user = quote(settings_dict.get("USER") or "postgres", safe="")
+    password = quote(settings_dict.get("PASSWORD") or "", safe="")
+    name = quote(settings_dict["NAME"], safe="")
     connections.close_all()
     settings_dict["HOST"], settings_dict["PORT"] = "127.0.0.1", proxy.port
-    os.environ["DATABASE_URL"] = f"postgres://{user}{password}@127.0.0.1:{proxy.port}/{name}"
+    login = f"{user}:{password}" if password else user
+    os.environ["DATABASE_URL"] = f"postgres://{login}@127.0.0.1:{proxy.port}/{name}"
     try:
         yield
     finally:

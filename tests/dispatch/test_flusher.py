@@ -61,7 +61,7 @@ def no_thread(current: Any, target: Any, name: str) -> tuple[int, threading.Thre
 
 def needs_sql() -> None:
     if not runs_sql():
-        pytest.skip("the flusher runs on PostgreSQL only; the ORM path's ends are tested below")
+        pytest.skip("statement counts are the PostgreSQL store's; the ORM's are several")
 
 
 def test_end__handed_to_the_flusher_thread__which_ends_it_and_dispatches_the_room(
@@ -75,17 +75,12 @@ def test_end__handed_to_the_flusher_thread__which_ends_it_and_dispatches_the_roo
     flusher.stop()  # waits for the thread's flush
     assert not DispatchJob.objects.filter(pk=first.pk).exists()
     assert collected == [first.pk, second.pk]  # the flush dispatched the room it left
-    if runs_sql():
-        assert end_many_threads == ["fair-jobs-flusher"]
-    else:  # SQLite and the ORM path: the job ended in its own thread, as before
-        assert end_many_threads == []
-        assert LEDGER.flusher is None
+    assert end_many_threads == ["fair-jobs-flusher"]  # on every database
 
 
 def test_a_copy_delivered_before_the_flush__refused__then_flushed_at_stop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    needs_sql()
     set_capacity(1)
     job = job_of(tasks.dispatched.delay("acme").id)
     flusher.start()
@@ -101,7 +96,6 @@ def test_a_copy_delivered_before_the_flush__refused__then_flushed_at_stop(
 def test_a_retry_under_the_same_task_id__runs_before_the_flush(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    needs_sql()
     set_capacity(2)
     job = job_of(tasks.dispatched.delay("acme").id)
     flusher.start()
@@ -131,7 +125,6 @@ def test_flush__many_ends__one_statement(collected: list[int]) -> None:
 def test_a_flush_that_fails__kept__ended_at_the_next_heartbeat(
     monkeypatch: pytest.MonkeyPatch, celery_app: Any
 ) -> None:
-    needs_sql()
     set_capacity(1)
     job = job_of(tasks.dispatched.delay("acme").id)
     real = dispatch.end_many
@@ -151,7 +144,6 @@ def test_a_flush_that_fails__kept__ended_at_the_next_heartbeat(
 
 
 def test_an_end_that_puts_the_job_back__not_handed__done_at_once() -> None:
-    needs_sql()
     set_capacity(1)
     job = job_of(tasks.dispatched_rejecting.delay("acme").id)
     flusher.start()
@@ -179,3 +171,20 @@ def test_pending_ends__retried_in_one_statement_per_process(celery_app: Any) -> 
     assert not DispatchJob.objects.filter(pk__in=[j.pk for j in jobs[:3]]).exists()
     assert DispatchJob.objects.get(pk=jobs[3].pk).state != RUNNING
     assert LEDGER.pending_ends == {}
+
+
+@pytest.mark.parametrize(
+    ("options", "enabled", "stop_after"),
+    [
+        (None, True, flusher.STOP_TIMEOUT),  # PostgreSQL
+        ({"transaction_mode": "IMMEDIATE", "timeout": 30}, True, 35.0),
+        ({}, False, 10.0),  # SQLite's default: two writers could both fail to lock
+    ],
+)
+def test_start__on_sqlite_only_with_immediate_transactions(
+    monkeypatch: pytest.MonkeyPatch, options: Any, enabled: bool, stop_after: float
+) -> None:
+    monkeypatch.setattr(flusher, "_sqlite_options", lambda: options)
+    flusher.start()
+    assert LEDGER.flush_in_thread is enabled
+    assert flusher._stop_timeout() == stop_after

@@ -5,6 +5,7 @@ rebuilding)."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
@@ -139,3 +140,67 @@ def test_rpc_result_backend__reply_queue_declared_at_delay__replies_to_the_calle
     stored = json.loads(job_of(task_id).message)
     assert stored["properties"]["reply_to"] == celery_app.thread_oid
     assert stored["properties"]["correlation_id"] == task_id
+
+
+def test_a_connection_given_to_delay__nothing_sent_until_the_job_is_dispatched(
+    celery_app: Any, sent: list[Any]
+) -> None:
+    set_capacity(0)
+    with celery_app.connection_for_write() as connection:
+        task_id = tasks.dispatched.apply_async(("acme",), connection=connection).id
+    assert sent == []  # Celery's send_task would have made a producer of it and sent it
+    set_capacity(1)
+    dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    ((_, publish),) = sent
+    assert publish["headers"]["id"] == task_id
+
+
+def test_retry__the_callers_own__else_the_apps_when_the_job_is_sent(
+    celery_app: Any, sent: list[Any]
+) -> None:
+    from celery.app import amqp
+
+    callback = getattr(amqp, "_callback_publish_retry", None)
+    set_capacity(0)
+    token = callback.set(True) if callback is not None else None
+    try:  # as Celery publishes a link or chord callback from a worker (Celery 5.7)
+        default = tasks.dispatched.delay("acme").id
+    finally:
+        if token is not None:
+            callback.reset(token)  # type: ignore[union-attr]
+    refused = tasks.dispatched.apply_async(("acme",), retry=False).id
+    set_capacity(2)
+    dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    by_id = {kw["headers"]["id"]: kw for _, kw in sent}
+    assert by_id[default]["retry"] is celery_app.conf.task_publish_retry
+    assert by_id[default]["retry_policy"] == celery_app.conf.task_publish_retry_policy
+    assert by_id[refused]["retry"] is False
+
+
+def test_expires_written_naive__read_as_utc_whatever_the_machines_zone(
+    celery_app: Any, sent: list[Any]
+) -> None:
+    import time
+    from datetime import UTC, datetime, timedelta
+
+    set_capacity(0)
+    row = job_of(tasks.dispatched.apply_async(("acme",), expires=60).id)
+    stored = json.loads(row.message)
+    naive = datetime.now(UTC).replace(tzinfo=None) + timedelta(seconds=10)
+    stored["headers"]["expires"] = naive.isoformat()
+    row.message = json.dumps(stored)
+    row.save(update_fields=["message"])
+    zone = os.environ.get("TZ")
+    os.environ["TZ"] = "America/New_York"  # five hours behind UTC
+    time.tzset()
+    try:
+        set_capacity(1)
+        dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    finally:
+        if zone is None:
+            del os.environ["TZ"]
+        else:
+            os.environ["TZ"] = zone
+        time.tzset()
+    ((_, publish),) = sent
+    assert 8 < publish["expiration"] <= 10

@@ -4,6 +4,8 @@ however many jobs it stored (issue: enqueue in batches where the caller allows i
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.db import transaction
 
@@ -91,3 +93,17 @@ def test_a_savepoint_inside_stores_more_jobs__one_dispatch(
         tasks.dispatched.delay("c")
     assert dispatches == ["fair"]
     assert len(collected) == 3
+
+
+@pytest.mark.django_db  # inside the test's own transaction, as TestCase runs
+def test_two_capture_blocks_in_one_test__each_dispatches_its_jobs(
+    django_capture_on_commit_callbacks: Any, collected: list[int]
+) -> None:
+    # captureOnCommitCallbacks runs the callbacks and leaves them in the transaction's
+    # list: the second block's job must not be added to the first, spent, callback.
+    set_capacity(100)
+    with django_capture_on_commit_callbacks(execute=True):
+        tasks.dispatched.delay("a")
+    with django_capture_on_commit_callbacks(execute=True):
+        tasks.dispatched.delay("b")
+    assert len(collected) == 2
