@@ -5,8 +5,8 @@ At ``delay()`` Celery builds the job's message as it would for a plain publish (
 producer it is handed records the message instead of sending it: :func:`build` returns
 it as JSON, stored in the job's row. When the job is dispatched, :func:`send` publishes
 that message through a real producer with the mark that names the row, without building
-it again (issue of cost: building a message took as long as sending it). Several jobs
-dispatched together share one producer.
+it again (building a message cost about as much as sending it). Several jobs dispatched
+together share one producer.
 
 What is recorded: the body (arguments, keyword arguments, callbacks), the headers and
 properties, the exchange and routing key, the queue to declare, the serializer and
