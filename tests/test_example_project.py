@@ -125,8 +125,8 @@ SCENARIO = Scenario(
     concurrency=1,
     nodes=2,
     streams=(
-        Stream(tenants=("light",), jobs=16, seconds=0.05, weight=1.0),
-        Stream(tenants=("heavy",), jobs=16, seconds=0.05, weight=3.0),
+        Stream(tenants=("light",), jobs=32, seconds=0.05, weight=1.0),
+        Stream(tenants=("heavy",), jobs=32, seconds=0.05, weight=3.0),
     ),
 )
 """
@@ -154,7 +154,7 @@ def test_fairbench__repeat_weights_and_nodes(tmp_path: Path) -> None:
     assert (dispatch["runs"], dispatch["lost"], dispatch["run_twice"]) == (2, 0, 0)
     # The weights reached the dispatching publisher: while both were backlogged, heavy
     # (weight 3) started about three jobs to light's one (0.75); unweighted it would be one
-    # to one (0.5). A run counts a dozen starts or so, so one run may land on 0.6: the mean
+    # to one (0.5). A run counts a few dozen starts, so one run may land near 0.6: the mean
     # of the two runs is the figure compared.
     heavy = [run["dispatch"]["shares"]["heavy"] for run in report["runs"]]
     assert sum(heavy) / len(heavy) > 0.6, heavy
