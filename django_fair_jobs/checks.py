@@ -1,55 +1,8 @@
 """System checks: a bad ``FAIR_JOBS_*`` setting fails ``manage.py check`` and start-up.
 
-Ids are stable:
-
-* ``fair_jobs.E001`` ``FAIR_JOBS_DEFAULT_MAX_JOBS`` is not a whole number >= 1.
-* ``fair_jobs.E002`` ``FAIR_JOBS_ON_LIMIT`` is not ``"park"`` or ``"retry"``.
-* ``fair_jobs.E003`` ``FAIR_JOBS_RETRY_COUNTDOWN`` is not a number >= 0.
-* ``fair_jobs.E004`` ``FAIR_JOBS_WORKER_TIMEOUT`` is not a number > 0.
-* ``fair_jobs.E005`` ``FAIR_JOBS_HEARTBEAT_INTERVAL`` is not a number > 0.
-* ``fair_jobs.E006`` the heartbeat interval is more than half ``FAIR_JOBS_WORKER_TIMEOUT``.
-* ``fair_jobs.E007`` ``FAIR_JOBS_TENANT_WARNING_INTERVAL`` is not a number >= 0.
-* ``fair_jobs.E008`` a ``FAIR_JOBS_*`` environment variable cannot be parsed.
-* ``fair_jobs.E009`` ``FAIR_JOBS_REROUTE_MAX_WINDOW`` is not a whole number >= 1.
-* ``fair_jobs.E010`` ``FAIR_JOBS_REROUTE_SCOPE`` is not ``"task"``, ``"queue"`` or
-  ``"group:<name>"``.
-* ``fair_jobs.E011`` a task's ``fair_reroute`` rule is invalid (unknown key, missing
-  queue, threshold < 1, ``per`` not > 0 or above the maximum window, bad ``max_jobs``).
-* ``fair_jobs.E012`` a task's ``fair_reroute_scope`` is invalid.
-* ``fair_jobs.E013`` ``FAIR_JOBS_QUEUE_LIMITS`` or ``FAIR_JOBS_QUEUE_LIMITS_PER_WORKER`` is not
-  a mapping of queue names to whole numbers >= 0.
-* ``fair_jobs.E014`` ``FAIR_JOBS_LIMIT_PLAIN_TASKS`` is not True or False.
-* ``fair_jobs.E015`` a task's ``fair_plan`` is invalid (unknown key, ``enqueue_interval`` or
-  ``enqueue_jobs`` missing or not positive, ``tenant_weights`` not a callable or the dotted
-  path of one).
-* ``fair_jobs.E016`` a ``FAIR_JOBS_PLANNER_*`` setting is invalid.
-* ``fair_jobs.E017`` ``FAIR_JOBS_ENFORCE`` is not True or False, or
-  ``FAIR_JOBS_DECISION_RETENTION`` is not a whole number >= 3600 (the dashboard counts
-  reroutes over the last hour), or ``FAIR_JOBS_DASHBOARD_REFRESH`` is not a whole number
-  >= 0.
-* ``fair_jobs.E018`` the Celery app's task modules cannot be imported (so their options
-  cannot be checked, and a worker could not start either).
-* ``fair_jobs.E019`` a ``FAIR_JOBS_DISPATCH_*`` setting is invalid, or a task's
-  ``fair_dispatch`` option is (unknown key, ``tenant_weights`` not a callable).
-* ``fair_jobs.E020`` ``FAIR_JOBS_TENANT_RESOLVER`` does not import, is not callable, or
-  cannot be called as ``resolver(task, args, kwargs)``.
-* ``fair_jobs.E021`` ``FAIR_JOBS_PREPARED_STATEMENTS`` is not True or False.
-* ``fair_jobs.E022`` ``FAIR_JOBS_SLOT_HANDOFF`` is not a number of seconds from 0 to 5.
-* ``fair_jobs.E023`` ``FAIR_JOBS_ASYNC_RELEASE`` is not True or False.
-* ``fair_jobs.W001`` a rule's queue is named nowhere in the Celery configuration
-  (``task_queues``, ``task_routes``, ``task_default_queue``, a task's queue), so maybe no
-  worker consumes it.
-* ``fair_jobs.W002`` a ``FAIR_JOBS_*`` Django setting or environment variable that is not a
-  setting of the library (a typo: the message names the closest valid one).
-* ``fair_jobs.W003`` a ``fair_*`` attribute of a fair task that is not a task option (a typo:
-  the message names the closest valid one).
-* ``fair_jobs.W004`` Celery's Django integration closes the worker's database connection
-  around every job (``CELERY_DB_REUSE_MAX`` unset, or ``CONN_MAX_AGE`` 0), so every job
-  pays a reconnect.
-* ``fair_jobs.W005`` a setting or a task option under its old name
-  (``FAIR_JOBS_QUEUE_PROCESS_LIMITS``, ``FAIR_JOBS_MAX_THROTTLING_WINDOW``,
-  ``FAIR_JOBS_WINDOW_SCOPE``, ``fair_tenant_queues``, ``fair_window_scope``): it still works
-  for one release; the message names the new one.
+Ids are stable (``fair_jobs.E001`` to ``E024``, ``W001`` to ``W006``): the Reference
+page lists each with what it means and how to fix it. ``W006`` is a fair task with no way
+to find its jobs' tenant (no ``fair_tenant()``, resolver or default tenant).
 
 The task checks read the tasks of the current Celery app after importing its task modules,
 as a worker does at start-up (``autodiscover_tasks()``, ``imports``, ``include``): the app
@@ -82,6 +35,7 @@ from django_fair_jobs.conf import (
     fair_settings,
 )
 from django_fair_jobs.dispatch import option_errors as dispatch_option_errors
+from django_fair_jobs.errors import TenantError
 from django_fair_jobs.planner import plan_errors
 from django_fair_jobs.reroute import rule_errors, scope_error
 from django_fair_jobs.routing import queue_name
@@ -98,6 +52,14 @@ def _number(value: Any, minimum: float, strict: bool) -> bool:
     if not math.isfinite(number):
         return False  # NaN compares false to everything; an infinite wait never ends
     return number > minimum if strict else number >= minimum
+
+
+def _tenant(value: Any) -> bool:
+    """A value a job's tenant can be: text that is not blank and can be stored."""
+    try:
+        return isinstance(value, str) and tenants.normalize_tenant(value) is not None
+    except TenantError:
+        return False
 
 
 def _queue_limits(value: Any) -> bool:
@@ -181,12 +143,8 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         lambda v: isinstance(v, bool),
         "True or False (True: slot releases commit without waiting for the disk)",
     ),
-    (
-        "PLANNER_QUEUE",
-        "fair_jobs.E016",
-        lambda v: isinstance(v, str) and bool(v),
-        "a queue name",
-    ),
+    ("PLANNER_QUEUE", "fair_jobs.E016", lambda v: isinstance(v, str) and bool(v), "a queue name"),
+    ("DEFAULT_TENANT", "fair_jobs.E024", lambda v: v is None or _tenant(v), "None or a tenant"),
     (
         "PLANNER_TENANT_WEIGHTS",
         "fair_jobs.E016",
@@ -323,8 +281,11 @@ def check_task_rules(
     except (ImproperlyConfigured, ValueError, TypeError):
         return messages  # reported by check_settings
     known: set[str] | None = None
+    finds_tenant = bool(fair_settings.TENANT_RESOLVER or fair_settings.DEFAULT_TENANT)
     for task in fair_tasks(current_app):
         messages += _option_errors(task, max_window)
+        if not finds_tenant and vars(FairTask)["fair_tenant"] is _own_fair_tenant(task):
+            messages.append(_no_tenant_warning(task))
         raw = task.fair_reroute
         if not raw or rule_errors(raw, max_window):
             continue
@@ -398,6 +359,26 @@ def _unknown_queue_warnings(task: Any, raw: Any, known: set[str]) -> list[checks
 _importing = False
 """True while :func:`_import_task_modules` runs: importing the task modules makes Celery's
 Django integration run the system checks again, which must not import them again."""
+
+
+def _own_fair_tenant(task: Any) -> Any:
+    """The ``fair_tenant`` the class of ``task`` defines or inherits (the classmethod
+    object itself, so that FairTask's own is told from an override)."""
+    return next(vars(k)["fair_tenant"] for k in type(task).__mro__ if "fair_tenant" in vars(k))
+
+
+def _no_tenant_warning(task: Any) -> checks.CheckMessage:
+    """W006: ``task`` defines no ``fair_tenant()``, and neither a resolver nor a default
+    tenant is set, so its jobs have a tenant only when each publish passes one."""
+    return checks.Warning(
+        f"Task {task.name} has no way to find its jobs' tenant: it defines no fair_tenant(), "
+        "and neither FAIR_JOBS_TENANT_RESOLVER nor FAIR_JOBS_DEFAULT_TENANT is set. A job "
+        "published without fair_tenant= has no tenant, and is not kept fair.",
+        hint="Define fair_tenant() on the task's class, set FAIR_JOBS_TENANT_RESOLVER or "
+        "FAIR_JOBS_DEFAULT_TENANT, or silence fair_jobs.W006 if every publish passes "
+        "fair_tenant=.",
+        id="fair_jobs.W006",
+    )
 
 
 def _import_task_modules(app: Any) -> str | None:

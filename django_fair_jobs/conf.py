@@ -314,10 +314,12 @@ class Settings:
         return value
 
     @property
-    def PLANNER_DEFAULT_TENANT(self) -> str | None:
-        """Tenant of a planned job whose tenant resolves to None. Default None: such a job
-        is an error at publish (:class:`~django_fair_jobs.planner.PlanError`)."""
-        value: str | None = self._get("PLANNER_DEFAULT_TENANT", None, str)
+    def DEFAULT_TENANT(self) -> str | None:
+        """The tenant of a job whose tenant resolves to None (no ``fair_tenant=`` option,
+        nothing from ``fair_tenant()`` or the resolver), under every mechanism. Default
+        None: such a job has no tenant (under fair dispatch it waits in the one line of
+        jobs without a tenant; a planned one is refused at publish)."""
+        value: str | None = self._get("DEFAULT_TENANT", None, str)
         return value
 
     @property

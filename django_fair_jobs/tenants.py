@@ -121,23 +121,28 @@ def _due(key: str) -> bool:
     return True
 
 
-def warn_missing_tenant(task_name: str, *, published: bool = False) -> bool:
-    """Log that a ``task_name`` job ran (or, with ``published``, was published) without a
-    tenant, at most once per ``FAIR_JOBS_TENANT_WARNING_INTERVAL`` seconds per task and
-    kind. Returns True if logged."""
-    if not _due(f"{task_name} published" if published else task_name):
+UNRESOLVED: dict[str, str] = {
+    "ran": "ran without a tenant, so without tenant fairness",
+    "published": "was published without a tenant, so it is not counted or rerouted by its rules",
+    "dispatched": "was published without a tenant: it waits in the one line of the jobs "
+    "without a tenant, which takes its turn beside the tenants' lines under no tenant's cap",
+}
+"""What a job without a tenant does, by where it was seen: run, published under rerouting
+rules, or held by fair dispatch."""
+
+
+def warn_missing_tenant(task_name: str, kind: str = "ran") -> bool:
+    """Log that a ``task_name`` job had no tenant where ``kind`` says (a key of
+    :data:`UNRESOLVED`), at most once per ``FAIR_JOBS_TENANT_WARNING_INTERVAL`` seconds
+    per task and kind. Returns True if logged."""
+    if not _due(task_name if kind == "ran" else f"{task_name} {kind}"):
         return False
-    what = (
-        "was published without a tenant, so it is not counted or rerouted by its rules"
-        if published
-        else "ran without a tenant, so without tenant fairness"
-    )
     logger.warning(
         "Task %s %s. Pass fair_tenant= when publishing it, define fair_tenant() on the "
-        "task class or set FAIR_JOBS_TENANT_RESOLVER. (Logged at most once every %s s per "
-        "task.)",
+        "task class, set FAIR_JOBS_TENANT_RESOLVER or set FAIR_JOBS_DEFAULT_TENANT. "
+        "(Logged at most once every %s s per task.)",
         task_name,
-        what,
+        UNRESOLVED[kind],
         fair_settings.TENANT_WARNING_INTERVAL,
     )
     return True
@@ -173,7 +178,7 @@ def request_tenant(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     value = getattr(task.request, fair_headers.TENANT, None)
     if value is not None:
         return worker_tenant(value, task.name)
-    return worker_tenant(task.fair_tenant(*args, **kwargs), task.name)
+    return worker_tenant(task.fair_tenant(*args, **kwargs), task.name) or default_tenant()
 
 
 Resolver = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -245,7 +250,8 @@ def publish_tenant(task: Any, args: Any, kwargs: Any, explicit: Any = None) -> s
     """The tenant a job is published with, normalized (:func:`normalize_tenant`): the
     ``fair_tenant=`` option when one is given (``""`` publishes without a tenant), else
     ``task.fair_tenant(*args, **kwargs)``, else, when that gives none,
-    ``FAIR_JOBS_TENANT_RESOLVER(task, args, kwargs)``. It runs in the publisher, where the
+    ``FAIR_JOBS_TENANT_RESOLVER(task, args, kwargs)``, else ``FAIR_JOBS_DEFAULT_TENANT``.
+    It runs in the publisher, where the
     context the resolver reads is; the tenant then travels in the job's header."""
     if explicit is not None:
         return normalize_tenant(explicit)
@@ -255,13 +261,19 @@ def publish_tenant(task: Any, args: Any, kwargs: Any, explicit: Any = None) -> s
         return tenant
     resolve = resolver()
     if resolve is None:
-        return None
+        return default_tenant()
     try:
-        return normalize_tenant(resolve(task, args, kwargs))
+        return normalize_tenant(resolve(task, args, kwargs)) or default_tenant()
     except TenantError as exc:
         raise TenantError(
             f"FAIR_JOBS_TENANT_RESOLVER gave {task.name} a bad tenant: {exc}"
         ) from None
+
+
+def default_tenant() -> str | None:
+    """``FAIR_JOBS_DEFAULT_TENANT``, normalized: the tenant of a job whose tenant resolves
+    to None (an explicit ``fair_tenant=""`` still publishes without one)."""
+    return normalize_tenant(fair_settings.DEFAULT_TENANT)
 
 
 def schema_name(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

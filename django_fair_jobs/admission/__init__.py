@@ -122,9 +122,8 @@ def holding(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterato
     # The mark, not the task's options, says the job was dispatched: its row exists, and a
     # worker whose settings make the task's default differ must still start it from there.
     if marks.get(fair_headers.DISPATCH) is not None:
+        # Without a tenant it waited in the line of jobs without one: its publish warned.
         tenant = tenants.request_tenant(task, args, kwargs)
-        if tenant is None:
-            warn_missing_tenant(task.name)
         queue = routing.request_queue(task)
         with dispatched_run(task, int(marks[fair_headers.DISPATCH]), tenant, queue):
             yield

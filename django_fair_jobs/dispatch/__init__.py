@@ -70,7 +70,7 @@ from django_fair_jobs.errors import (
     DispatchError as DispatchError,
 )
 from django_fair_jobs.routing import declared_queue, queue_name
-from django_fair_jobs.tenants import for_log
+from django_fair_jobs.tenants import for_log, warn_missing_tenant
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -81,6 +81,10 @@ HEADER = fair_headers.DISPATCH
 """The old name of :data:`django_fair_jobs.headers.DISPATCH`."""
 
 KNOWN_KEYS = frozenset({"tenant_weights"})
+
+NO_TENANT = ""
+"""The tenant of the one line that holds a queue's jobs without a tenant: no real tenant
+can be empty (:func:`~django_fair_jobs.tenants.normalize_tenant` reads blank as none)."""
 
 WEIGHT_TTL = 60.0
 """Seconds a process reuses a tenant's weight before asking ``tenant_weights`` again."""
@@ -174,16 +178,13 @@ def prepare(
     publish_options: dict[str, Any],
 ) -> Job:
     """Freeze a job to wait in its tenant's line: its queue, its due time and its
-    message, built now as Celery would publish it. Raises :class:`DispatchError` without a
-    tenant or when the job cannot be stored as JSON."""
+    message, built now as Celery would publish it. A job without a tenant waits in the
+    line of :data:`NO_TENANT`, under no tenant's cap, with a warning logged at most once
+    per interval per task. Raises :class:`DispatchError` when the job cannot be stored
+    as JSON."""
 
-    tenant = tenant if tenant is not None else fair_settings.PLANNER_DEFAULT_TENANT
     if tenant is None:
-        raise DispatchError(
-            f"{task.name}: the job's tenant is None, so it cannot wait in a tenant's line. "
-            "Return a tenant from fair_tenant(), pass fair_tenant=, set "
-            "FAIR_JOBS_TENANT_RESOLVER or set FAIR_JOBS_PLANNER_DEFAULT_TENANT."
-        )
+        warn_missing_tenant(task.name, "dispatched")
     publish_options = dict(publish_options)
     task_id = str(publish_options.pop("task_id", None) or uuid.uuid4())
     countdown, eta = publish_options.pop("countdown", None), publish_options.pop("eta", None)
@@ -210,13 +211,13 @@ def prepare(
         ) from None
     return Job(
         queue=queue,
-        tenant=str(tenant),
+        tenant=NO_TENANT if tenant is None else tenant,
         task_name=task.name,
         task_id=task_id,
         message=stored,
         not_before=not_before,
-        weight=weight_of(options, queue, str(tenant), task.name),
-        cap=getattr(task, "fair_max_jobs", None),
+        weight=1.0 if tenant is None else weight_of(options, queue, tenant, task.name),
+        cap=None if tenant is None else getattr(task, "fair_max_jobs", None),
         delay=float(countdown or 0.0) if eta is None else 0.0,
         on_loss=on_loss(task),
     )

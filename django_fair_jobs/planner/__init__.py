@@ -130,12 +130,12 @@ def _row(
 ) -> PlannedJob:
     from django_fair_jobs.models import PlannedJob
 
-    tenant = normalize_tenant(tenant) or fair_settings.PLANNER_DEFAULT_TENANT
+    tenant = normalize_tenant(tenant)
     if tenant is None:
         raise PlanError(
             f"{task.name}: the job's tenant is None, so it cannot be planned. Return a tenant "
             "from fair_tenant(), pass fair_tenant=, set FAIR_JOBS_TENANT_RESOLVER or set "
-            "FAIR_JOBS_PLANNER_DEFAULT_TENANT."
+            "FAIR_JOBS_DEFAULT_TENANT."
         )
     options = dict(options)
     task_id = str(options.pop("task_id", None) or uuid.uuid4())

@@ -176,10 +176,10 @@ def test_bulk_enqueue__one_insert() -> None:
 
 
 def test_no_tenant__error_at_publish_unless_a_default_tenant_is_set(settings: Any) -> None:
-    with pytest.raises(planner.PlanError, match="FAIR_JOBS_PLANNER_DEFAULT_TENANT"):
+    with pytest.raises(planner.PlanError, match="FAIR_JOBS_DEFAULT_TENANT"):
         tasks.planned.delay(None)
     assert not PlannedJob.objects.exists()
-    settings.FAIR_JOBS_PLANNER_DEFAULT_TENANT = "shared"
+    settings.FAIR_JOBS_DEFAULT_TENANT = "shared"
     tasks.planned.delay(None)
     assert PlannedJob.objects.get().tenant == "shared"
 

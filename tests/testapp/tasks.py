@@ -297,6 +297,18 @@ def dispatched_add(self: Any, value: int, *, tenant: str) -> int:
     return value + 1
 
 
+@shared_task(base=FairTask, bind=True, queue="fair", fair_dispatch=True)
+def dispatched_no_tenant(self: Any, value: int) -> int:
+    """A dispatched task whose class resolves no tenant: its jobs share one line."""
+    return value * 2
+
+
+@shared_task(base=FairTask, bind=True, queue="fair", fair_dispatch=True, fair_max_jobs=1)
+def dispatched_no_tenant_capped(self: Any, value: int) -> int:
+    """The same with a per-tenant cap, which a job without a tenant is not under."""
+    return value * 2
+
+
 @shared_task(base=TenantFromFirstArg, bind=True, queue="fair", fair_dispatch=True)
 def dispatched_lineage(self: Any, tenant: str, duration: float = 0.0) -> list[str | None]:
     """Fair dispatch; returns the parent and root ids its message carried."""
