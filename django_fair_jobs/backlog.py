@@ -125,7 +125,9 @@ def cancel(
                   f"{cancelled.planned} planned" + (f" of {task}" if task else "")
                   + (f": {reason}" if reason else "")),
         )  # fmt: skip
-        logger.warning("Cancelled %s", cancelled)
+        # INFO: the history row keeps it, and a project without LOGGING would print a
+        # WARNING on stderr beside the command's own line.
+        logger.info("Cancelled %s", cancelled)
     return cancelled
 
 

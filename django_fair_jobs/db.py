@@ -6,6 +6,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from django.db import OperationalError, ProgrammingError, connections, models, transaction
@@ -13,6 +14,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Now
 
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.errors import NotMigratedError
 from django_fair_jobs.sql import queries
 
 try:
@@ -221,3 +223,63 @@ def ago(seconds: float) -> Any:
 
     delta: timedelta = timedelta(seconds=seconds)
     return Now() - models.Value(delta, output_field=models.DurationField())
+
+
+SCHEMA_STATES = frozenset({"42883", "42P01", "42703"})
+"""PostgreSQL's codes for an undefined function, table and column: what a statement of
+the library meets on a database that lacks some of its migrations."""
+
+
+def missing_migrations(alias: str) -> list[str]:
+    """The library's migrations that ``alias`` has not applied, in order. Read on a
+    connection of its own, since the caller's may be inside a transaction a failed
+    statement has aborted."""
+    from django.db.migrations.recorder import MigrationRecorder
+
+    on_disk = sorted(p.stem for p in (Path(__file__).parent / "migrations").glob("[0-9]*.py"))
+    connection = connections.create_connection(alias)
+    try:
+        recorder = MigrationRecorder(connection)
+        applied = (
+            {name for app, name in recorder.applied_migrations() if app == "fair_jobs"}
+            if recorder.has_table()
+            else set()
+        )
+    finally:
+        connection.close()
+    return [name for name in on_disk if name not in applied]
+
+
+def not_migrated(alias: str, missing: list[str]) -> NotMigratedError:
+    """The error that says which of the library's migrations ``alias`` lacks."""
+    return NotMigratedError(
+        f"django-fair-jobs: the database {alias!r} has not applied the migrations "
+        f"{', '.join(missing)} of the app fair_jobs, so the library's tables or functions "
+        "are missing or out of date. Run: python manage.py migrate fair_jobs"
+    )
+
+
+def require_migrated(alias: str) -> None:
+    """Raise :class:`NotMigratedError` if ``alias`` lacks any of the library's
+    migrations."""
+    missing = missing_migrations(alias)
+    if missing:
+        raise not_migrated(alias, missing)
+
+
+def schema_error(exc: BaseException, alias: str) -> NotMigratedError | None:
+    """For an error a statement of the library raised on ``alias``: the
+    :class:`NotMigratedError` to raise instead, when the statement met a missing table,
+    column or function and migrations are indeed missing; else None (only then are the
+    migrations read, so other errors cost nothing more)."""
+    cause = exc.__cause__ or exc
+    text = str(exc)
+    if getattr(cause, "sqlstate", None) not in SCHEMA_STATES and not text.startswith(
+        ("no such table", "no such column", "table fair_jobs_")
+    ):
+        return None
+    try:
+        missing = missing_migrations(alias)
+    except (OperationalError, ProgrammingError):
+        return None
+    return not_migrated(alias, missing) if missing else None

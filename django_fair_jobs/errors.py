@@ -57,5 +57,12 @@ class LimitError(ValueError):
 
 
 class DispatchError(ValueError):
-    """A ``fair_dispatch`` option that cannot work, or a job that cannot wait in line (no
-    tenant, arguments JSON cannot hold); raised at import or at publish."""
+    """A ``fair_dispatch`` option that cannot work, or a job that cannot wait in line (its
+    arguments or options cannot be stored as JSON); raised at import or at publish."""
+
+
+class NotMigratedError(RuntimeError):
+    """The database lacks some of the library's migrations (its tables or functions are
+    missing or out of date); the message names them and says to run ``manage.py migrate
+    fair_jobs``. Raised at publish, by ``fair_jobs_status``, and at a worker's start-up,
+    which it stops."""

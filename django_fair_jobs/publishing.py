@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery.utils import uuid
-from django.db import close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
 from kombu.utils.json import dumps
 
-from django_fair_jobs import decisions, dispatch, planner, reroute, tenants, validation
+from django_fair_jobs import db, decisions, dispatch, planner, reroute, tenants, validation
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.db import after_commit
 from django_fair_jobs.errors import FairArgumentsError, TaskIdError
@@ -76,14 +76,23 @@ def _as_a_request(call: Callable[[], T]) -> T:
 
 
 def off_event_loop(call: Callable[[], T]) -> T:
-    """Run ``call()`` here, or on a publisher thread when this thread runs an event loop;
-    either way return its result or raise its exception."""
-    if not in_event_loop():
-        return call()
-    # In the caller's context, as asgiref's sync_to_async runs a call: a tenant resolver
-    # reads contextvars the caller's middleware set.
-    context = contextvars.copy_context()
-    return _publisher_pool().submit(context.run, _as_a_request, call).result()
+    """Run ``call()`` (a publish) here, or on a publisher thread when this thread runs an
+    event loop; either way return its result or raise its exception, or
+    :class:`~django_fair_jobs.errors.NotMigratedError` for a database error that comes of
+    the library's migrations not being applied."""
+    try:
+        if not in_event_loop():
+            return call()
+        # In the caller's context, as asgiref's sync_to_async runs a call: a tenant
+        # resolver reads contextvars the caller's middleware set.
+        context = contextvars.copy_context()
+        return _publisher_pool().submit(context.run, _as_a_request, call).result()
+    except DatabaseError as exc:
+        problem = db.schema_error(exc, dispatch.alias())
+        if problem is None:
+            raise
+        # Not chained: the database's own hint ("add explicit type casts") points away.
+        raise problem from None
 
 
 def hold_for_dispatch(
@@ -348,7 +357,7 @@ def _reroute(
         return task_id
     tenant = headers[fair_headers.TENANT]
     if tenant is None:
-        warn_missing_tenant(task.name, published=True)
+        warn_missing_tenant(task.name, "published")
         return task_id
     task_id = task_id or uuid()
     decision = reroute.count(task, tenant, queue, rules, task_id)

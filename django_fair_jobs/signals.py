@@ -16,6 +16,7 @@ from celery.signals import (
     worker_ready,
     worker_shutdown,
 )
+from django.db import DatabaseError
 from django.dispatch import receiver
 
 from django_fair_jobs import (
@@ -31,6 +32,7 @@ from django_fair_jobs import (
     queue_limits,
 )
 from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.errors import NotMigratedError
 from django_fair_jobs.messages import is_fair
 
 logger = logging.getLogger("django_fair_jobs.signals")
@@ -73,6 +75,19 @@ def refuse_unsupported(worker: Any) -> None:
         )
 
 
+def refuse_unmigrated() -> None:
+    """Stop a worker at start-up whose database lacks some of the library's migrations,
+    saying to run ``manage.py migrate fair_jobs``, instead of failing at every job. A
+    database that does not answer yet is not a reason to stop: the worker's registration
+    is retried until it does."""
+    try:
+        db.require_migrated(dispatch.alias())
+    except NotMigratedError as exc:
+        raise SystemExit(str(exc)) from None
+    except DatabaseError as exc:
+        logger.warning("Could not check the library's migrations at start-up: %s", exc)
+
+
 def _transport_module(worker: Any) -> str:
     """The last part of the module of the worker's broker transport, lower case
     (``"sqs"`` for ``sqs://`` or ``kombu.transport.SQS:Transport``), read from the broker
@@ -105,6 +120,7 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
 
     refuse_unsupported(sender)
     checks.fail_fast_on_bad_settings()
+    refuse_unmigrated()
     identity.start_node(getattr(sender, "hostname", None))
     try:
         queue_limits.seed()

@@ -161,6 +161,22 @@ def test_command__dry_run_counts__then_cancels(published: list[int]) -> None:  #
     assert LimitChange.objects.get(field="cancelled").source == "command"
 
 
+def test_command__its_result_said_once__logged_below_warning(
+    published: list[int],  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A project without LOGGING prints a WARNING record on stderr (Python's last resort
+    # handler): the command's own line would then show twice.
+    import logging
+
+    flood(published)
+    with caplog.at_level(logging.DEBUG, logger="django_fair_jobs"):
+        call_command("fair_jobs_cancel", "flood", stdout=StringIO())
+    said = [r for r in caplog.records if "Cancelled" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].levelno < logging.WARNING
+
+
 def test_admin__action_needs_the_cancel_permission(
     client: Client,
     published: list[int],  # noqa: F811

@@ -62,17 +62,9 @@ def _database() -> str:
 
 
 def _migrations() -> str:
-    from django.db import connections, router
-    from django.db.migrations.executor import MigrationExecutor
+    from django_fair_jobs import db, dispatch
 
-    from django_fair_jobs.models import TenantQueueSlot
-
-    executor = MigrationExecutor(connections[router.db_for_write(TenantQueueSlot)])
-    targets = [key for key in executor.loader.graph.leaf_nodes() if key[0] == "fair_jobs"]
-    plan = executor.migration_plan(targets)
-    missing = [m.name for m, _ in plan if m.app_label == "fair_jobs"]
-    if missing:
-        raise RuntimeError(f"not applied: {', '.join(missing)}; run manage.py migrate fair_jobs")
+    db.require_migrated(dispatch.alias())
     return ""
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 
 class Command(BaseCommand):
@@ -24,8 +24,14 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="Machine-readable output.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        from django_fair_jobs import db, dispatch
+        from django_fair_jobs.errors import NotMigratedError
         from django_fair_jobs.status import as_text, snapshot
 
+        try:
+            db.require_migrated(dispatch.alias())
+        except NotMigratedError as exc:
+            raise CommandError(str(exc)) from None
         snap = snapshot()
         if options["json"]:
             self.stdout.write(json.dumps(snap, indent=2))
