@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django_fair_jobs import broker, db, planner
+from django_fair_jobs import broker, caps, db, planner
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.planner import store as planner_store
 from django_fair_jobs.status import age
@@ -332,6 +332,7 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
     line = DispatchTenant.objects.filter(queue=job.queue, tenant=job.tenant).first()
     queue = DispatchQueue.objects.filter(queue=job.queue).first()
     flight = DispatchJob.objects.filter(queue=job.queue, state__in=[DISPATCHED, RUNNING])
+    cap = caps.of(job.tenant, job.queue)
     details: dict[str, Any] = {
         "queue": job.queue,
         "tenant": job.tenant,
@@ -339,12 +340,18 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
         "enqueued_at": job.enqueued_at.isoformat(),
         "waited_seconds": age(now, job.enqueued_at),
         "tenant_in_flight": None if line is None else line.in_flight,
-        "tenant_cap": None if line is None else line.cap,
+        "tenant_cap": cap.limit,
+        "tenant_cap_source": cap.source,
         "queue_in_flight": flight.count(),
         "queue_capacity": None if queue is None else queue.capacity + queue.slack,
         "queue_room": dispatch.room().get(job.queue, 0),
+        "queue_paused": cap.queue_paused,
         "publish_failures": job.publish_failures,
     }
+    details["held_by"] = cap.holds() or caps.queue_held_by(
+        job.queue, 0 if queue is None else queue.capacity, 0 if queue is None else queue.slack,
+        details["queue_in_flight"], details["queue_room"], cap.queue_max_jobs,
+    )  # fmt: skip
     if job.state == FAILED:
         return Explanation(
             job.task_id, "failed",
@@ -361,9 +368,9 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
         details["due_at"] = job.not_before.isoformat() if job.not_before else None
         summary = (
             f"Its countdown or ETA is not due yet (due {details['due_at']}); then it waits "
-            f"in {job.tenant}'s line on {job.queue}."
+            f"in {_line_of(job.tenant)} on {job.queue}."
             if job.not_before is not None and job.not_before > now
-            else f"Due: it joins {job.tenant}'s line on {job.queue} at the queue's next "
+            else f"Due: it joins {_line_of(job.tenant)} on {job.queue} at the queue's next "
             "dispatch (a job's end, the due poll, or the maintenance pass)."
         )
         return Explanation(job.task_id, "scheduled", summary, details)
@@ -408,22 +415,20 @@ def _dispatch_waiting(job: Any, line: Any, queue: Any, details: dict[str, Any]) 
     )  # fmt: skip
     details["tenant_waiting"] = None if line is None else line.waiting
     cause = (
-        f"its tenant is at its cap or paused ({line.in_flight} in flight, task cap "
-        f"{line.cap}, or its tenant slot's override)"
-        if line is not None and line.blocked
-        else "every worker process of the queue is busy"
-        if (details["queue_capacity"] or 0) <= details["queue_in_flight"]
-        else "its queue limit is reached, or the queue is paused"
-        if details["queue_room"] <= 0
-        else "the next free worker process takes the tenant with the fewest jobs in flight"
+        details["held_by"]
+        or "the next free worker process takes the tenant with the fewest jobs in flight"
     )
     summary = (
-        f"Waiting in {job.tenant}'s line on {job.queue} (fair dispatch), "
+        f"Waiting in {_line_of(job.tenant)} on {job.queue} (fair dispatch), "
         f"{details['ahead_in_its_line']} of its tenant's jobs ahead of it; {cause}."
     )
-    if queue is None or queue.capacity == 0:
-        summary += " No live worker consumes this queue: start one with -Q " + job.queue + "."
     return Explanation(job.task_id, "waiting", summary, details)
+
+
+def _line_of(tenant: str) -> str:
+    """A tenant's line, in words (fair dispatch's jobs without a tenant share the line
+    of the empty tenant)."""
+    return f"{tenant}'s line" if tenant else "the line of the jobs without a tenant"
 
 
 def _undecided(task_id: str, decisions: list[dict[str, Any]]) -> Explanation:

@@ -100,15 +100,18 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("fair_jobs_enforce", (), "1 if rules are enforced, 0 in shadow mode "
            "(FAIR_JOBS_ENFORCE = False: decisions are recorded, not applied)."),
     _gauge("fair_jobs_tenant_running", (*T, *Q), "Jobs of the tenant running on the queue "
-           "(slots held)."),
+           "(slots held, or fair dispatch's jobs in flight)."),
     _gauge("fair_jobs_tenant_max_jobs", (*T, *Q), "Jobs the tenant may run at once on the "
-           "queue (the override, else the task's fair_max_jobs; 0: paused)."),
+           "queue: the cap in force (its tenant slot's override, else the task's "
+           "fair_max_jobs; 0: paused); absent when the tenant has no cap."),
+    _gauge("fair_jobs_tenant_waiting", (*T, *Q), "Jobs of the tenant waiting in fair "
+           "dispatch's line on the queue, not yet dispatched."),
     _gauge("fair_jobs_tenant_parked", T, "Jobs of the tenant parked, waiting for one of its "
            "slots or for a place in a limited queue."),
     _gauge("fair_jobs_tenant_pending", T, "Jobs of the tenant held in a fair planner's "
            "virtual queue, not yet promoted."),
     _gauge("fair_jobs_tenant_oldest_wait_seconds", T, "Age of the tenant's oldest waiting "
-           "job (parked or pending), in seconds."),
+           "job (in fair dispatch's line, parked or pending), in seconds."),
     _gauge("fair_jobs_tenants_omitted", (), "Active tenants left out of the fair_jobs_tenant_"
            "gauges this scrape (beyond FAIR_JOBS_METRICS_TENANTS, the least busy)."),
     _counter("fair_jobs_tenant_deferrals_total", (*T, *Q), "Jobs of the tenant ever deferred "
@@ -301,9 +304,11 @@ class FairJobsCollector(Collector):
 
         for row in rows:
             tenant = tenant_label(row["tenant"])
-            for slot in row["slots"]:
-                out.add("fair_jobs_tenant_running", [tenant, slot["queue"]], slot["running"])
-                out.add("fair_jobs_tenant_max_jobs", [tenant, slot["queue"]], slot["limit"])
+            for queue in row["queues"]:
+                labels = [tenant, queue["queue"]]
+                out.add("fair_jobs_tenant_running", labels, queue["running"])
+                out.add("fair_jobs_tenant_max_jobs", labels, queue["limit"])
+                out.add("fair_jobs_tenant_waiting", labels, queue["waiting"])
             out.add("fair_jobs_tenant_parked", [tenant], row["parked"])
             out.add("fair_jobs_tenant_pending", [tenant], row["pending"])
             out.add("fair_jobs_tenant_oldest_wait_seconds", [tenant], row["oldest_wait_seconds"])

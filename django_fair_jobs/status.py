@@ -3,15 +3,19 @@
 
 :func:`snapshot` returns JSON-ready data, every age in seconds of the database clock:
 
-* ``tenants``: per tenant with something going on (running, parked, pending, a limit
-  override, a boost, a reroute in the last hour): its slots per queue (running / limit),
-  jobs parked and pending, the oldest wait, reroutes in the last hour (a view asks for
-  the first few in an order, see :data:`RANKS`); ``tenants_active`` counts them all;
+* ``tenants``: per tenant with something going on (running, waiting in fair dispatch's
+  line, parked, pending, a limit override, a boost, a reroute in the last hour): per
+  queue, its jobs running, waiting in line and parked and the cap in force
+  (:mod:`django_fair_jobs.caps`); jobs waiting in line, parked and pending, the oldest
+  wait, reroutes in the last hour (a view asks for the first few in an order, see
+  :data:`RANKS`); ``tenants_active`` counts them all;
 * ``queues``: per limited queue: limits, running in all and by node, parked;
 * ``planners``: per planned task: its last run and its tenants' backlogs (the ``first``
   waiting longest, when a view asks for a few; ``tenants_total`` counts them all);
 * ``nodes``: per worker node: processes, last heartbeat, alive or presumed dead;
-* ``fairness``: Jain's index of the small tenants' current waits;
+* ``dispatch``: per queue of fair dispatch: capacity, slack, in flight, room, jobs
+  waiting and scheduled, lines blocked, and what holds the queue back (``held_by``);
+* ``fairness``: Jain's index of the small tenants' current waits, every mechanism's;
 * ``totals``: counters since the start (reaped leases, planner runs, deferrals) and the
   decisions of the last hour, shadow mode's included.
 """
@@ -86,13 +90,15 @@ _ACTIVE = (
 
 @dataclass
 class _Summaries:
-    """Per tenant with something going on, one figure per dict: jobs running, parked and
-    pending, the oldest wait in seconds, reroutes and shadow decisions in the last hour.
-    Dicts of plain values rather than a row per tenant: with 10,000 active tenants, 10,000
-    rows kept alive cost the garbage collector's passes over them more than the queries
-    cost, and a view shows 100 of them."""
+    """Per tenant with something going on, one figure per dict: jobs running, waiting in
+    fair dispatch's lines, parked and pending, the oldest wait in seconds, reroutes and
+    shadow decisions in the last hour. Dicts of plain values rather than a row per
+    tenant: with 10,000 active tenants, 10,000 rows kept alive cost the garbage
+    collector's passes over them more than the queries cost, and a view shows 100 of
+    them."""
 
     running: dict[str, int] = field(default_factory=dict)
+    lined: dict[str, int] = field(default_factory=dict)
     parked: dict[str, int] = field(default_factory=dict)
     pending: dict[str, int] = field(default_factory=dict)
     oldest: dict[str, float] = field(default_factory=dict)
@@ -101,31 +107,65 @@ class _Summaries:
 
     def names(self) -> set[str]:
         """Every tenant with a figure."""
-        return set().union(self.running, self.parked, self.pending, self.reroutes, self.shadow)
+        return set().union(
+            self.running, self.lined, self.parked, self.pending, self.reroutes, self.shadow
+        )
 
     def waiting(self, tenant: str) -> int:
-        """The tenant's jobs parked and pending."""
-        return self.parked.get(tenant, 0) + self.pending.get(tenant, 0)
+        """The tenant's jobs waiting: in fair dispatch's lines, parked and pending."""
+        return self.lined.get(tenant, 0) + self.parked.get(tenant, 0) + self.pending.get(tenant, 0)
+
+    def older(self, tenant: str, seconds: float | None) -> None:
+        """Keep ``seconds`` as the tenant's oldest wait if it is older."""
+        if seconds is not None and self.oldest.get(tenant, 0) <= seconds:
+            self.oldest[tenant] = seconds
+
+
+def _running(out: _Summaries) -> None:
+    """Jobs running per tenant: per queue, the larger of its tenant slot's jobs and its
+    line's jobs in flight (a capped dispatched job holds both), summed over queues; and
+    the jobs waiting in fair dispatch's lines."""
+    from django.db.models import Q
+
+    from django_fair_jobs.dispatch.models import DispatchTenant
+    from django_fair_jobs.models import TenantQueueSlot
+
+    per_queue: dict[tuple[str, str], int] = dict(
+        ((t, q), n)
+        for t, q, n in TenantQueueSlot.objects.filter(_ACTIVE).values_list(
+            "tenant", "queue", "current_jobs"
+        )
+    )
+    lines = DispatchTenant.objects.filter(Q(waiting__gt=0) | Q(in_flight__gt=0))
+    for tenant, queue, waiting, flight in lines.values_list(
+        "tenant", "queue", "waiting", "in_flight"
+    ):
+        per_queue[(tenant, queue)] = max(per_queue.get((tenant, queue), 0), flight)
+        if waiting:
+            out.lined[tenant] = out.lined.get(tenant, 0) + waiting
+    for (tenant, _), n in per_queue.items():
+        out.running[tenant] = out.running.get(tenant, 0) + n
 
 
 def _summaries(now: datetime) -> _Summaries:
     """The figures of :class:`_Summaries`: a few grouped queries, whatever the number of
     jobs."""
-    from django.db.models import Count, Sum
+    from django.db.models import Count
 
-    from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob, TenantQueueSlot
+    from django_fair_jobs.dispatch.models import DispatchJob, DispatchTenant
+    from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob
 
     out = _Summaries()
-    out.running.update(
-        TenantQueueSlot.objects.filter(_ACTIVE).values("tenant")
-        .annotate(n=Sum("current_jobs")).values_list("tenant", "n")
-    )  # fmt: skip
+    _running(out)
     in_sql = db.is_postgres(router.db_for_read(ParkedJob))
+    # A line's oldest waiting job is its head: one row per line, not a scan of its jobs.
+    heads = DispatchTenant.objects.filter(waiting__gt=0).values("head_id")
     waiting = (
         (out.parked, "slot__tenant", "parked_at",
          ParkedJob.objects.filter(woken_at__isnull=True, slot__isnull=False)),
         (out.pending, "tenant", "enqueued_at",
          PlannedJob.objects.filter(promoted_at__isnull=True)),
+        (None, "tenant", "enqueued_at", DispatchJob.objects.filter(pk__in=heads)),
     )  # fmt: skip
     for counts, tenant_field, since, rows in waiting:
         grouped = (
@@ -134,10 +174,9 @@ def _summaries(now: datetime) -> _Summaries:
             .values_list(tenant_field, "n", "oldest")
         )
         for tenant, n, oldest in grouped:
-            counts[tenant] = n
-            seconds = _seconds(now, oldest)
-            if seconds is not None and out.oldest.get(tenant, 0) <= seconds:
-                out.oldest[tenant] = seconds
+            if counts is not None:
+                counts[tenant] = n
+            out.older(tenant, _seconds(now, oldest))
     recent = (
         JobDecision.objects.filter(at__gte=now - timedelta(hours=1))
         .exclude(tenant="")
@@ -179,32 +218,57 @@ def _ranked(summaries: _Summaries, names: set[str], first: int | None, rank: str
 
 def _rows(summaries: _Summaries, chosen: list[str], active: int) -> list[dict[str, Any]]:
     """The full rows of the ``chosen`` tenants (of ``active`` in all), in their order:
-    each one's slots too."""
-    from django_fair_jobs.models import TenantQueueSlot
-
-    slots = TenantQueueSlot.objects.filter(_ACTIVE)
-    if len(chosen) < active:  # a page of the busiest: read only their slots
-        slots = slots.filter(tenant__in=chosen)
-    by_tenant: dict[str, list[dict[str, Any]]] = {}
-    columns = slots.order_by("tenant", "queue").values_list(
-        "tenant", "queue", "current_jobs", "max_jobs", "default_max_jobs", "parked_jobs",
-        "deferred_total", "boost_until",
-    )  # fmt: skip
-    for tenant, queue, running, override, default, parked, deferred, boost in columns:
-        by_tenant.setdefault(tenant, []).append(
-            {"queue": queue, "running": running,
-             "limit": default if override is None else override, "override": override,
-             "parked": parked, "deferred_total": deferred,
-             "boosted_until": None if boost is None else boost.isoformat()}
-        )  # fmt: skip
+    each one's queues too, with the cap in force on each."""
     s = summaries
+    per_queue = _queues_of(chosen if len(chosen) < active else None)
     return [
-        {"tenant": t, "slots": by_tenant.get(t, []), "running": s.running.get(t, 0),
-         "parked": s.parked.get(t, 0), "pending": s.pending.get(t, 0),
-         "oldest_wait_seconds": s.oldest.get(t), "reroutes_last_hour": s.reroutes.get(t, 0),
+        {"tenant": t, "queues": per_queue.get(t, []), "running": s.running.get(t, 0),
+         "waiting": s.lined.get(t, 0), "parked": s.parked.get(t, 0),
+         "pending": s.pending.get(t, 0), "oldest_wait_seconds": s.oldest.get(t),
+         "reroutes_last_hour": s.reroutes.get(t, 0),
          "shadow_decisions_last_hour": s.shadow.get(t, 0)}
         for t in chosen
     ]  # fmt: skip
+
+
+def _queues_of(chosen: list[str] | None) -> dict[str, list[dict[str, Any]]]:
+    """Per tenant of ``chosen`` (None: every tenant with something going on), per queue
+    where it has a tenant slot worth showing or a line with jobs: jobs running, waiting in
+    line and parked, and the cap in force (:func:`django_fair_jobs.caps.combine`)."""
+    from django.db.models import Q
+
+    from django_fair_jobs import caps
+    from django_fair_jobs.dispatch.models import DispatchTenant
+    from django_fair_jobs.models import TenantQueueSlot
+
+    slots = TenantQueueSlot.objects.filter(_ACTIVE)
+    lines = DispatchTenant.objects.filter(Q(waiting__gt=0) | Q(in_flight__gt=0))
+    if chosen is not None:  # a page of the busiest: read only their rows
+        slots, lines = slots.filter(tenant__in=chosen), lines.filter(tenant__in=chosen)
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    columns = ("tenant", "queue", "max_jobs", "boost_until", "default_max_jobs",
+               "current_jobs", "parked_jobs", "deferred_total")  # fmt: skip
+    for t, q, override, boost, default, running, parked, deferred in slots.values_list(*columns):
+        found[(t, q)] = {"slot": caps.Slot(override, boost, default, running),
+                         "parked": parked, "deferred_total": deferred}  # fmt: skip
+    for t, q, task_cap, flight, waiting in lines.values_list(
+        "tenant", "queue", "cap", "in_flight", "waiting"
+    ):
+        found.setdefault((t, q), {})["line"] = (caps.Line(task_cap, flight), waiting)
+    limits = caps.queue_limits()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for (t, q), rows in sorted(found.items()):
+        line, waiting = rows.get("line", (None, 0))
+        cap = caps.combine(t, q, line, rows.get("slot"), limits.get(q))
+        out.setdefault(t, []).append(
+            {"queue": q, "running": cap.running, "waiting": waiting,
+             "parked": rows.get("parked", 0), "limit": cap.limit, "limit_source": cap.source,
+             "override": None if "slot" not in rows else rows["slot"].max_jobs,
+             "paused": cap.limit == 0, "queue_paused": cap.queue_paused,
+             "boosted_until": None if cap.boosted_until is None else cap.boosted_until.isoformat(),
+             "deferred_total": rows.get("deferred_total", 0), "holds": cap.holds()}
+        )  # fmt: skip
+    return out
 
 
 def tenants(now: datetime, first: int | None = None, rank: str = "name") -> list[dict[str, Any]]:
@@ -275,7 +339,8 @@ def fairness(tenant_rows: list[dict[str, Any]]) -> dict[str, Any]:
     :data:`SMALL_BACKLOG` jobs waiting) among those running or waiting: each tenant's
     wait is the age of its oldest waiting job, 0 if it has none waiting."""
     return _fairness(
-        (t["running"], t["parked"] + t["pending"], t["oldest_wait_seconds"]) for t in tenant_rows
+        (t["running"], t["waiting"] + t["parked"] + t["pending"], t["oldest_wait_seconds"])
+        for t in tenant_rows
     )
 
 
@@ -293,7 +358,6 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
     """Everything the dashboard shows, as JSON-ready data (see the module docstring): the
     tenants as :func:`tenants` gives them for ``first`` and ``rank``, and how many are
     active in all (``tenants_active``); the fairness index is over every tenant."""
-    from django_fair_jobs import dispatch
     from django_fair_jobs.planner import status as planner_status
     from django_fair_jobs.queue_limits import queue_status
 
@@ -306,7 +370,7 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
         "tenants": _rows(summaries, _ranked(summaries, names, first, rank), len(names)),
         "tenants_active": len(names),
         "queues": queue_status(),
-        "dispatch": dispatch.queue_status(),
+        "dispatch": _dispatch_queues(),
         "planners": planner_status(first=first),
         "nodes": nodes(now),
         "fairness": _fairness(
@@ -317,6 +381,21 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
     }
 
 
+def _dispatch_queues() -> list[dict[str, Any]]:
+    """Fair dispatch's queues (:func:`django_fair_jobs.dispatch.queue_status`), each with
+    what holds it back (``held_by``, :func:`django_fair_jobs.caps.queue_held_by`)."""
+    from django_fair_jobs import caps, dispatch
+
+    limits = caps.queue_limits()
+    rows = dispatch.queue_status()
+    for d in rows:
+        d["held_by"] = caps.queue_held_by(
+            d["queue"], d["capacity"], d["slack"], d["in_flight"], d["room"],
+            limits.get(d["queue"]),
+        )  # fmt: skip
+    return rows
+
+
 def as_text(snap: dict[str, Any]) -> str:
     """The snapshot as the text ``fair_jobs_status`` prints: tenants, queues, planners,
     nodes, fairness and totals, one line per item."""
@@ -324,15 +403,12 @@ def as_text(snap: dict[str, Any]) -> str:
     lines = [f"django-fair-jobs at {snap['at']}{shadow}"]
     lines.append("tenants:" if snap["tenants"] else "tenants: none active")
     for t in snap["tenants"]:
-        slots = ", ".join(
-            f"{s['queue']} {s['running']}/{s['limit']}"
-            + (f" (boosted until {s['boosted_until']})" if s["boosted_until"] else "")
-            for s in t["slots"]
-        )
+        queues = ", ".join(_queue_text(q) for q in t["queues"])
         wait = t["oldest_wait_seconds"]
         lines.append(
-            f"  {t['tenant']}: running {slots or t['running']}; parked {t['parked']}, pending "
-            f"{t['pending']}, oldest wait {'-' if wait is None else f'{wait:g} s'}, reroutes "
+            f"  {_tenant_text(t['tenant'])}: running {queues or t['running']}; waiting in "
+            f"line {t['waiting']}, parked {t['parked']}, pending {t['pending']}, oldest "
+            f"wait {'-' if wait is None else f'{wait:g} s'}, reroutes "
             f"last hour {t['reroutes_last_hour']}"
             + (f", shadow decisions {t['shadow_decisions_last_hour']}"
                if t["shadow_decisions_last_hour"] else "")
@@ -354,6 +430,7 @@ def as_text(snap: dict[str, Any]) -> str:
             f"fair dispatch {d['queue']}: capacity {d['capacity']} + slack {d['slack']}, "
             f"in flight {d['in_flight']}, room {d['room']}; waiting {d['waiting']}, "
             f"scheduled {d['scheduled']}, tenants blocked {d['blocked_tenants']}{failed}"
+            + (f"; held back: {d['held_by']}" if d["held_by"] else "")
         )
     lines.extend(_planner_lines(snap["planners"]))
     lines.append("nodes:" if snap["nodes"] else "nodes: no worker has registered")
@@ -400,6 +477,25 @@ def _planner_lines(planners: list[dict[str, Any]]) -> list[str]:
             failed = f", {t['failed']} failed (see the admin)" if t.get("failed") else ""
             lines.append(f"    {t['tenant']}{paused}: {t['pending']} pending{wait}{failed}")
     return lines
+
+
+def _queue_text(q: dict[str, Any]) -> str:
+    """One queue of a tenant in :func:`as_text`: running / cap in force ("-": none), jobs
+    waiting in line, and what holds it."""
+    text = f"{q['queue']} {q['running']}/{'-' if q['limit'] is None else q['limit']}"
+    if q["boosted_until"]:
+        text += f" (boosted until {q['boosted_until']})"
+    if q["waiting"]:
+        text += f", {q['waiting']} in line"
+    if q["holds"]:
+        text += f" ({q['holds']})"
+    return text
+
+
+def _tenant_text(tenant: str) -> str:
+    """A tenant as :func:`as_text` names it (fair dispatch's line of jobs without a
+    tenant has the empty name)."""
+    return tenant if tenant else "(no tenant)"
 
 
 def _show(limit: int | None) -> str:

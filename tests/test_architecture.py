@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "planner.models": 1,
     "messages": 1,
     # L2: shared by several rooms.
+    "caps": 2,
     "decisions": 2,
     "identity": 2,
     "leases": 2,

@@ -26,6 +26,7 @@ from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import WebDriverWait
 
 from django_fair_jobs.models import LimitChange, TenantQueueSlot
+from tests.conftest import Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 T = TypeVar("T")
@@ -161,3 +162,52 @@ def test_dashboard__staff_without_the_apps_permissions__forbidden(
     heading = until(browser, ec.presence_of_element_located((By.TAG_NAME, "h1")), "a heading")
     assert "403" in heading.text or "Forbidden" in heading.text, browser.page_source[:2000]
     assert "fair-dashboard" not in browser.page_source
+
+
+def test_dispatched_flood__dashboard_and_dispatch_tenants_show_the_waiting_tenant(
+    browser: WebDriver,
+    live_server: LiveServer,
+    tmp_path: Path,
+    start_worker: Callable[..., Worker],
+) -> None:
+    # Fair dispatch, the default mode, during a real flood on a real worker: the
+    # dashboard lists the flooding tenant with its jobs in line and its cap in force, and
+    # the Dispatch tenants page gives the same cap.
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    from tests.testapp import tasks
+
+    User.objects.create_superuser("ops", "ops@example.com", "s3cret-pw")
+    call_command("fair_jobs_limit", "fair", "--tenant", "big", "--max-jobs", "1", stdout=StringIO())
+    start_worker("w", pool="threads", concurrency=2)
+    results = [tasks.dispatched.delay("big", 0.5) for _ in range(12)]
+    log_in(browser, live_server, "ops", "s3cret-pw")
+
+    browser.get(f"{live_server.url}/admin/fair_jobs/dashboard/")
+    row = until(
+        browser,
+        ec.presence_of_element_located((By.CSS_SELECTOR, 'tr.fair-tenant[data-tenant="big"]')),
+        "big's row on the dashboard",
+    )
+    cell = row.find_element(By.CSS_SELECTOR, 'span.fair-slot[data-queue="fair"]')
+    assert cell.get_attribute("data-limit") == "1"
+    assert "in line" in cell.text and "/ 1" in cell.text
+    queue = browser.find_element(By.CSS_SELECTOR, 'tr.fair-dispatch-queue[data-queue="fair"]')
+    assert queue.find_elements(By.TAG_NAME, "td")[1].text.startswith("2 + ")  # 2 threads
+    path = screenshot_dir(tmp_path) / "dashboard-dispatch.png"
+    assert browser.save_screenshot(str(path))
+    print(f"dashboard screenshot: {path}")
+    assert path.read_bytes().startswith(PNG_SIGNATURE)
+
+    browser.get(f"{live_server.url}/admin/fair_jobs/dispatchtenant/")
+    cap = until(
+        browser,
+        ec.presence_of_element_located((By.CSS_SELECTOR, "td.field-cap_in_force")),
+        "the cap in force column",
+    )
+    assert cap.text == "1"
+    path = screenshot_dir(tmp_path) / "dispatch-tenants.png"
+    assert browser.save_screenshot(str(path))
+    assert [r.get(timeout=60) for r in results] == ["big:done"] * 12

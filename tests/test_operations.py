@@ -745,15 +745,16 @@ def test_status_command__json_tenants_queues_nodes_fairness_totals(process: uuid
     assert data["enforce"] is True
     by_tenant = {t["tenant"]: t for t in data["tenants"]}
     assert sorted(by_tenant) == ["acme", "slow"]
-    (acme_slot,) = by_tenant["acme"]["slots"]
+    (acme_slot,) = by_tenant["acme"]["queues"]
     assert acme_slot == {
-        "queue": "q", "running": 1, "limit": 4, "override": 4, "parked": 0,
-        "deferred_total": 0, "boosted_until": until.isoformat(),
+        "queue": "q", "running": 1, "waiting": 0, "limit": 4, "limit_source": "boost",
+        "override": 4, "paused": False, "queue_paused": False, "parked": 0,
+        "deferred_total": 0, "boosted_until": until.isoformat(), "holds": None,
     }  # fmt: skip
     assert by_tenant["acme"]["reroutes_last_hour"] == 1
     slow = by_tenant["slow"]
     assert (slow["running"], slow["parked"], slow["pending"]) == (1, 1, 0)
-    assert slow["slots"][0]["limit"] == 1 and slow["slots"][0]["deferred_total"] == 1
+    assert slow["queues"][0]["limit"] == 1 and slow["queues"][0]["deferred_total"] == 1
     assert slow["oldest_wait_seconds"] >= 100
     (queue,) = data["queues"]
     assert (queue["queue"], queue["max_jobs"], queue["max_jobs_per_worker"]) == ("hooks", 2, 1)
@@ -805,7 +806,7 @@ def test_status__first_tenants_in_rank_order__fairness_and_count_over_all(
     assert [t["tenant"] for t in everyone["tenants"]] == ["deep", "old", "runner"]
     by_wait = status.snapshot(first=2, rank="wait")
     assert [t["tenant"] for t in by_wait["tenants"]] == ["old", "deep"]
-    assert by_wait["tenants"][0]["slots"][0]["queue"] == "q"
+    assert by_wait["tenants"][0]["queues"][0]["queue"] == "q"
     by_backlog = status.snapshot(first=1, rank="backlog")
     assert [t["tenant"] for t in by_backlog["tenants"]] == ["deep"]
     assert by_backlog["tenants"][0]["parked"] == 4

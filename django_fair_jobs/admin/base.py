@@ -14,6 +14,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
+from django_fair_jobs import caps
 from django_fair_jobs.conf import MAX_LIMIT
 from django_fair_jobs.models import (
     Dashboard,
@@ -51,6 +52,16 @@ else:
     _QueueAdmin = _PlannedAdmin = _PlannerTenantAdmin = admin.ModelAdmin
     _DashboardAdmin = _ChangeAdmin = _DecisionAdmin = admin.ModelAdmin
     _SlotForm = forms.ModelForm
+
+
+def _cap_text(cap: caps.Cap) -> str:
+    """A cap in force as a list page shows it: the number, or "-" for none, and where a
+    pause or a boost comes from."""
+    if cap.limit is None:
+        return "-"
+    if cap.source == "paused":
+        return "0 (paused)"
+    return f"{cap.limit} ({cap.said})" if cap.source == "boost" else str(cap.limit)
 
 
 def _user(request: HttpRequest) -> str:

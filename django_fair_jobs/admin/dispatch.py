@@ -8,14 +8,16 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
-from django_fair_jobs import dispatch
+from django_fair_jobs import caps, dispatch
 from django_fair_jobs.admin.base import (
     EstimatedCountPaginator,
     RecentValuesFilter,
     _CancelsBacklog,
+    _cap_text,
     _ReadOnly,
 )
 from django_fair_jobs.dispatch.models import DispatchJob, DispatchTenant
+from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
 
 @admin.register(DispatchTenant)
@@ -23,8 +25,8 @@ class DispatchTenantAdmin(_CancelsBacklog, _ReadOnly, admin.ModelAdmin):  # type
     """Fair dispatch's lines, one row per tenant and queue (read-only: the library keeps
     them). The action cancels the selected tenants' waiting jobs on that queue."""
 
-    list_display = ("tenant", "queue", "waiting", "in_flight", "cap", "blocked", "weight",
-                    "dispatched_total")  # fmt: skip
+    list_display = ("tenant_name", "queue", "waiting", "in_flight", "cap_in_force", "blocked",
+                    "weight", "dispatched_total")  # fmt: skip
     list_filter = (("queue", RecentValuesFilter),)
     search_fields = ("tenant",)
     ordering = ("-waiting", "tenant")
@@ -32,6 +34,40 @@ class DispatchTenantAdmin(_CancelsBacklog, _ReadOnly, admin.ModelAdmin):  # type
     paginator = EstimatedCountPaginator
     show_full_result_count = False
     actions = ("cancel_backlog",)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[DispatchTenant]:
+        from django.db.models import OuterRef, Subquery
+
+        # The tenant slot's override and the queue's limit, read with each row shown: the
+        # cap in force is theirs when set (see django_fair_jobs.caps).
+        slot = TenantQueueSlot.objects.filter(tenant=OuterRef("tenant"), queue=OuterRef("queue"))
+        limit = QueueLimit.objects.filter(queue=OuterRef("queue"))
+        rows: QuerySet[DispatchTenant] = super().get_queryset(request)
+        return rows.annotate(
+            slot_max_jobs=Subquery(slot.values("max_jobs")[:1]),
+            slot_boost_until=Subquery(slot.values("boost_until")[:1]),
+            slot_current_jobs=Subquery(slot.values("current_jobs")[:1]),
+            queue_max_jobs=Subquery(limit.values("max_jobs")[:1]),
+            queue_max_jobs_per_worker=Subquery(limit.values("max_jobs_per_worker")[:1]),
+        )
+
+    @admin.display(description="tenant", ordering="tenant")
+    def tenant_name(self, obj: DispatchTenant) -> str:
+        return obj.tenant or "(no tenant)"
+
+    @admin.display(description="cap in force")
+    def cap_in_force(self, obj: DispatchTenant) -> str:
+        current = getattr(obj, "slot_current_jobs", None)
+        slot = None
+        if current is not None:  # the tenant has a slot row on the queue
+            slot = caps.Slot(obj.slot_max_jobs, obj.slot_boost_until, 0, current)  # type: ignore[attr-defined]
+        line = caps.Line(obj.cap, obj.in_flight)
+        limit = caps.queue_limit(
+            getattr(obj, "queue_max_jobs", None), getattr(obj, "queue_max_jobs_per_worker", None)
+        )
+        cap = caps.combine(obj.tenant, obj.queue, line, slot, limit)
+        text = _cap_text(cap)
+        return f"{text}; queue paused" if cap.queue_paused else text
 
     @admin.action(
         description="Cancel the selected tenants' waiting jobs on their queue",

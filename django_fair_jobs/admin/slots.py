@@ -11,12 +11,13 @@ from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
-from django_fair_jobs import db
+from django_fair_jobs import caps, db
 from django_fair_jobs.admin.base import (
     EstimatedCountPaginator,
     RecentValuesFilter,
     _BoundedLimits,
     _CancelsBacklog,
+    _cap_text,
     _LeaseInline,
     _ParkedAdmin,
     _ProcessAdmin,
@@ -27,6 +28,7 @@ from django_fair_jobs.admin.base import (
     _user,
 )
 from django_fair_jobs.conf import MAX_LIMIT
+from django_fair_jobs.dispatch.models import DispatchTenant
 from django_fair_jobs.models import (
     ParkedJob,
     QueueLimit,
@@ -136,7 +138,19 @@ class TenantQueueSlotAdmin(_CancelsBacklog, _BoundedLimits, _SlotAdmin):
             .values("n")
         )
         count = Coalesce(Subquery(leases, output_field=IntegerField()), 0)
-        return super().get_queryset(request).annotate(lease_count=count)
+        # The tenant's line on the queue, if fair dispatch has one: its cap is then the
+        # one in force when the slot has no override (see django_fair_jobs.caps).
+        line = DispatchTenant.objects.filter(tenant=OuterRef("tenant"), queue=OuterRef("queue"))
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                lease_count=count,
+                line_id=Subquery(line.values("pk")[:1]),
+                line_cap=Subquery(line.values("cap")[:1]),
+                line_in_flight=Subquery(line.values("in_flight")[:1]),
+            )
+        )
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         # Tenant and queue form the key that workers look up; editing them would orphan
@@ -145,8 +159,12 @@ class TenantQueueSlotAdmin(_CancelsBacklog, _BoundedLimits, _SlotAdmin):
         return (*base, "tenant", "queue") if obj is not None else base
 
     @admin.display(description="limit in force")
-    def limit_in_force(self, obj: TenantQueueSlot) -> int:
-        return obj.effective_max_jobs
+    def limit_in_force(self, obj: TenantQueueSlot) -> str:
+        line = None
+        if getattr(obj, "line_id", None) is not None:
+            line = caps.Line(obj.line_cap, obj.line_in_flight)  # type: ignore[attr-defined]
+        slot = caps.Slot(obj.max_jobs, obj.boost_until, obj.default_max_jobs, obj.current_jobs)
+        return _cap_text(caps.combine(obj.tenant, obj.queue, line, slot, None))
 
     @admin.display(description="boost", ordering="boost_until")
     def boost(self, obj: TenantQueueSlot) -> str:

@@ -23,7 +23,9 @@ def test_waiting__its_line_its_place_and_why(published: list[int]) -> None:  # n
     assert (found.details["tenant"], found.details["queue"]) == ("acme", "fair")
     assert found.details["ahead_in_its_line"] == 2
     assert found.details["tenant_waiting"] == 3
-    assert "No live worker consumes this queue" in found.summary
+    # One reason, never two that contradict ("every process busy" and "no live worker").
+    assert "no live worker consumes fair: start one with -Q fair" in found.summary
+    assert "busy" not in found.summary
     assert explain(ids[0]).details["ahead_in_its_line"] == 0
 
 
@@ -33,7 +35,7 @@ def test_waiting__queue_busy__says_so(published: list[int]) -> None:  # noqa: F8
     job = tasks.dispatched.delay("small")
     found = explain(job.id)
     assert found.state == "waiting"
-    assert "every worker process of the queue is busy" in found.summary
+    assert "every worker process of fair is busy" in found.summary
 
 
 def test_dispatched__in_the_broker__not_started(published: list[int]) -> None:  # noqa: F811
