@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kombu.exceptions import InconsistencyError
 from kombu.utils.json import loads
 
 SEARCHED = 10_000
@@ -44,11 +45,38 @@ def find(app: Any, task_id: str, queues: list[str], limit: int = SEARCHED) -> Se
         # for the app's connection retries.
         conn.ensure_connection(max_retries=0)
         channel = conn.default_channel
+        # The queues named, then every queue a publisher declared on this broker: a job
+        # sent to a queue no worker consumes yet is exactly the one an operator asks about.
+        queues = list(dict.fromkeys([*queues, *bound_queues(channel)]))
         # Every priority list of every queue, in delivery order: priority 0 first.
         keys = [(q, channel._q_for_pri(q, pri)) for q in queues for pri in channel.priority_steps]
         # One LLEN per list: a few queues of four priorities, each a loopback round trip.
         lengths = [int(channel.client.llen(key)) for _, key in keys]
         return _search(channel.client, task_id, queues, keys, lengths, limit)
+
+
+BINDINGS = 1_000
+"""Exchanges whose bindings :func:`bound_queues` reads at most."""
+
+
+def bound_queues(channel: Any, limit: int = BINDINGS) -> list[str]:
+    """Every queue bound to an exchange on a kombu Redis broker, sorted: kombu keeps each
+    exchange's bindings in a set ``_kombu.binding.<exchange>`` whose members end with the
+    queue's name, written when a publisher or a worker declares the queue. At most
+    ``limit`` exchanges are read."""
+    prefix = channel.global_keyprefix or ""
+    pattern = prefix + channel.keyprefix_queue % "*"
+    found: set[str] = set()
+    for n, key in enumerate(channel.client.scan_iter(match=pattern, count=500)):
+        if n >= limit:
+            break
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        exchange = name[len(prefix) + len(channel.keyprefix_queue % "") :]
+        try:
+            found.update(queue for _, _, queue in channel.get_table(exchange))
+        except InconsistencyError:  # its last binding went since the scan
+            continue
+    return sorted(found)
 
 
 def _search(

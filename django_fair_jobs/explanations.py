@@ -456,12 +456,18 @@ def _undecided(task_id: str, decisions: list[dict[str, Any]]) -> Explanation:
         )  # fmt: skip
     search = _in_broker(task_id)
     if search is not None and search.queue is not None:
+        details = {**_broker_details(search), "consumed": _consumed(search.queue)}
+        nobody = (
+            ""
+            if details["consumed"]
+            else f" No live worker consumes {search.queue}: start one with -Q {search.queue}."
+        )
         return Explanation(
             task_id, "queued",
             f"It waits in the broker on queue {search.queue}, {search.ahead} message(s) "
             "ahead of it: no worker has taken it yet. Tenant slots and queue limits hold a "
-            "job back only once a worker takes it.",
-            _broker_details(search),
+            "job back only once a worker takes it." + nobody,
+            details,
         )  # fmt: skip
     return Explanation(
         task_id, "unknown",
@@ -490,6 +496,18 @@ def _in_broker(task_id: str, first: str | None = None) -> broker.Search | None:
     except Exception:  # the broker is down or refuses: explain answers from the rows alone
         logger.warning("Could not search the broker for job %s", task_id, exc_info=True)
         return None
+
+
+def _consumed(queue: str) -> bool:
+    """Whether a live worker process (one that beat within ``FAIR_JOBS_WORKER_TIMEOUT``)
+    consumes ``queue``, from the queues each process registered."""
+    from datetime import timedelta
+
+    from django_fair_jobs.models import WorkerProcess
+
+    since = db.database_now() - timedelta(seconds=fair_settings.WORKER_TIMEOUT)
+    live = WorkerProcess.objects.filter(last_heartbeat_at__gte=since)
+    return any(queue in (queues or ()) for queues in live.values_list("queues", flat=True))
 
 
 def _broker_details(search: broker.Search | None) -> dict[str, Any]:

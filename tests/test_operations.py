@@ -339,7 +339,9 @@ def test_explain__rerouted__rule_queue_and_count(broker_env: dict[str, str]) -> 
     results = [tasks.rerouted.delay("acme") for _ in range(3)]
     # Within its rule nothing held it: it is found in the broker.
     first = explain(results[0].id)
-    assert (first.state, first.details) == ("queued", {"queue": "fair", "ahead": 0})
+    assert (first.state, first.details) == (
+        "queued", {"queue": "fair", "ahead": 0, "consumed": False},
+    )  # fmt: skip
     found = explain(results[2].id)
     assert found.state == "rerouted"
     assert found.details["to_queue"] == "fair_slow"
@@ -365,15 +367,44 @@ def test_explain__slots_job_in_the_broker__queue_and_messages_ahead(
 ) -> None:
     jobs = [tasks.limited3.delay(f"t{i}") for i in range(3)]
     found = explain(jobs[2].id)
-    assert (found.state, found.details) == ("queued", {"queue": "fair", "ahead": 2})
+    assert (found.state, found.details) == (
+        "queued", {"queue": "fair", "ahead": 2, "consumed": False},
+    )  # fmt: skip
     assert "on queue fair, 2 message(s) ahead" in found.summary
     assert explain(jobs[0].id).details["ahead"] == 0
     # Priorities: kombu's Redis transport delivers every message of priority 0 (the
     # default) before one of priority 9.
     urgent = tasks.limited3.apply_async(("t9",), priority=0)
     late = tasks.limited3.apply_async(("t8",), priority=9)
-    assert explain(urgent.id).details == {"queue": "fair", "ahead": 3}
-    assert explain(late.id).details == {"queue": "fair", "ahead": 4}
+    assert explain(urgent.id).details["ahead"] == 3
+    assert explain(late.id).details["ahead"] == 4
+
+
+def test_explain__a_job_on_a_queue_only_its_publisher_knows__found__nobody_consumes_it(
+    broker_env: dict[str, str],
+) -> None:
+    # Published by another process (a web request) to a queue no worker consumes yet and
+    # this process's app never named: kombu's bindings on the broker name it.
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = (
+        "import django; django.setup()\n"
+        "from tests.celery_app import app\n"
+        "print(app.send_task('tests.testapp.tasks.limited3', ('acme',), "
+        "queue='reports_nobody_reads').id)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=broker_env, capture_output=True,
+        text=True, timeout=60, check=True,
+    )  # fmt: skip
+    found = explain(done.stdout.strip().splitlines()[-1])
+    assert found.state == "queued"
+    assert found.details == {"queue": "reports_nobody_reads", "ahead": 0, "consumed": False}
+    assert "No live worker consumes reports_nobody_reads" in found.summary
+    assert "-Q reports_nobody_reads" in found.summary
 
 
 def test_broker_search__bounded__and_a_broker_that_cannot_be_read(
