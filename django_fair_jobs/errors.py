@@ -41,9 +41,9 @@ class RuleError(ValueError):
 
 
 class PlanError(ValueError):
-    """A ``fair_plan`` that cannot work, or a planned job that cannot be stored (no
-    tenant); raised at publish. An invalid ``fair_plan`` is also system check E015, so
-    a worker refuses to start with one."""
+    """A ``fair_plan`` that cannot work, or ``bulk_enqueue`` on a task that neither plans
+    nor dispatches; raised at publish. An invalid ``fair_plan`` is also system check E015,
+    so a worker refuses to start with one."""
 
 
 class PublishFailedError(Exception):

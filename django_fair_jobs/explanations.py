@@ -284,7 +284,9 @@ def _planned(planned: Any, now: datetime) -> Explanation:
     task, latency, threshold, backpressure = _planner_details(planned, details)
     if not_before := planned.not_before:
         details["not_before"] = not_before.isoformat()
-    summary = (f"Pending in tenant {planned.tenant!r}'s virtual queue of {planned.task_name}, "
+    whose = (f"tenant {planned.tenant!r}'s virtual queue" if planned.tenant
+             else "the virtual queue of the jobs without a tenant")  # fmt: skip
+    summary = (f"Pending in {whose} of {planned.task_name}, "
                f"number {details['position_in_tenant_queue']}.")  # fmt: skip
     if details["tenant_paused"]:
         summary += " The tenant's promotion is paused in the admin."

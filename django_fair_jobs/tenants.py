@@ -126,9 +126,11 @@ UNRESOLVED: dict[str, str] = {
     "published": "was published without a tenant, so it is not counted or rerouted by its rules",
     "dispatched": "was published without a tenant: it waits in the one line of the jobs "
     "without a tenant, which takes its turn beside the tenants' lines under no tenant's cap",
+    "planned": "was published without a tenant: it waits in the virtual queue of the jobs "
+    "without a tenant, which the planner promotes as one more tenant",
 }
 """What a job without a tenant does, by where it was seen: run, published under rerouting
-rules, or held by fair dispatch."""
+rules, held by fair dispatch, or held by the planner."""
 
 
 def warn_missing_tenant(task_name: str, kind: str = "ran") -> bool:

@@ -73,7 +73,7 @@ from django_fair_jobs.planner.stride import allocate as allocate
 from django_fair_jobs.planner.stride import wait_bound as wait_bound
 from django_fair_jobs.planner.stride import weights as weights
 from django_fair_jobs.routing import declared_queue
-from django_fair_jobs.tenants import for_log, normalize_tenant
+from django_fair_jobs.tenants import for_log, normalize_tenant, warn_missing_tenant
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -125,6 +125,11 @@ hour, as long as Redis's default visibility timeout before it redelivers a messa
 # Publishing --------------------------------------------------------------------------
 
 
+NO_TENANT = ""
+"""The tenant of the virtual queue that holds a task's planned jobs without a tenant: no
+real tenant can be empty (:func:`~django_fair_jobs.tenants.normalize_tenant`)."""
+
+
 def _row(
     task: Task[Any, Any], tenant: Any, args: Any, kwargs: Any, options: dict[str, Any]
 ) -> PlannedJob:
@@ -132,11 +137,10 @@ def _row(
 
     tenant = normalize_tenant(tenant)
     if tenant is None:
-        raise PlanError(
-            f"{task.name}: the job's tenant is None, so it cannot be planned. Return a tenant "
-            "from fair_tenant(), pass fair_tenant=, set FAIR_JOBS_TENANT_RESOLVER or set "
-            "FAIR_JOBS_DEFAULT_TENANT."
-        )
+        # Never refused at delay(): it waits in the virtual queue of the jobs without a
+        # tenant, which the planner promotes as one more tenant.
+        warn_missing_tenant(task.name, "planned")
+        tenant = NO_TENANT
     options = dict(options)
     task_id = str(options.pop("task_id", None) or uuid.uuid4())
     countdown, eta = options.pop("countdown", None), options.pop("eta", None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from io import StringIO
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -19,7 +20,7 @@ from tests.testapp import tasks
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _status() -> dict[str, dict[str, object]]:
+def _status() -> dict[str, dict[str, Any]]:
     out = StringIO()
     call_command("fair_jobs_status", "--json", stdout=out)
     return {t["tenant"]: t for t in json.loads(out.getvalue())["tenants"]}
@@ -34,8 +35,8 @@ def test_dispatched_flood__status_metrics_and_explain_show_the_waiting_tenant(
     small = tasks.dispatched.delay("small", 0.01)
     wait_for(lambda: _status().get("big", {}).get("running") == 1, 30, "big to run one job")
     rows = _status()
-    assert rows["big"]["waiting"] >= 5  # type: ignore[operator]
-    (queue,) = rows["big"]["queues"]  # type: ignore[misc]
+    assert rows["big"]["waiting"] >= 5
+    (queue,) = rows["big"]["queues"]
     assert (queue["queue"], queue["limit"], queue["limit_source"]) == ("fair", 1, "override")
     assert "at its cap: 1 of 1 running" in queue["holds"]
     assert rows["big"]["oldest_wait_seconds"] is not None

@@ -175,13 +175,24 @@ def test_bulk_enqueue__one_insert() -> None:
     )
 
 
-def test_no_tenant__error_at_publish_unless_a_default_tenant_is_set(settings: Any) -> None:
-    with pytest.raises(planner.PlanError, match="FAIR_JOBS_DEFAULT_TENANT"):
+def test_no_tenant__never_refused__its_own_virtual_queue__or_the_default_tenant(
+    settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from django_fair_jobs import tenants
+
+    tenants._last_warned.clear()
+    with caplog.at_level(logging.WARNING, logger="django_fair_jobs"):
         tasks.planned.delay(None)
-    assert not PlannedJob.objects.exists()
+        tasks.planned.delay(None)
+    assert list(PlannedJob.objects.values_list("tenant", flat=True)) == ["", ""]
+    said = [r.getMessage() for r in caplog.records if "without a tenant" in r.getMessage()]
+    assert len(said) == 1 and "FAIR_JOBS_DEFAULT_TENANT" in said[0]
+    assert run_planner().counts == {"": 2}  # promoted as one more tenant
     settings.FAIR_JOBS_DEFAULT_TENANT = "shared"
     tasks.planned.delay(None)
-    assert PlannedJob.objects.get().tenant == "shared"
+    assert PlannedJob.objects.filter(promoted_at__isnull=True).get().tenant == "shared"
 
 
 @pytest.mark.parametrize(("age", "promotes"), [(30.0, True), (30.001, False)])
