@@ -219,7 +219,10 @@ def adhoc_task(celery_app: Any) -> Iterator[Callable[..., Any]]:
 
 
 def check_ids(name: str) -> list[str]:
-    return [m.id for m in check_task_rules() if name in m.msg and m.id]
+    # W006 (no way to find the tenant) is not what these tasks are about.
+    return [
+        m.id for m in check_task_rules() if name in m.msg and m.id not in (None, "fair_jobs.W006")
+    ]
 
 
 def test_checks__bad_rules_scope_and_unknown_queue(adhoc_task: Callable[..., Any]) -> None:
