@@ -1,6 +1,6 @@
 """System checks: a bad ``FAIR_JOBS_*`` setting fails ``manage.py check`` and start-up.
 
-Ids are stable (``fair_jobs.E001`` to ``E024``, ``W001`` to ``W006``): the Reference
+Ids are stable (``fair_jobs.E001`` to ``E024``, ``W001`` to ``W004``, ``W006``): the Reference
 page lists each with what it means and how to fix it. ``W006`` is a fair task with no way
 to find its jobs' tenant (no ``fair_tenant()``, resolver or default tenant).
 
@@ -16,7 +16,7 @@ import difflib
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
 
@@ -28,7 +28,6 @@ from django_fair_jobs import tenants
 from django_fair_jobs.conf import (
     MAX_LIMIT,
     MAX_SLOT_HANDOFF,
-    OLD_SETTING_NAMES,
     ON_LIMIT_CHOICES,
     PREFIX,
     SETTING_NAMES,
@@ -39,7 +38,7 @@ from django_fair_jobs.errors import TenantError
 from django_fair_jobs.planner import plan_errors
 from django_fair_jobs.reroute import rule_errors, scope_error
 from django_fair_jobs.routing import queue_name
-from django_fair_jobs.task import OLD_OPTION_NAMES, TASK_OPTIONS, FairTask
+from django_fair_jobs.task import TASK_OPTIONS, FairTask
 from django_fair_jobs.validation import weights_problem
 
 logger = logging.getLogger("django_fair_jobs.checks")
@@ -401,14 +400,12 @@ def fair_tasks(app: Any) -> list[Any]:
     return sorted((t for t in app.tasks.values() if isinstance(t, FairTask)), key=lambda t: t.name)
 
 
-def _closest(name: str, known: Sequence[str], renamed: Mapping[str, str] | None = None) -> str:
-    """The known name closest to ``name``; a misspelt old name (``renamed``: old -> new)
-    points to the new one."""
-    renamed = renamed or {}
-    match = difflib.get_close_matches(name, [*known, *renamed], n=1, cutoff=0.6)
+def _closest(name: str, known: Sequence[str]) -> str:
+    """The known name closest to ``name``, or the list of them."""
+    match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
     if not match:
         return f"the known ones are {', '.join(known)}."
-    return f"did you mean {renamed.get(match[0], match[0])}?"
+    return f"did you mean {match[0]}?"
 
 
 @checks.register("fair_jobs")
@@ -416,7 +413,7 @@ def check_unknown_names(
     app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
     """Warn about ``FAIR_JOBS_*`` settings and ``fair_*`` task options that the library does
-    not know (a typo would otherwise be silently ignored), and about old names."""
+    not know (a typo would otherwise be silently ignored)."""
     from celery import current_app
 
     _import_task_modules(current_app)  # an import error is check_task_rules' E018
@@ -427,62 +424,36 @@ def check_unknown_names(
 
 
 def _setting_name_warnings() -> list[checks.CheckMessage]:
-    """W002 for a ``FAIR_JOBS_*`` name that is no setting, W005 for an old one."""
+    """W002 for a ``FAIR_JOBS_*`` name that is no setting."""
     from django.conf import settings
 
-    messages: list[checks.CheckMessage] = []
     known = [PREFIX + name for name in SETTING_NAMES]
     sources = [("setting", name) for name in dir(settings) if name.startswith(PREFIX)] + [
         ("environment variable", name) for name in os.environ if name.startswith(PREFIX)
     ]
-    renamed = {PREFIX + old: PREFIX + new for new, old in OLD_SETTING_NAMES.items()}
-    for source, name in sorted(set(sources)):
-        if name in renamed:
-            new = renamed[name]
-            shadowed = hasattr(settings, new) or new in os.environ
-            messages.append(
-                checks.Warning(
-                    f"The {source} {name} is renamed {new}; the old name is read for this "
-                    "release only"
-                    + (", and not at all while the new one is set." if shadowed else "."),
-                    hint=f"Rename it {new}.",
-                    id="fair_jobs.W005",
-                )
-            )
-        elif name not in known:
-            messages.append(
-                checks.Warning(
-                    f"The {source} {name} is not a django-fair-jobs setting; "
-                    f"{_closest(name, known, renamed)}",
-                    hint="Rename it, or remove it (the settings are listed in the docs' "
-                    "Reference page).",
-                    id="fair_jobs.W002",
-                )
-            )
-    return messages
+    return [
+        checks.Warning(
+            f"The {source} {name} is not a django-fair-jobs setting; {_closest(name, known)}",
+            hint="Rename it, or remove it (the settings are listed in the docs' Reference page).",
+            id="fair_jobs.W002",
+        )
+        for source, name in sorted(set(sources))
+        if name not in known
+    ]
 
 
 def _option_name_warnings(task: Any) -> list[checks.CheckMessage]:
-    """W003 for a ``fair_*`` attribute of ``task`` that is no option, W005 for an old one."""
+    """W003 for a ``fair_*`` attribute of ``task`` that is no option."""
     messages: list[checks.CheckMessage] = []
     for klass in type(task).__mro__:
         if klass is FairTask:
             break
         for name in sorted(vars(klass)):
-            if name in OLD_OPTION_NAMES:
-                messages.append(
-                    checks.Warning(
-                        f"Task {task.name}: the option {name} is renamed "
-                        f"{OLD_OPTION_NAMES[name]}; the old name works for this release only.",
-                        hint=f"Rename it {OLD_OPTION_NAMES[name]}.",
-                        id="fair_jobs.W005",
-                    )
-                )
-            elif name.startswith("fair_") and name not in TASK_OPTIONS:
+            if name.startswith("fair_") and name not in TASK_OPTIONS:
                 messages.append(
                     checks.Warning(
                         f"Task {task.name}: {name} is not a FairTask option; "
-                        f"{_closest(name, TASK_OPTIONS, OLD_OPTION_NAMES)}",
+                        f"{_closest(name, TASK_OPTIONS)}",
                         hint="Rename it; an unknown fair_* option is ignored.",
                         id="fair_jobs.W003",
                     )

@@ -38,14 +38,6 @@ slot held for no running job looks stuck to an operator."""
 
 _env = environ.Env()
 
-OLD_SETTING_NAMES: dict[str, str] = {
-    "QUEUE_LIMITS_PER_WORKER": "QUEUE_PROCESS_LIMITS",
-    "REROUTE_MAX_WINDOW": "MAX_THROTTLING_WINDOW",
-    "REROUTE_SCOPE": "WINDOW_SCOPE",
-}
-"""Settings renamed so that one concept has one name (new name -> old name, without the
-prefix). The old name is still read for one release, when the new one is not set."""
-
 
 def _json_object(raw: str) -> dict[str, Any]:
     """Parse an environment value like ``{"webhooks": 2}`` (JSON)."""
@@ -112,26 +104,14 @@ class Settings:
     """
 
     def is_set(self, name: str) -> bool:
-        """Whether ``FAIR_JOBS_<name>`` is set, in the Django settings or the environment
-        (under its old name too), rather than left to its default."""
-        names = [PREFIX + name]
-        old = OLD_SETTING_NAMES.get(name)
-        if old is not None:
-            names.append(PREFIX + old)
-        return any(hasattr(django_settings, key) or key in os.environ for key in names)
+        """Whether ``FAIR_JOBS_<name>`` is set, in the Django settings or the environment,
+        rather than left to its default."""
+        key = PREFIX + name
+        return hasattr(django_settings, key) or key in os.environ
 
     def _get(self, name: str, default: T, parse: Callable[[str], Any]) -> Any:
         key = PREFIX + name
         value = _django_value(key)
-        if value is _UNSET and key not in os.environ:
-            # A renamed setting still works under its old name for one release (check
-            # fair_jobs.W005 says to rename it).
-            old = OLD_SETTING_NAMES.get(name)
-            if old is not None and (
-                _django_value(PREFIX + old) is not _UNSET or PREFIX + old in os.environ
-            ):
-                key = PREFIX + old
-                value = _django_value(key)
         if value is not _UNSET:
             return value
         if key in os.environ:

@@ -1,6 +1,5 @@
 """Every exception the library raises to its callers (layer 0: imports nothing of the
-package), so that any layer can raise one and a caller finds them all in one place. The
-modules that defined them before still export them under the same names."""
+package), so that any layer can raise one and a caller finds them all in one place."""
 
 from __future__ import annotations
 

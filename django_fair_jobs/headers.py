@@ -1,8 +1,7 @@
 """The message headers the library reads and writes, and the questions a worker asks of a
 delivered job's request (layer 0: imports nothing of the package).
 
-Every header starts with ``fair_``. The modules that named them before still export them
-under their old names (``slots.WAKE_HEADER``, ``windows.HEADER``...)."""
+Every header starts with ``fair_``."""
 
 from __future__ import annotations
 

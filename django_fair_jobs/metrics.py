@@ -176,23 +176,8 @@ METRICS: tuple[MetricSpec, ...] = (
            "over (running or waiting, at most 10 jobs waiting)."),
     _gauge("fair_jobs_decisions_last_hour", ("mechanism", "action", "enforced"),
            "Decisions recorded in the last hour; enforced=\"false\": shadow mode."),
-    # The old names of renamed gauges, exposed beside the new ones for one release.
-    _gauge("fair_jobs_tenant_limit", (*T, *Q), "Deprecated: renamed "
-           "fair_jobs_tenant_max_jobs (same samples); removed in the next release."),
-    _gauge("fair_jobs_queue_limit", Q, "Deprecated: renamed fair_jobs_queue_max_jobs "
-           "(same samples); removed in the next release."),
-    _gauge("fair_jobs_queue_limit_per_worker", Q, "Deprecated: renamed "
-           "fair_jobs_queue_max_jobs_per_worker (same samples); removed in the next release."),
 )  # fmt: skip
 """Every metric the exporter exposes, in the order of the exposition."""
-
-DEPRECATED_METRICS = {
-    "fair_jobs_tenant_max_jobs": "fair_jobs_tenant_limit",
-    "fair_jobs_queue_max_jobs": "fair_jobs_queue_limit",
-    "fair_jobs_queue_max_jobs_per_worker": "fair_jobs_queue_limit_per_worker",
-}
-"""Renamed gauges (one name per concept: ``max_jobs``): new name -> old name. The old name
-gets the same samples for one release, so that dashboards and alerts can move over."""
 
 
 def tenant_label(tenant: str) -> str:
@@ -223,8 +208,6 @@ class _Families:
         if value is not None:
             labels = list(labels)
             self._samples[name].add_metric(labels, float(value))
-            if name in DEPRECATED_METRICS:
-                self._samples[DEPRECATED_METRICS[name]].add_metric(labels, float(value))
 
     def add_histogram(
         self, name: str, labels: Iterable[str], counts: list[int], total: float

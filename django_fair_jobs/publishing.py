@@ -214,10 +214,6 @@ def _dispatch_options(task: Task[Any, Any]) -> dispatch.Options:
     return parsed  # type: ignore[no-any-return]
 
 
-SHADOW_PLANNED = fair_headers.PLAN_SHADOW
-"""The old name of :data:`django_fair_jobs.headers.PLAN_SHADOW` (one release)."""
-
-
 @dataclass
 class Prepared:
     """A job ready to publish, or held: ``held`` is the ``AsyncResult`` of a job that waits
@@ -277,7 +273,7 @@ def prepare(
             return Prepared(task_id, options, planner.intercept(task, tenant, args, kwargs, held))
         # Shadow mode: the job would wait in its tenant's virtual queue; it goes to the
         # broker at once, marked as promoted so that no re-publish is held either.
-        headers[fair_headers.PLAN] = SHADOW_PLANNED
+        headers[fair_headers.PLAN] = fair_headers.PLAN_SHADOW
         task_id = _record_hold(task, tenant, options, task_id, "planner")
     task_id = _reroute(task, headers, args, kwargs, task_id, options)
     options["headers"] = headers

@@ -10,7 +10,6 @@ queue's place together.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
 from typing import Any
@@ -39,9 +38,6 @@ from django_fair_jobs.errors import (
 )
 from django_fair_jobs.reroute import Rule, RuleError
 
-SHADOW_PLANNED = publishing.SHADOW_PLANNED
-"""The old name of :data:`django_fair_jobs.publishing.SHADOW_PLANNED` (one release)."""
-
 MECHANISM_OPTIONS = (
     "fair_max_jobs",
     "fair_on_limit",
@@ -53,53 +49,6 @@ MECHANISM_OPTIONS = (
 """Options that choose a mechanism other than fair dispatch: a task that sets one of them
 (or ``fair_slots = False``) and not ``fair_dispatch`` is not dispatched
 (:meth:`FairTask.fair_dispatching`)."""
-
-OLD_OPTION_NAMES: dict[str, str] = {
-    "fair_tenant_queues": "fair_reroute",
-    "fair_window_scope": "fair_reroute_scope",
-}
-"""Task options renamed so that rerouting's options say reroute (old name -> new name).
-The old name still works for one release, with a ``DeprecationWarning`` where the task is
-defined and the check ``fair_jobs.W005``."""
-
-
-def _take_old_option_names(cls: type[FairTask]) -> None:
-    """Give an option set under its old name to its new name, once, with a warning."""
-    name = getattr(cls, "name", None) or cls.__qualname__
-    for old, new in OLD_OPTION_NAMES.items():
-        if old not in vars(cls):
-            continue
-        warnings.warn(
-            f"{name}: the task option {old} is renamed {new}; {old} goes away in the next release.",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if new not in vars(cls):
-            setattr(cls, new, vars(cls)[old])
-
-
-def _old_option(old: str) -> property:
-    """A property for the old name ``old`` of a task option, so that reading or setting it
-    on a task (``setattr(task, "fair_tenant_queues", rules)``) reaches the new option,
-    with a warning, instead of being ignored."""
-    new = OLD_OPTION_NAMES[old]
-
-    def warn() -> None:
-        warnings.warn(
-            f"the task option {old} is renamed {new}; {old} goes away in the next release.",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-
-    def get(task: Any) -> Any:
-        warn()
-        return getattr(task, new)
-
-    def set_(task: Any, value: Any) -> None:
-        warn()
-        setattr(task, new, value)
-
-    return property(get, set_, doc=f"The old name of ``{new}`` (one release).")
 
 
 def _validate_options(cls: type[FairTask]) -> None:
@@ -198,14 +147,10 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
     """What the rules count under: ``"task"``, ``"queue"`` or ``"group:<name>"``.
     None: ``FAIR_JOBS_REROUTE_SCOPE``."""
 
-    fair_tenant_queues = _old_option("fair_tenant_queues")
-    fair_window_scope = _old_option("fair_window_scope")
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Celery builds a class per decorated function with the decorator's keywords as
         # attributes, so this validates both subclasses and @shared_task(fair_...=...).
         super().__init_subclass__(**kwargs)
-        _take_old_option_names(cls)
         _validate_options(cls)
 
     @classmethod
@@ -370,8 +315,6 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
             setattr(self.request, "fair_retrying", False)  # noqa: B010
 
 
-TASK_OPTIONS: tuple[str, ...] = tuple(
-    name for name in vars(FairTask) if name.startswith("fair_") and name not in OLD_OPTION_NAMES
-)
+TASK_OPTIONS: tuple[str, ...] = tuple(name for name in vars(FairTask) if name.startswith("fair_"))
 """Every ``fair_*`` name a fair task may set (options and overridable methods); the checks
 warn about any other (``fair_jobs.W003``)."""

@@ -33,9 +33,6 @@ LOG_MAX_LENGTH = 100
 first 91 characters, ``~`` and the first 8 hex digits of its SHA-256 (see
 :func:`shorten`)."""
 
-HEADER = fair_headers.TENANT
-"""The old name of :data:`django_fair_jobs.headers.TENANT`."""
-
 
 def normalize_tenant(value: Any) -> str | None:
     """Return the tenant as stored: a string, or None for "no tenant".

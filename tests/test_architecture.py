@@ -62,13 +62,8 @@ LAYERS: dict[str, int] = {
     "task": 5,
     "plain_tasks": 5,
     "tasks": 5,
-    # L6: what runs the rest and shows it; may import anything below. ``managers``,
-    # ``limits``, ``windows`` and ``workers`` are shims of old import paths (see SHIMS).
-    "managers": 6,
-    "limits": 6,
-    "windows": 6,
+    # L6: what runs the rest and shows it; may import anything below.
     "maintenance": 6,
-    "workers": 6,
     "apps": 6,
     "signals": 6,
     "checks": 6,
@@ -93,10 +88,6 @@ its layout. Empty: none is allowed. Never add one; move the code it needs down i
 
 ALLOWED_CYCLES: list[list[str]] = []
 """Cycles among modules of one layer. Empty: none is allowed."""
-
-SHIMS = {"managers", "limits", "windows", "workers"}
-"""Modules that only re-export moved names for one release; nothing in the package may
-import them, so that deleting them breaks only old user code."""
 
 
 def module_name(path: Path) -> str:
@@ -269,13 +260,6 @@ def test_no_import_cycle__outside_the_allowlist() -> None:
     assert cycles(pruned) == ALLOWED_CYCLES
 
 
-def test_no_module_imports_a_shim() -> None:
-    users = sorted(
-        (source, target) for source, targets in import_graph().items() for target in targets & SHIMS
-    )
-    assert not users, f"import the new home of these names instead: {users}"
-
-
 def test_task_and_stores__import_before_django_is_set_up() -> None:
     # A project's Celery module may import its tasks (and so FairTask) before
     # django.setup(): the rooms import their stores at the top, so a store must import the
@@ -284,7 +268,7 @@ def test_task_and_stores__import_before_django_is_set_up() -> None:
         "import django_fair_jobs.task, django_fair_jobs.slots.store, "
         "django_fair_jobs.queue_limits.store, django_fair_jobs.reroute.store, "
         "django_fair_jobs.planner.store, django_fair_jobs.leases.store, "
-        "django_fair_jobs.identity, django_fair_jobs.managers\n"
+        "django_fair_jobs.identity\n"
         "print('imported')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
@@ -324,94 +308,6 @@ def test_breaks_layering__up_and_sideways_only(source: str, target: str, breaks:
 def test_cycles__finds_a_cycle_and_only_real_ones() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
-
-
-OLD_PATHS = {
-    # Old import path -> the new home; kept for one release (see the changelog).
-    "tenants.TenantError": "errors.TenantError",
-    "task.FairTaskConfigError": "errors.FairTaskConfigError",
-    "task.FairArgumentsError": "errors.FairArgumentsError",
-    "task.TaskIdError": "errors.TaskIdError",
-    "slots.TenantLimitError": "errors.TenantLimitError",
-    "windows.RuleError": "errors.RuleError",
-    "planner.PlanError": "errors.PlanError",
-    "planner.PublishFailedError": "errors.PublishFailedError",
-    "limits.LimitError": "errors.LimitError",
-    "dispatch.DispatchError": "errors.DispatchError",
-    "slots.publish": "messages.publish_woken",
-    "workers.current_process_id": "identity.current_process_id",
-    "workers.current_node_id": "identity.current_node_id",
-    "workers.registered_process_id": "identity.registered_process_id",
-    "workers.when_gone": "identity.when_gone",
-    "workers.start_node": "identity.start_node",
-    "workers.set_concurrency": "identity.set_concurrency",
-    "workers.consumed_queues": "identity.consumed_queues",
-    "tenants.HEADER": "headers.TENANT",
-    "slots.WAKE_HEADER": "headers.WAKE",
-    "slots.DEFERRALS_HEADER": "headers.DEFERRALS",
-    "windows.HEADER": "headers.WINDOW",
-    "windows.MAX_JOBS_HEADER": "headers.MAX_JOBS",
-    "planner.PLAN_HEADER": "headers.PLAN",
-    "dispatch.HEADER": "headers.DISPATCH",
-    "managers.database_now": "db.database_now",
-    "managers.Grant": "leases.Grant",
-    "managers.Acquisition": "leases.Acquisition",
-    "managers.LimitedAcquisition": "leases.LimitedAcquisition",
-    "managers.Woken": "leases.Woken",
-    "managers.Reaped": "leases.Reaped",
-    "managers.ParkOutcome": "leases.ParkOutcome",
-    "managers.UNCHANGED": "queue_limits.store.UNCHANGED",
-    "managers.Recorded": "reroute.store.Recorded",
-    "limits.store": "queue_limits.store",
-    "limits.set_limits": "queue_limits.set_limits",
-    "limits.is_limited": "queue_limits.is_limited",
-    "limits.queue_status": "queue_limits.queue_status",
-    "windows.store": "reroute.store",
-    "windows.Rule": "reroute.Rule",
-    "windows.parse_rules": "reroute.parse_rules",
-    "windows.prune": "reroute.prune",
-    "workers.run_maintenance": "maintenance.run_maintenance",
-    "workers.start_process": "maintenance.start_process",
-    "workers.shutdown": "maintenance.shutdown",
-    "workers.MaintenanceReport": "maintenance.MaintenanceReport",
-    "workers.claim_maintenance": "maintenance.claim_maintenance",
-    "workers.dispatch_due": "maintenance.dispatch_due",
-}
-
-
-@pytest.mark.parametrize(("old", "new"), sorted(OLD_PATHS.items()))
-def test_old_import_path__still_gives_the_moved_name(old: str, new: str) -> None:
-    import importlib
-    import warnings
-
-    def load(dotted: str) -> object:
-        module, _, attribute = dotted.rpartition(".")
-        with warnings.catch_warnings():
-            # A renamed room's old path warns (tested below); the name is what counts here.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return getattr(importlib.import_module(f"{NAME}.{module}"), attribute)
-
-    assert load(old) is load(new)
-
-
-@pytest.mark.parametrize(
-    ("old", "new"), [("limits", "queue_limits"), ("windows", "reroute"), ("workers", "maintenance")]
-)
-def test_renamed_room__every_name_is_reachable_by_its_old_path_with_a_warning(
-    old: str, new: str
-) -> None:
-    import importlib
-
-    shim = importlib.import_module(f"{NAME}.{old}")
-    room = importlib.import_module(f"{NAME}.{new}")
-    # The shim's own few names (``warnings``, ``Any``...) are the same objects either way.
-    public = [name for name in vars(room) if not name.startswith("_") and name not in vars(shim)]
-    assert "store" in public
-    for name in public:
-        with pytest.warns(DeprecationWarning, match=rf"{NAME}\.{new}\.{name}\b"):
-            assert getattr(shim, name) is getattr(room, name)
-    with pytest.raises(AttributeError):
-        _ = shim.no_such_name
 
 
 def test_is_fair__a_fair_task_is__a_plain_task_is_not() -> None:

@@ -179,67 +179,44 @@ def test_w003__unknown_task_option__names_the_closest() -> None:
             "Task tests.typo_task: fair_max_job is not a FairTask option; "
             "did you mean fair_max_jobs?",
             "Task tests.typo_task: fair_tenant_queue is not a FairTask option; "
-            "did you mean fair_reroute?",
+            "did you mean fair_tenant?",
         ]
     finally:
         app.tasks.unregister("tests.typo_task")
 
 
-def test_w005__old_setting_names__still_read__warned__the_new_name_wins(
+def test_old_setting_names__not_read__unknown_like_any_typo(
     monkeypatch: pytest.MonkeyPatch, settings: Any
 ) -> None:
+    # 0.1.0 is unreleased: a name renamed before it is no setting at all (W002), and the
+    # setting keeps its default.
     for name in [n for n in os.environ if n.startswith("FAIR_JOBS_")]:
         monkeypatch.delenv(name)
-    assert warnings_of(check_unknown_names, "fair_jobs.W005") == []
-    settings.FAIR_JOBS_QUEUE_PROCESS_LIMITS = {"webhooks": 1}
     settings.FAIR_JOBS_MAX_THROTTLING_WINDOW = 3600
     monkeypatch.setenv("FAIR_JOBS_WINDOW_SCOPE", "queue")
-    assert fair_settings.QUEUE_LIMITS_PER_WORKER == {"webhooks": 1}
-    assert fair_settings.REROUTE_MAX_WINDOW == 3600
-    assert fair_settings.REROUTE_SCOPE == "queue"
-    assert warnings_of(check_unknown_names, "fair_jobs.W005") == [
-        "The environment variable FAIR_JOBS_WINDOW_SCOPE is renamed FAIR_JOBS_REROUTE_SCOPE; "
-        "the old name is read for this release only.",
-        "The setting FAIR_JOBS_MAX_THROTTLING_WINDOW is renamed FAIR_JOBS_REROUTE_MAX_WINDOW; "
-        "the old name is read for this release only.",
-        "The setting FAIR_JOBS_QUEUE_PROCESS_LIMITS is renamed FAIR_JOBS_QUEUE_LIMITS_PER_WORKER; "
-        "the old name is read for this release only.",
+    assert fair_settings.REROUTE_MAX_WINDOW == 86400
+    assert fair_settings.REROUTE_SCOPE == "task"
+    warned = warnings_of(check_unknown_names, "fair_jobs.W002")
+    assert [m.split(";")[0] for m in warned] == [
+        "The environment variable FAIR_JOBS_WINDOW_SCOPE is not a django-fair-jobs setting",
+        "The setting FAIR_JOBS_MAX_THROTTLING_WINDOW is not a django-fair-jobs setting",
     ]
-    assert warnings_of(check_unknown_names, "fair_jobs.W002") == []
-    settings.FAIR_JOBS_REROUTE_MAX_WINDOW = 7200  # both set: the new name wins, and says so
-    assert fair_settings.REROUTE_MAX_WINDOW == 7200
-    assert (
-        "The setting FAIR_JOBS_MAX_THROTTLING_WINDOW is renamed FAIR_JOBS_REROUTE_MAX_WINDOW; "
-        "the old name is read for this release only, and not at all while the new one is set."
-    ) in warnings_of(check_unknown_names, "fair_jobs.W005")
 
 
-def test_w005__old_task_option_names__still_work__warned_where_defined_and_by_the_check() -> None:
+def test_old_task_option_names__unknown_options__w003() -> None:
     from tests.celery_app import app
 
-    rules = [{"queue": "slow", "threshold": 5, "per": 60}]
-    with pytest.warns(DeprecationWarning, match="fair_tenant_queues is renamed fair_reroute"):
-
-        @app.task(
-            base=FairTask,
-            name="tests.old_names",
-            fair_tenant_queues=rules,
-            fair_window_scope="queue",
-        )
-        def old_names() -> None:
-            """A task that still uses the old option names."""
+    @app.task(base=FairTask, name="tests.old_names", fair_tenant_queues=[], fair_window_scope="q")
+    def old_names() -> None:
+        """A task that uses option names that are not the library's."""
 
     try:
-        assert old_names.fair_reroute is rules
-        assert old_names.fair_reroute_scope == "queue"
-        assert [rule.queue for rule in old_names.fair_rules()] == ["slow"]
-        assert warnings_of(check_unknown_names, "fair_jobs.W005") == [
-            "Task tests.old_names: the option fair_tenant_queues is renamed fair_reroute; "
-            "the old name works for this release only.",
-            "Task tests.old_names: the option fair_window_scope is renamed fair_reroute_scope; "
-            "the old name works for this release only.",
+        warned = warnings_of(check_unknown_names, "fair_jobs.W003")
+        assert [m.split(";")[0] for m in warned] == [
+            "Task tests.old_names: fair_tenant_queues is not a FairTask option",
+            "Task tests.old_names: fair_window_scope is not a FairTask option",
         ]
-        assert warnings_of(check_unknown_names, "fair_jobs.W003") == []
+        assert old_names.fair_reroute is None
     finally:
         app.tasks.unregister("tests.old_names")
 
@@ -364,29 +341,6 @@ def test_e018__task_module_that_cannot_import__reported_by_check(tmp_path: Path)
     assert "fair_jobs.E018" in result.stderr
     assert "FairTaskConfigError" in result.stderr and "fair_max_jobs must be" in result.stderr
     assert "Traceback" not in result.stderr
-
-
-def test_old_task_option_names__set_on_a_task_after_it_is_defined__still_work() -> None:
-    from tests.testapp import tasks
-
-    rules = [{"queue": "slow", "threshold": 5, "per": 60}]
-    task = tasks.rerouted
-    saved = task.__dict__.get("fair_reroute"), task.__dict__.get("fair_reroute_scope")
-    try:
-        with pytest.warns(DeprecationWarning, match="fair_tenant_queues is renamed fair_reroute"):
-            setattr(task, "fair_tenant_queues", rules)  # noqa: B010
-        with pytest.warns(DeprecationWarning, match="fair_window_scope is renamed"):
-            setattr(task, "fair_window_scope", "queue")  # noqa: B010
-        assert [rule.queue for rule in task.fair_rules()] == ["slow"]
-        assert task.fair_reroute_scope == "queue"
-        with pytest.warns(DeprecationWarning, match="fair_tenant_queues is renamed"):
-            assert task.fair_tenant_queues is rules
-    finally:
-        for name, value in zip(("fair_reroute", "fair_reroute_scope"), saved, strict=True):
-            if value is None:
-                task.__dict__.pop(name, None)
-            else:
-                task.__dict__[name] = value
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

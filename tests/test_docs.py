@@ -161,9 +161,7 @@ def test_docs__every_setting_command_and_admin_page_named_exists() -> None:
     from django.contrib import admin
     from django.core.management import get_commands
 
-    from django_fair_jobs.conf import OLD_SETTING_NAMES
-
-    known_settings = {*SETTING_NAMES, *OLD_SETTING_NAMES.values(), "CHAOS_BROKER"}
+    known_settings = {*SETTING_NAMES, "CHAOS_BROKER"}
     commands = {*get_commands(), "migrate_schemas"} | {
         p.stem for p in (ROOT / "example_project").glob("*/management/commands/*.py")
     }

@@ -24,7 +24,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from django_fair_jobs import identity, metrics
 from django_fair_jobs.db import database_now
 from django_fair_jobs.metrics import (
-    DEPRECATED_METRICS,
     METRICS,
     FairJobsCollector,
     metrics_view,
@@ -194,21 +193,16 @@ def test_queue_limits__running_limit_paused_parked_deferrals(process: uuid.UUID)
     assert value(samples, "fair_jobs_queue_paused", queue="stopped") == 1
 
 
-def test_renamed_gauges__old_names_carry_the_same_samples_for_one_release(
-    process: uuid.UUID,
-) -> None:
+def test_renamed_gauges__only_the_max_jobs_names(process: uuid.UUID) -> None:
+    # One name per concept: the limits' gauges are named max_jobs, with no old twin.
     assert acquire(process, "j1", tenant="acme", limit=3) is not None
     set_limits("q", max_jobs=2, max_jobs_per_worker=1)
     samples = scrape()
-    assert DEPRECATED_METRICS  # one entry per renamed gauge
-    for new, old in DEPRECATED_METRICS.items():
-        current = named(samples, new)
-        assert current, new
-        assert named(samples, old) == current, old
-    assert value(samples, "fair_jobs_tenant_limit", tenant="acme", queue="q") == 3
-    help_of = {spec.name: spec.help for spec in METRICS}
-    for old in DEPRECATED_METRICS.values():
-        assert help_of[old].startswith("Deprecated: renamed "), old
+    assert value(samples, "fair_jobs_tenant_max_jobs", tenant="acme", queue="q") == 3
+    assert value(samples, "fair_jobs_queue_max_jobs", queue="q") == 2
+    old = ("fair_jobs_tenant_limit", "fair_jobs_queue_limit", "fair_jobs_queue_limit_per_worker")
+    assert not [name for (name, _) in samples if name in old]
+    assert not [spec.name for spec in METRICS if spec.name in old]
 
 
 def test_queue_line__parked_and_oldest(process: uuid.UUID) -> None:

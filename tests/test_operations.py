@@ -37,6 +37,7 @@ from django_fair_jobs import (
     slots,
     status,
 )
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.checks import check_settings
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.db import database_now
@@ -518,7 +519,7 @@ def test_shadow__planned_job_published_at_once__hold_recorded(
         bulk = tasks.planned.bulk_enqueue([(("acme",), {}), (("zed",), {})])
     assert not PlannedJob.objects.exists()
     assert [key for key, _ in routing_keys] == ["fair"] * 3
-    assert all(planner.PLAN_HEADER in headers for _, headers in routing_keys)
+    assert all(fair_headers.PLAN in headers for _, headers in routing_keys)
     held = JobDecision.objects.order_by("id")
     assert [d.task_id for d in held] == [result.id, *(r.id for r in bulk)]
     assert {(d.mechanism, d.action, d.enforced, d.queue) for d in held} == {
@@ -713,13 +714,13 @@ def test_limit_command__tenant_max_jobs_default_and_boost() -> None:
     [
         ["q", "--tenant", "acme", "--max-jobs", "8", "--for", "3600"],
         ["q", "--tenant", "acme", "--max-jobs", "8", "--until", "2099-01-01T00:00+00:00"],
-        ["q", "--tenant", "acme", "--global", "0"],
+        ["q", "--tenant", "acme", "--per-worker", "0"],
         ["q", "--tenant", "acme", "--clear"],
     ],
 )
 def test_limit_command__options_that_do_not_apply_to_a_tenant__refused(args: list[str]) -> None:
     """An option the tenant path would ignore is refused, not dropped: "--max-jobs 8 --for
-    3600" must not raise the limit for good, nor "--global 0" leave the queue running."""
+    3600" must not raise the limit for good, nor "--per-worker 0" leave the queue running."""
     with pytest.raises(CommandError):
         call_command("fair_jobs_limit", *args, stdout=StringIO())
     assert not LimitChange.objects.exists()

@@ -58,7 +58,6 @@ from django.db import router
 from django.utils import timezone
 
 from django_fair_jobs import db, validation
-from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.dispatch import message
 from django_fair_jobs.dispatch.types import BATCH as BATCH
@@ -76,9 +75,6 @@ if TYPE_CHECKING:
     from celery import Celery, Task
 
 logger = logging.getLogger("django_fair_jobs.dispatch")
-
-HEADER = fair_headers.DISPATCH
-"""The old name of :data:`django_fair_jobs.headers.DISPATCH`."""
 
 KNOWN_KEYS = frozenset({"tenant_weights"})
 

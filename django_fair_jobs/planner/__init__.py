@@ -49,7 +49,6 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import dumps, loads
 
 from django_fair_jobs import db
-from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import (
     FairArgumentsError,
@@ -82,9 +81,6 @@ if TYPE_CHECKING:
     from django_fair_jobs.models import PlannedJob
 
 logger = logging.getLogger("django_fair_jobs.planner")
-
-PLAN_HEADER = fair_headers.PLAN
-"""The old name of :data:`django_fair_jobs.headers.PLAN`."""
 
 PUBLISH_ATTEMPTS = 3
 """Publishes a planned job may fail for a reason of its own before it is failed for good

@@ -16,7 +16,7 @@ a worker first receives it and, if a rule matches, re-published to the rule's qu
 
 Not counted and never rerouted: a job published to a queue other than the task's declared
 one, a job without a tenant, and any re-publish of a counted job (a retry, a woken parked
-job), which carries the :data:`HEADER` of its first count.
+job), which carries the :data:`~django_fair_jobs.headers.WINDOW` of its first count.
 
 Exactness: counts are exact to the whole second of the database clock, like the original
 (each rule counts the enqueues of ``[now - per, now]``, both ends included), and exact under
@@ -49,12 +49,6 @@ if TYPE_CHECKING:
     from celery import Task
 
 logger = logging.getLogger("django_fair_jobs.reroute")
-
-HEADER = fair_headers.WINDOW
-"""The old name of :data:`django_fair_jobs.headers.WINDOW`."""
-
-MAX_JOBS_HEADER = fair_headers.MAX_JOBS
-"""The old name of :data:`django_fair_jobs.headers.MAX_JOBS`."""
 
 RULE_KEYS = frozenset({"queue", "threshold", "per", "max_jobs"})
 """The keys a rule may have; ``queue`` and ``threshold`` are required."""
@@ -193,7 +187,7 @@ class Decision:
     index: int | None
 
     def header(self) -> dict[str, Any]:
-        """The :data:`HEADER` value that marks the job as counted."""
+        """The :data:`~django_fair_jobs.headers.WINDOW` value that marks the job as counted."""
         return {"counts": list(self.counts), "rule": self.index}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from django_fair_jobs import db, events, messages, routing
+from django_fair_jobs import db, events, messages
 from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import MAX_LIMIT
 from django_fair_jobs.db import after_commit
@@ -36,12 +36,6 @@ if TYPE_CHECKING:
     from django_fair_jobs.models import TenantQueueSlot
 
 logger = logging.getLogger("django_fair_jobs.slots")
-
-DEFERRALS_HEADER = fair_headers.DEFERRALS
-"""The old name of :data:`django_fair_jobs.headers.DEFERRALS`."""
-
-WAKE_HEADER = fair_headers.WAKE
-"""The old name of :data:`django_fair_jobs.headers.WAKE`."""
 
 
 def is_woken(task: Task[Any, Any]) -> bool:
@@ -73,10 +67,6 @@ def wake(slot_id: int, limit: int | None = 1, app: Celery | None = None) -> int:
         messages.publish_woken(job, app=app)
         woken += 1
     return woken
-
-
-publish = messages.publish_woken
-"""The old name of :func:`django_fair_jobs.messages.publish_woken` (one release)."""
 
 
 def _check_limit(value: Any, what: str) -> None:
@@ -194,7 +184,3 @@ def end_boosts(app: Celery | None = None) -> int:
             sender=TenantQueueSlot, tenant=row.tenant, queue=row.queue, app=app
         )
     return ended
-
-
-request_queue = routing.request_queue
-"""The old name of :func:`django_fair_jobs.routing.request_queue` (one release)."""

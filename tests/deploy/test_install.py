@@ -154,8 +154,8 @@ def test_rabbitmq_extra__alone__connects(tmp_path: Path, checkout: Path) -> None
     _run("pip install build && python -m build --wheel", checkout, env)
     _run('pip install "dist/django_fair_jobs-0.1.0-py3-none-any.whl[rabbitmq]"', checkout, env)
     connect = (
-        "python -c \"from kombu import Connection; "
+        'python -c "from kombu import Connection; '
         "c = Connection('amqp://guest:guest@127.0.0.1:5672//'); "
-        "c.ensure_connection(max_retries=1); print(c.transport.driver_type)\""
+        'c.ensure_connection(max_retries=1); print(c.transport.driver_type)"'
     )
     assert _run(connect, tmp_path, env).strip() == "amqp"

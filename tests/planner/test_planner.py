@@ -14,6 +14,7 @@ from django.core.management import call_command
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs import planner
 from django_fair_jobs.models import PlannedJob, PlannerRun, PlannerTenant
 from django_fair_jobs.planner import store as planner_store
@@ -152,7 +153,7 @@ def test_intercepted_job__keeps_task_id_and_options__nothing_on_the_broker_until
         before_task_publish.disconnect(capture)
     ((message,),) = [sent]
     assert message["id"] == "planned-1" and message["queue"] == "other"
-    assert message["headers"]["x"] == 1 and message["headers"][planner.PLAN_HEADER] == 1
+    assert message["headers"]["x"] == 1 and message["headers"][fair_headers.PLAN] == 1
     assert PlannedJob.objects.get(task_id="planned-1").promoted_at is not None
 
 
@@ -266,7 +267,7 @@ def test_planner_lock__one_run_at_a_time() -> None:
 
 def test_retry_of_a_promoted_job__not_planned_again() -> None:
     # A promoted job's re-publish (retry, wake-up) carries the header: straight through.
-    result = tasks.planned.apply_async(("acme",), headers={planner.PLAN_HEADER: 1})
+    result = tasks.planned.apply_async(("acme",), headers={fair_headers.PLAN: 1})
     assert not PlannedJob.objects.filter(task_id=result.id).exists()
 
 

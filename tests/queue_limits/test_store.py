@@ -9,6 +9,7 @@ import pytest
 from django.core.management import call_command
 from django.test import override_settings
 
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs import identity, queue_limits
 from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.leases.types import Grant
@@ -284,7 +285,7 @@ def test_woken_copy__dropped_when_stale__started_afresh_when_redelivered(
     # redelivery (its holder died before acknowledging) must run, or the job is lost.
     from celery.exceptions import Ignore
 
-    from django_fair_jobs.slots import WAKE_HEADER
+    from django_fair_jobs.headers import WAKE as WAKE_HEADER
     from tests.testapp import tasks
 
     task = tasks.no_tenant
@@ -352,7 +353,7 @@ def test_postpone__keeps_the_wake_mark_only_on_a_woken_copy(
 ) -> None:
     from celery.canvas import Signature
 
-    from django_fair_jobs import messages, slots
+    from django_fair_jobs import messages
     from tests.testapp import tasks
 
     sent: list[tuple[dict[str, object], dict[str, object]]] = []
@@ -362,7 +363,7 @@ def test_postpone__keeps_the_wake_mark_only_on_a_woken_copy(
     task = tasks.limited1
     task.push_request(
         id="p1",
-        headers={slots.WAKE_HEADER: 3, "fair_tenant": "acme"},
+        headers={fair_headers.WAKE: 3, "fair_tenant": "acme"},
         delivery_info={"routing_key": "fair", "redelivered": redelivered},
         is_eager=False,
     )
@@ -374,9 +375,9 @@ def test_postpone__keeps_the_wake_mark_only_on_a_woken_copy(
     headers = options.get("headers") or {}
     assert isinstance(headers, dict)
     if redelivered:
-        assert slots.WAKE_HEADER not in headers and "fair_wake" not in kwargs
+        assert fair_headers.WAKE not in headers and "fair_wake" not in kwargs
     else:
-        assert headers[slots.WAKE_HEADER] == 3 and kwargs == {"fair_wake": 3}
+        assert headers[fair_headers.WAKE] == 3 and kwargs == {"fair_wake": 3}
 
 
 def _dead_queue_lease(task_id: str) -> uuid.UUID:
@@ -430,15 +431,12 @@ def test_maintenance__recounts_queue_places_from_leases_under_the_row_lock(
     assert (row().current_jobs, row().running) == (1, {str(NODE_A): 1})
 
 
-def test_limit_command__old_name_global__still_sets_max_jobs_with_a_warning() -> None:
+def test_limit_command__no_global_option__max_jobs_is_the_one_name() -> None:
     from io import StringIO
 
     from django.core.management.base import CommandError
 
-    err = StringIO()
-    call_command("fair_jobs_limit", "hooks", "--global", "3", stdout=StringIO(), stderr=err)
-    assert row().max_jobs == 3
-    assert "--global is renamed --max-jobs" in err.getvalue()
-    with pytest.raises(CommandError, match="only --max-jobs"):
-        call_command("fair_jobs_limit", "hooks", "--global", "3", "--max-jobs", "2")
+    with pytest.raises(CommandError, match="unrecognized arguments: --global"):
+        call_command("fair_jobs_limit", "hooks", "--global", "3", stdout=StringIO())
+    call_command("fair_jobs_limit", "hooks", "--max-jobs", "3", stdout=StringIO())
     assert row().max_jobs == 3

@@ -17,8 +17,9 @@ from django.test.utils import CaptureQueriesContext
 
 from django_fair_jobs import FairTask
 from django_fair_jobs.checks import check_task_rules
+from django_fair_jobs.headers import WINDOW as HEADER
 from django_fair_jobs.models import JobDecision, RerouteCount, TenantWindow, WindowBucket
-from django_fair_jobs.reroute import HEADER, RuleError, parse_rules, prune
+from django_fair_jobs.reroute import RuleError, parse_rules, prune
 from django_fair_jobs.reroute import store as reroute_store
 from django_fair_jobs.reroute.store import Recorded
 from tests.conftest import runs_sql

@@ -3,7 +3,6 @@ boosts) at runtime; every change goes into the limit history."""
 
 from __future__ import annotations
 
-import argparse
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -37,8 +36,7 @@ class Command(BaseCommand):
 
     help = (
         "Show or change how many jobs of QUEUE run at once: --max-jobs across every worker "
-        "node, --per-worker on each node (0 pauses the queue; --global is the old name of "
-        "--max-jobs). Changes apply at once, wake "
+        "node, --per-worker on each node (0 pauses the queue). Changes apply at once, wake "
         "parked jobs, and survive restarts: FAIR_JOBS_QUEUE_LIMITS and "
         "FAIR_JOBS_QUEUE_LIMITS_PER_WORKER only seed queues with nothing stored. --clear "
         "removes QUEUE's limits; --reset makes the stored limits (of QUEUE, or of every "
@@ -50,9 +48,6 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("queue", nargs="?", metavar="QUEUE")
-        parser.add_argument(
-            "--global", dest="old_global", metavar="N", type=str, help=argparse.SUPPRESS
-        )
         parser.add_argument("--per-worker", dest="per_worker", metavar="N", type=str)
         parser.add_argument("--clear", action="store_true", help="No limit on QUEUE.")
         parser.add_argument(
@@ -69,18 +64,6 @@ class Command(BaseCommand):
         from django_fair_jobs.models import QueueLimit
 
         queue = options["queue"]
-        if options["old_global"] is not None:
-            # The queue row's field, the setting and the metric say max_jobs; --global is
-            # read for one release.
-            if options["max_jobs"] is not None:
-                raise CommandError("--global is the old name of --max-jobs: give only --max-jobs.")
-            self.stderr.write(
-                "--global is renamed --max-jobs (the queue's max_jobs); --global goes away in "
-                "the next release."
-            )
-            options["max_jobs"] = options.pop("old_global")
-            options["old_global"] = None
-            options["via_global"] = True
         if options["tenant"] is not None:
             self._tenant(queue, options)
             return
@@ -128,8 +111,7 @@ class Command(BaseCommand):
         from django_fair_jobs.models import TenantQueueSlot
 
         tenant = options["tenant"]
-        flags = (("--global", "via_global"), ("--per-worker", "per_worker"), ("--clear", "clear"),
-                 ("--reset", "reset"))  # fmt: skip
+        flags = (("--per-worker", "per_worker"), ("--clear", "clear"), ("--reset", "reset"))
         queue_only = [flag for flag, key in flags if options.get(key)]
         if queue_only:
             raise CommandError(
