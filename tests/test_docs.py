@@ -16,15 +16,19 @@ from django_fair_jobs.conf import SETTING_NAMES
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_how_it_works__prints_every_shipped_sql_file_in_order() -> None:
+SQL_PAGES = ("sql.md", "sql-queues.md", "sql-dispatch.md")
+"""The pages that print the shipped SQL, in order."""
+
+
+def test_sql_pages__print_every_shipped_sql_file_in_order() -> None:
     from django_fair_jobs.sql import STATEMENT_FILES
 
-    page = (ROOT / "docs/how-it-works.md").read_text()
+    page = "".join((ROOT / "docs" / name).read_text() for name in SQL_PAGES)
     at = 0
     for path in (*STATEMENT_FILES, "sql/dispatch.sql"):
         block = f"`{path}`\n\n```sql\n" + (ROOT / "django_fair_jobs" / path).read_text() + "```"
         found = page.find(block, at)
-        assert found >= 0, f"docs/how-it-works.md must print {path} as shipped, after the last"
+        assert found >= 0, f"docs/{', '.join(SQL_PAGES)} must print {path} as shipped, in order"
         at = found + len(block)
     shipped = {
         str(p.relative_to(ROOT / "django_fair_jobs"))
@@ -74,6 +78,9 @@ def test_docs_site__builds_with_warnings_as_errors(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "concepts/index.html").exists()
+    # Each page has one reader and one job, and stays short enough to read.
+    long = [p.name for p in (ROOT / "docs").glob("*.md") if len(p.read_text().splitlines()) > 800]
+    assert not long, f"pages over 800 lines: {long}"
     # The quickstart's steps render as one numbered list: a block not indented under its
     # step would end the list, and the next steps would start again from 1.
     page = (tmp_path / "quickstart/index.html").read_text()
