@@ -1,5 +1,6 @@
 """Create two tenants and publish one job of each task from each tenant's schema, and one
-from the public schema, where the resolver gives no tenant.
+from the public schema, where the resolver gives no tenant (it waits in the line of the jobs
+without a tenant).
 
 Run as ``python -m tests.deploy.tenants_project.publish`` with the project's settings;
 prints one line per publish."""
@@ -15,7 +16,7 @@ def main() -> None:
     """Publish, then say what the public schema's publish did."""
     from django_tenants.utils import tenant_context  # type: ignore[import-untyped]
 
-    from django_fair_jobs.dispatch import DispatchError
+    from django_fair_jobs.dispatch.models import DispatchJob
     from tests.deploy.tenants_project.customers.models import Client, Domain
     from tests.deploy.tenants_project.notes.tasks import ALL, dispatched_fair_first
 
@@ -26,10 +27,11 @@ def main() -> None:
         with tenant_context(client):
             for task in ALL:
                 print(schema, task.name, task.delay(schema).id, flush=True)
-    try:
-        dispatched_fair_first.delay("public")
-    except DispatchError as exc:
-        print("public refused:", exc, flush=True)
+    # No tenant in the public schema: the job is not refused, it waits in the line of the
+    # jobs without a tenant (a countdown keeps it there for the test to see).
+    held = dispatched_fair_first.apply_async(("public",), countdown=3600)
+    row = DispatchJob.objects.get(task_id=held.id)
+    print(f"public held: {row.tenant!r} {row.task_id}", flush=True)
 
 
 if __name__ == "__main__":
