@@ -164,6 +164,7 @@ def test_dashboard__staff_without_the_apps_permissions__forbidden(
     assert "fair-dashboard" not in browser.page_source
 
 
+@pytest.mark.workers
 def test_dispatched_flood__dashboard_and_dispatch_tenants_show_the_waiting_tenant(
     browser: WebDriver,
     live_server: LiveServer,

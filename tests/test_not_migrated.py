@@ -153,6 +153,7 @@ def test_not_migrated__status_says_run_migrate_without_a_traceback(
     assert "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.workers
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("state", ["unmigrated", "partly"])
 def test_not_migrated__the_worker_refuses_to_start(

@@ -66,6 +66,7 @@ def test_default_tenant__names_the_line_of_jobs_without_one(
     assert not [r for r in caplog.records if "without a tenant" in r.getMessage()]
 
 
+@pytest.mark.workers
 def test_no_tenant__dispatched_jobs_run_on_a_real_worker(
     start_worker: Callable[..., Worker],
 ) -> None:

@@ -17,7 +17,7 @@ from tests.conftest import Worker, wait_for
 from tests.test_metrics import scrape, value
 from tests.testapp import tasks
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.workers]
 
 
 def _status() -> dict[str, dict[str, Any]]:
