@@ -56,16 +56,18 @@ def age(now: datetime, then: datetime | None) -> float | None:
     return None if then is None else round(max((now - then).total_seconds(), 0.0), 1)
 
 
-def _oldest(field: str, in_sql: bool) -> Any:
-    """The age of the oldest ``field`` of a group: on PostgreSQL, seconds computed by the
-    database (10,000 timestamps cost more to load than to age in SQL); elsewhere the
-    oldest timestamp itself, aged by :func:`_seconds`."""
+def _oldest(field: Any, in_sql: bool, aggregate: bool = True) -> Any:
+    """The age of the oldest ``field`` of a group (of ``field`` itself, without
+    ``aggregate``): on PostgreSQL, seconds computed by the database (10,000 timestamps
+    cost more to load than to age in SQL); elsewhere the timestamp itself, aged by
+    :func:`_seconds`."""
     from django.db.models import FloatField, Func, Min
 
+    value = Min(field) if aggregate else field
     if not in_sql:
-        return Min(field)
+        return value
     return Func(
-        Min(field), template="EXTRACT(EPOCH FROM (now() - %(expressions)s))",
+        value, template="EXTRACT(EPOCH FROM (now() - %(expressions)s))",
         output_field=FloatField(),
     )  # fmt: skip
 
@@ -104,6 +106,9 @@ class _Summaries:
     oldest: dict[str, float] = field(default_factory=dict)
     reroutes: dict[str, int] = field(default_factory=dict)
     shadow: dict[str, int] = field(default_factory=dict)
+    lines: dict[str, list[tuple[str, int | None, int, int]]] = field(default_factory=dict)
+    """Per tenant, its fair dispatch lines with jobs: (queue, cap, in flight, waiting),
+    read once for the figures and the rows."""
 
     def names(self) -> set[str]:
         """Every tenant with a figure."""
@@ -121,30 +126,42 @@ class _Summaries:
             self.oldest[tenant] = seconds
 
 
-def _running(out: _Summaries) -> None:
-    """Jobs running per tenant: per queue, the larger of its tenant slot's jobs and its
-    line's jobs in flight (a capped dispatched job holds both), summed over queues; and
-    the jobs waiting in fair dispatch's lines."""
-    from django.db.models import Q
+def _running_and_lines(out: _Summaries, now: datetime, in_sql: bool) -> None:
+    """Jobs running per tenant, and its jobs waiting in fair dispatch's lines with the
+    age of each line's head (its oldest waiting job: one row per line, not a scan of its
+    jobs). Running is its slots' jobs plus its lines' jobs in flight, less the jobs both
+    count (a capped dispatched job holds its tenant slot too: per queue, the smaller of
+    the two)."""
+    from django.db.models import OuterRef, Q, Subquery, Sum
 
-    from django_fair_jobs.dispatch.models import DispatchTenant
+    from django_fair_jobs.dispatch.models import DispatchJob, DispatchTenant
     from django_fair_jobs.models import TenantQueueSlot
 
-    per_queue: dict[tuple[str, str], int] = dict(
-        ((t, q), n)
-        for t, q, n in TenantQueueSlot.objects.filter(_ACTIVE).values_list(
-            "tenant", "queue", "current_jobs"
-        )
+    slots = TenantQueueSlot.objects.filter(_ACTIVE)
+    out.running.update(
+        slots.values("tenant").annotate(n=Sum("current_jobs")).values_list("tenant", "n")
     )
-    lines = DispatchTenant.objects.filter(Q(waiting__gt=0) | Q(in_flight__gt=0))
-    for tenant, queue, waiting, flight in lines.values_list(
-        "tenant", "queue", "waiting", "in_flight"
-    ):
-        per_queue[(tenant, queue)] = max(per_queue.get((tenant, queue), 0), flight)
+    head = DispatchJob.objects.filter(pk=OuterRef("head_id")).values("enqueued_at")[:1]
+    lines = (
+        DispatchTenant.objects.filter(Q(waiting__gt=0) | Q(in_flight__gt=0))
+        .annotate(head_age=_oldest(Subquery(head), in_sql, aggregate=False))
+        .values_list("tenant", "queue", "waiting", "in_flight", "head_age", "cap")
+    )
+    flying: dict[tuple[str, str], int] = {}
+    running, lined = out.running, out.lined
+    for tenant, queue, waiting, flight, head_age, cap in lines:
+        out.lines.setdefault(tenant, []).append((queue, cap, flight, waiting))
+        if flight:
+            flying[(tenant, queue)] = flight
+            running[tenant] = running.get(tenant, 0) + flight
         if waiting:
-            out.lined[tenant] = out.lined.get(tenant, 0) + waiting
-    for (tenant, _), n in per_queue.items():
-        out.running[tenant] = out.running.get(tenant, 0) + n
+            lined[tenant] = lined.get(tenant, 0) + waiting
+            out.older(tenant, _seconds(now, head_age))
+    if flying:
+        both = slots.filter(current_jobs__gt=0, tenant__in={t for t, _ in flying})
+        for tenant, queue, n in both.values_list("tenant", "queue", "current_jobs"):
+            if (tenant, queue) in flying:
+                running[tenant] -= min(n, flying[(tenant, queue)])
 
 
 def _summaries(now: datetime) -> _Summaries:
@@ -152,20 +169,16 @@ def _summaries(now: datetime) -> _Summaries:
     jobs."""
     from django.db.models import Count
 
-    from django_fair_jobs.dispatch.models import DispatchJob, DispatchTenant
     from django_fair_jobs.models import JobDecision, ParkedJob, PlannedJob
 
     out = _Summaries()
-    _running(out)
     in_sql = db.is_postgres(router.db_for_read(ParkedJob))
-    # A line's oldest waiting job is its head: one row per line, not a scan of its jobs.
-    heads = DispatchTenant.objects.filter(waiting__gt=0).values("head_id")
+    _running_and_lines(out, now, in_sql)
     waiting = (
         (out.parked, "slot__tenant", "parked_at",
          ParkedJob.objects.filter(woken_at__isnull=True, slot__isnull=False)),
         (out.pending, "tenant", "enqueued_at",
          PlannedJob.objects.filter(promoted_at__isnull=True)),
-        (None, "tenant", "enqueued_at", DispatchJob.objects.filter(pk__in=heads)),
     )  # fmt: skip
     for counts, tenant_field, since, rows in waiting:
         grouped = (
@@ -174,8 +187,7 @@ def _summaries(now: datetime) -> _Summaries:
             .values_list(tenant_field, "n", "oldest")
         )
         for tenant, n, oldest in grouped:
-            if counts is not None:
-                counts[tenant] = n
+            counts[tenant] = n
             out.older(tenant, _seconds(now, oldest))
     recent = (
         JobDecision.objects.filter(at__gte=now - timedelta(hours=1))
@@ -220,7 +232,7 @@ def _rows(summaries: _Summaries, chosen: list[str], active: int) -> list[dict[st
     """The full rows of the ``chosen`` tenants (of ``active`` in all), in their order:
     each one's queues too, with the cap in force on each."""
     s = summaries
-    per_queue = _queues_of(chosen if len(chosen) < active else None)
+    per_queue = _queues_of(s, chosen if len(chosen) < active else None)
     return [
         {"tenant": t, "queues": per_queue.get(t, []), "running": s.running.get(t, 0),
          "waiting": s.lined.get(t, 0), "parked": s.parked.get(t, 0),
@@ -231,30 +243,26 @@ def _rows(summaries: _Summaries, chosen: list[str], active: int) -> list[dict[st
     ]  # fmt: skip
 
 
-def _queues_of(chosen: list[str] | None) -> dict[str, list[dict[str, Any]]]:
+def _queues_of(summaries: _Summaries, chosen: list[str] | None) -> dict[str, list[dict[str, Any]]]:
     """Per tenant of ``chosen`` (None: every tenant with something going on), per queue
     where it has a tenant slot worth showing or a line with jobs: jobs running, waiting in
-    line and parked, and the cap in force (:func:`django_fair_jobs.caps.combine`)."""
-    from django.db.models import Q
-
+    line and parked, and the cap in force (:func:`django_fair_jobs.caps.combine`). The
+    lines are the ones :func:`_summaries` read."""
     from django_fair_jobs import caps
-    from django_fair_jobs.dispatch.models import DispatchTenant
     from django_fair_jobs.models import TenantQueueSlot
 
     slots = TenantQueueSlot.objects.filter(_ACTIVE)
-    lines = DispatchTenant.objects.filter(Q(waiting__gt=0) | Q(in_flight__gt=0))
     if chosen is not None:  # a page of the busiest: read only their rows
-        slots, lines = slots.filter(tenant__in=chosen), lines.filter(tenant__in=chosen)
+        slots = slots.filter(tenant__in=chosen)
     found: dict[tuple[str, str], dict[str, Any]] = {}
     columns = ("tenant", "queue", "max_jobs", "boost_until", "default_max_jobs",
                "current_jobs", "parked_jobs", "deferred_total")  # fmt: skip
     for t, q, override, boost, default, running, parked, deferred in slots.values_list(*columns):
         found[(t, q)] = {"slot": caps.Slot(override, boost, default, running),
                          "parked": parked, "deferred_total": deferred}  # fmt: skip
-    for t, q, task_cap, flight, waiting in lines.values_list(
-        "tenant", "queue", "cap", "in_flight", "waiting"
-    ):
-        found.setdefault((t, q), {})["line"] = (caps.Line(task_cap, flight), waiting)
+    for t in summaries.lines if chosen is None else chosen:
+        for q, task_cap, flight, waiting in summaries.lines.get(t, ()):
+            found.setdefault((t, q), {})["line"] = (caps.Line(task_cap, flight), waiting)
     limits = caps.queue_limits()
     out: dict[str, list[dict[str, Any]]] = {}
     for (t, q), rows in sorted(found.items()):
