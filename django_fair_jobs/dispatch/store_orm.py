@@ -93,7 +93,10 @@ class Store(pg_store.Store):
 
     def _due(self, queue: str) -> None:
         """See ``fair_jobs_dispatch_due``."""
-        due = self._jobs().filter(queue=queue, state=SCHEDULED, not_before__lte=Now())
+        # Against the clock read as a value: SQLite's clock gives milliseconds, a stored
+        # time microseconds, and a job stored within the same millisecond would not be due.
+        now = db.database_now(self.alias)
+        due = self._jobs().filter(queue=queue, state=SCHEDULED, not_before__lte=now)
         moved = list(due.order_by("id").values_list("id", "tenant", "cap", "weight"))
         if not moved:
             return
@@ -380,7 +383,8 @@ class Store(pg_store.Store):
 
     def due_queues(self, queues: list[str]) -> list[str]:
         """See :func:`django_fair_jobs.dispatch.due_queues`."""
-        due = self._jobs().filter(queue__in=queues, state=SCHEDULED, not_before__lte=Now())
+        now = db.database_now(self.alias)  # a value, as in _due
+        due = self._jobs().filter(queue__in=queues, state=SCHEDULED, not_before__lte=now)
         return sorted(set(due.values_list("queue", flat=True)))
 
     def queues_with_room(self) -> list[str]:

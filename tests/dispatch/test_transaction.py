@@ -107,3 +107,18 @@ def test_two_capture_blocks_in_one_test__each_dispatches_its_jobs(
     with django_capture_on_commit_callbacks(execute=True):
         tasks.dispatched.delay("b")
     assert len(collected) == 2
+
+
+def test_a_job_stored_in_atomic_is_dispatched_at_a_commit_in_the_same_millisecond(
+    collected: list[int],
+) -> None:
+    # SQLite's clock reads milliseconds while a stored time keeps microseconds: a commit
+    # within the millisecond of the store must still find the job due.
+    set_capacity(100)
+    left = []
+    for i in range(30):
+        with transaction.atomic():
+            tasks.dispatched.delay(f"t{i}")
+        left += DispatchJob.objects.exclude(state=2).values_list("tenant", "state")
+    assert left == []
+    assert len(collected) == 30
