@@ -268,7 +268,7 @@ class FairJobsCollector(Collector):
         out.add("fair_jobs_tenants_omitted", [], snap["tenants_active"] - len(snap["tenants"]))
         self._tenants(out, snap["tenants"])
         self._queues(out, snap["queues"])
-        self._dispatch(out)
+        self._dispatch(out, snap["dispatch"])
         for (queue, cls), (counts, total) in sorted(waits.histogram().items()):
             out.add_histogram("fair_jobs_wait_seconds", [queue, cls], counts, total)
         self._planners(out, now, snap["totals"]["planner_runs_total"])
@@ -323,25 +323,12 @@ class FairJobsCollector(Collector):
             out.add("fair_jobs_queue_oldest_parked_seconds", [name], q["oldest_parked_seconds"])
             out.add("fair_jobs_queue_deferrals_total", [name], q["deferred_total"])
 
-    def _dispatch(self, out: _Families) -> None:
-        from django.db.models import Sum
-
-        from django_fair_jobs import dispatch
-        from django_fair_jobs.dispatch.models import DispatchQueue, DispatchTenant
-
-        in_flight = dispatch.in_flight()
-        waiting = dict(
-            DispatchTenant.objects.filter(waiting__gt=0)
-            .values("queue")
-            .annotate(n=Sum("waiting"))
-            .values_list("queue", "n")
-        )
-        for q in DispatchQueue.objects.order_by("queue"):
-            out.add("fair_jobs_queue_depth", [q.queue], waiting.pop(q.queue, 0))
-            out.add("fair_jobs_queue_in_flight", [q.queue], in_flight.get(q.queue, 0))
-            out.add("fair_jobs_queue_capacity", [q.queue], q.capacity + q.slack)
-        for queue, n in waiting.items():  # lines of a queue with no row yet
-            out.add("fair_jobs_queue_depth", [queue], n)
+    def _dispatch(self, out: _Families, rows: list[dict[str, Any]]) -> None:
+        # The snapshot's rows (dispatch.queue_status): read once for status and metrics.
+        for q in rows:
+            out.add("fair_jobs_queue_depth", [q["queue"]], q["waiting"])
+            out.add("fair_jobs_queue_in_flight", [q["queue"]], q["in_flight"])
+            out.add("fair_jobs_queue_capacity", [q["queue"]], q["capacity"] + q["slack"])
 
     def _planners(self, out: _Families, now: datetime, runs_total: dict[str, int]) -> None:
         # From the rows, not from the Celery app's task registry (which planner.status
