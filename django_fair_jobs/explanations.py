@@ -503,13 +503,9 @@ def _in_broker(task_id: str, first: str | None = None) -> broker.Search | None:
 def _consumed(queue: str) -> bool:
     """Whether a live worker process (one that beat within ``FAIR_JOBS_WORKER_TIMEOUT``)
     consumes ``queue``, from the queues each process registered."""
-    from datetime import timedelta
+    from django_fair_jobs import dispatch
 
-    from django_fair_jobs.models import WorkerProcess
-
-    since = db.database_now() - timedelta(seconds=fair_settings.WORKER_TIMEOUT)
-    live = WorkerProcess.objects.filter(last_heartbeat_at__gte=since)
-    return any(queue in (queues or ()) for queues in live.values_list("queues", flat=True))
+    return queue in dispatch.live_processes()
 
 
 def _broker_details(search: broker.Search | None) -> dict[str, Any]:

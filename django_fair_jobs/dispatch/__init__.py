@@ -475,6 +475,14 @@ def put_back_failed(app: Celery, job_ids: list[int]) -> int:
     return count
 
 
+def live_processes() -> dict[str, int]:
+    """``{queue: worker processes consuming it}`` over the processes that beat within
+    ``FAIR_JOBS_WORKER_TIMEOUT`` (the processes that make a queue's capacity)."""
+    from django_fair_jobs.dispatch import store
+
+    return store.live_capacity(alias(), fair_settings.WORKER_TIMEOUT)[0]
+
+
 def room() -> dict[str, int]:
     """``{queue: how many more jobs it may have in flight now}``."""
     return _store().room()  # type: ignore[no-any-return]
