@@ -99,6 +99,14 @@ def screenshot_dir(tmp_path: Path) -> Path:
     return directory
 
 
+def screenshot(browser: WebDriver, tmp_path: Path, name: str) -> Path:
+    """Save the page as ``name`` (in ``FAIR_JOBS_SCREENSHOT_DIR`` if set) and say where."""
+    path = screenshot_dir(tmp_path) / name
+    assert browser.save_screenshot(str(path))
+    print(f"screenshot: {path}")
+    return path
+
+
 def test_edit_limit_in_browser__dashboard_shows_it_and_history_records_it(
     browser: WebDriver, live_server: LiveServer, tmp_path: Path
 ) -> None:
@@ -144,9 +152,7 @@ def test_edit_limit_in_browser__dashboard_shows_it_and_history_records_it(
     # The page reloads itself.
     assert browser.find_elements(By.CSS_SELECTOR, 'meta[http-equiv="refresh"]')
 
-    path = screenshot_dir(tmp_path) / "dashboard.png"
-    assert browser.save_screenshot(str(path))
-    print(f"dashboard screenshot: {path}")
+    path = screenshot(browser, tmp_path, "dashboard.png")
     data = path.read_bytes()
     assert len(data) > len(PNG_SIGNATURE) and data.startswith(PNG_SIGNATURE)
 
@@ -197,9 +203,7 @@ def test_dispatched_flood__dashboard_and_dispatch_tenants_show_the_waiting_tenan
     assert "in line" in cell.text and "/ 1" in cell.text
     queue = browser.find_element(By.CSS_SELECTOR, 'tr.fair-dispatch-queue[data-queue="fair"]')
     assert queue.find_elements(By.TAG_NAME, "td")[1].text.startswith("2 + ")  # 2 threads
-    path = screenshot_dir(tmp_path) / "dashboard-dispatch.png"
-    assert browser.save_screenshot(str(path))
-    print(f"dashboard screenshot: {path}")
+    path = screenshot(browser, tmp_path, "dashboard-dispatch.png")
     assert path.read_bytes().startswith(PNG_SIGNATURE)
 
     browser.get(f"{live_server.url}/admin/fair_jobs/dispatchtenant/")
@@ -209,6 +213,5 @@ def test_dispatched_flood__dashboard_and_dispatch_tenants_show_the_waiting_tenan
         "the cap in force column",
     )
     assert cap.text == "1"
-    path = screenshot_dir(tmp_path) / "dispatch-tenants.png"
-    assert browser.save_screenshot(str(path))
+    screenshot(browser, tmp_path, "dispatch-tenants.png")
     assert [r.get(timeout=60) for r in results] == ["big:done"] * 12

@@ -17,6 +17,7 @@ from django.db import connection
 from django_fair_jobs import FairTask, decisions
 from django_fair_jobs.checks import check_settings, check_unknown_names, check_worker_connections
 from django_fair_jobs.conf import fair_settings
+from tests.projects import write_project
 
 
 def ids(**overrides: Any) -> list[str]:
@@ -245,23 +246,7 @@ def test_w004__worker_connections_closed_per_job(monkeypatch: pytest.MonkeyPatch
     assert warnings_of(check_worker_connections, "fair_jobs.W004") == []
 
 
-_PROJECT_FILES = {
-    "manage.py": """
-import os, sys
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
-from django.core.management import execute_from_command_line
-execute_from_command_line(sys.argv)
-""",
-    "proj/__init__.py": "from .celery import app as celery_app\n",
-    "proj/celery.py": """
-import os
-from celery import Celery
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
-app = Celery("proj")
-app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks()
-""",
-    "proj/settings.py": """
+_SETTINGS = """
 SECRET_KEY = "x"
 USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -269,17 +254,11 @@ INSTALLED_APPS = ["django.contrib.contenttypes", "django.contrib.auth", "django_
                   "shop"]
 DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "db.sqlite3"}}
 CELERY_BROKER_URL = "memory://"
-""",
-    "shop/__init__.py": "",
-}
+"""
 
 
 def _project(tmp_path: Path, tasks_py: str) -> Path:
-    for name, text in {**_PROJECT_FILES, "shop/tasks.py": tasks_py}.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return tmp_path
+    return write_project(tmp_path, {"proj/settings.py": _SETTINGS, "shop/tasks.py": tasks_py})
 
 
 def _manage(project: Path, *args: str) -> subprocess.CompletedProcess[str]:

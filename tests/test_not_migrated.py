@@ -20,23 +20,9 @@ from django.conf import settings
 from django.db import connection
 
 from tests.conftest import ROOT
+from tests.projects import write_project
 
 _FILES = {
-    "manage.py": """
-import os, sys
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
-from django.core.management import execute_from_command_line
-execute_from_command_line(sys.argv)
-""",
-    "proj/__init__.py": "from .celery import app as celery_app\n",
-    "proj/celery.py": """
-import os
-from celery import Celery
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
-app = Celery("proj")
-app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks()
-""",
     "proj/settings.py": """
 import os
 import environ
@@ -49,7 +35,6 @@ DATABASES = {"default": environ.Env().db_url("DATABASE_URL")}
 CELERY_BROKER_URL = os.environ["CELERY_BROKER_URL"]
 CELERY_TASK_ACKS_LATE = True
 """,
-    "shop/__init__.py": "",
     "shop/tasks.py": """
 from celery import shared_task
 from django_fair_jobs import FairTask
@@ -72,10 +57,7 @@ MIGRATE = "manage.py migrate fair_jobs"
 def project(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str]]]:
     """A fresh project and the environment to run it with, on an empty database of its
     own (a PostgreSQL database created for the test, or a SQLite file)."""
-    for name, text in _FILES.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    write_project(tmp_path, _FILES)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "FAIR_JOBS_"))}
     env.update(
         PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}",

@@ -115,7 +115,7 @@ def test_a_job_stored_in_atomic_is_dispatched_at_a_commit_in_the_same_millisecon
     # SQLite's clock reads milliseconds while a stored time keeps microseconds: a commit
     # within the millisecond of the store must still find the job due.
     set_capacity(100)
-    left = []
+    left: list[tuple[str, int]] = []
     for i in range(30):
         with transaction.atomic():
             tasks.dispatched.delay(f"t{i}")
