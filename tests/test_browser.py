@@ -22,6 +22,7 @@ from selenium.common.exceptions import TimeoutException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.chrome.webdriver import WebDriver
 from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -107,6 +108,19 @@ def screenshot(browser: WebDriver, tmp_path: Path, name: str) -> Path:
     return path
 
 
+def dashboard_cell(browser: WebDriver, url: str, tenant: str, queue: str) -> WebElement:
+    """Open the admin dashboard at ``url`` and return ``tenant``'s cell for ``queue``."""
+    browser.get(f"{url}/admin/fair_jobs/dashboard/")
+    row = until(
+        browser,
+        ec.presence_of_element_located(
+            (By.CSS_SELECTOR, f'tr.fair-tenant[data-tenant="{tenant}"]')
+        ),
+        f"{tenant}'s row on the dashboard",
+    )
+    return row.find_element(By.CSS_SELECTOR, f'span.fair-slot[data-queue="{queue}"]')
+
+
 def test_edit_limit_in_browser__dashboard_shows_it_and_history_records_it(
     browser: WebDriver, live_server: LiveServer, tmp_path: Path
 ) -> None:
@@ -141,13 +155,7 @@ def test_edit_limit_in_browser__dashboard_shows_it_and_history_records_it(
         "ops", "max_jobs", "2", "7", "admin",
     )  # fmt: skip
 
-    browser.get(f"{live_server.url}/admin/fair_jobs/dashboard/")
-    row = until(
-        browser,
-        ec.presence_of_element_located((By.CSS_SELECTOR, 'tr.fair-tenant[data-tenant="acme"]')),
-        "acme's row on the dashboard",
-    )
-    cell = row.find_element(By.CSS_SELECTOR, 'span.fair-slot[data-queue="q"]')
+    cell = dashboard_cell(browser, live_server.url, "acme", "q")
     assert "q: 0 / 7" in cell.text
     # The page reloads itself.
     assert browser.find_elements(By.CSS_SELECTOR, 'meta[http-equiv="refresh"]')
@@ -192,13 +200,7 @@ def test_dispatched_flood__dashboard_and_dispatch_tenants_show_the_waiting_tenan
     results = [tasks.dispatched.delay("big", 0.5) for _ in range(12)]
     log_in(browser, live_server, "ops", "s3cret-pw")
 
-    browser.get(f"{live_server.url}/admin/fair_jobs/dashboard/")
-    row = until(
-        browser,
-        ec.presence_of_element_located((By.CSS_SELECTOR, 'tr.fair-tenant[data-tenant="big"]')),
-        "big's row on the dashboard",
-    )
-    cell = row.find_element(By.CSS_SELECTOR, 'span.fair-slot[data-queue="fair"]')
+    cell = dashboard_cell(browser, live_server.url, "big", "fair")
     assert cell.get_attribute("data-limit") == "1"
     assert "in line" in cell.text and "/ 1" in cell.text
     queue = browser.find_element(By.CSS_SELECTOR, 'tr.fair-dispatch-queue[data-queue="fair"]')
