@@ -228,11 +228,14 @@ def _ranked(summaries: _Summaries, names: set[str], first: int | None, rank: str
     return heapq.nsmallest(first, names, key=key)
 
 
-def _rows(summaries: _Summaries, chosen: list[str], active: int) -> list[dict[str, Any]]:
+def _rows(
+    summaries: _Summaries, chosen: list[str], active: int, limits: dict[str, int | None]
+) -> list[dict[str, Any]]:
     """The full rows of the ``chosen`` tenants (of ``active`` in all), in their order:
-    each one's queues too, with the cap in force on each."""
+    each one's queues too, with the cap in force on each (``limits``: the queues' limits,
+    :func:`django_fair_jobs.caps.queue_limits`)."""
     s = summaries
-    per_queue = _queues_of(s, chosen if len(chosen) < active else None)
+    per_queue = _queues_of(s, chosen if len(chosen) < active else None, limits)
     return [
         {"tenant": t, "queues": per_queue.get(t, []), "running": s.running.get(t, 0),
          "waiting": s.lined.get(t, 0), "parked": s.parked.get(t, 0),
@@ -243,7 +246,9 @@ def _rows(summaries: _Summaries, chosen: list[str], active: int) -> list[dict[st
     ]  # fmt: skip
 
 
-def _queues_of(summaries: _Summaries, chosen: list[str] | None) -> dict[str, list[dict[str, Any]]]:
+def _queues_of(
+    summaries: _Summaries, chosen: list[str] | None, limits: dict[str, int | None]
+) -> dict[str, list[dict[str, Any]]]:
     """Per tenant of ``chosen`` (None: every tenant with something going on), per queue
     where it has a tenant slot worth showing or a line with jobs: jobs running, waiting in
     line and parked, and the cap in force (:func:`django_fair_jobs.caps.combine`). The
@@ -263,7 +268,6 @@ def _queues_of(summaries: _Summaries, chosen: list[str] | None) -> dict[str, lis
     for t in summaries.lines if chosen is None else chosen:
         for q, task_cap, flight, waiting in summaries.lines.get(t, ()):
             found.setdefault((t, q), {})["line"] = (caps.Line(task_cap, flight), waiting)
-    limits = caps.queue_limits()
     out: dict[str, list[dict[str, Any]]] = {}
     for (t, q), rows in sorted(found.items()):
         line, waiting = rows.get("line", (None, 0))
@@ -285,7 +289,10 @@ def tenants(now: datetime, first: int | None = None, rank: str = "name") -> list
     of :data:`RANKS`); only those tenants' rows are built."""
     summaries = _summaries(now)
     names = summaries.names()
-    return _rows(summaries, _ranked(summaries, names, first, rank), len(names))
+    from django_fair_jobs import caps
+
+    chosen = _ranked(summaries, names, first, rank)
+    return _rows(summaries, chosen, len(names), caps.queue_limits())
 
 
 def nodes(now: datetime) -> list[dict[str, Any]]:
@@ -366,19 +373,21 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
     """Everything the dashboard shows, as JSON-ready data (see the module docstring): the
     tenants as :func:`tenants` gives them for ``first`` and ``rank``, and how many are
     active in all (``tenants_active``); the fairness index is over every tenant."""
+    from django_fair_jobs import caps
     from django_fair_jobs.planner import status as planner_status
     from django_fair_jobs.queue_limits import queue_status
 
     now = db.database_now()
     summaries = _summaries(now)
+    limits = caps.queue_limits()  # read once for the tenants' caps and the queues
     names = summaries.names()
     return {
         "at": now.isoformat(),
         "enforce": bool(fair_settings.ENFORCE),
-        "tenants": _rows(summaries, _ranked(summaries, names, first, rank), len(names)),
+        "tenants": _rows(summaries, _ranked(summaries, names, first, rank), len(names), limits),
         "tenants_active": len(names),
         "queues": queue_status(),
-        "dispatch": _dispatch_queues(),
+        "dispatch": _dispatch_queues(limits),
         "planners": planner_status(first=first),
         "nodes": nodes(now),
         "fairness": _fairness(
@@ -389,12 +398,12 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
     }
 
 
-def _dispatch_queues() -> list[dict[str, Any]]:
+def _dispatch_queues(limits: dict[str, int | None]) -> list[dict[str, Any]]:
     """Fair dispatch's queues (:func:`django_fair_jobs.dispatch.queue_status`), each with
-    what holds it back (``held_by``, :func:`django_fair_jobs.caps.queue_held_by`)."""
+    what holds it back (``held_by``, :func:`django_fair_jobs.caps.queue_held_by`, under
+    the queues' ``limits``)."""
     from django_fair_jobs import caps, dispatch
 
-    limits = caps.queue_limits()
     rows = dispatch.queue_status()
     for d in rows:
         d["held_by"] = caps.queue_held_by(
