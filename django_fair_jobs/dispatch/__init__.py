@@ -50,9 +50,10 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.db import router
 from django.utils import timezone
@@ -325,31 +326,60 @@ def due_queues(queues: list[str]) -> list[str]:
 def publish(app: Celery, ready: list[Ready]) -> int:
     """Publish dispatched jobs; returns how many were published.
 
-    A job that cannot be published goes aside for a delay that doubles with each failure
-    (at most a minute), and after :data:`~django_fair_jobs.dispatch.store.PUBLISH_ATTEMPTS`
-    failures ends failed; nothing is dispatched into the room it leaves. After a broker
-    error the rest are not tried: they stay dispatched, and the lost-message repair
-    publishes them again once the broker is back. So one call makes at most one failed
-    attempt and returns (a ``delay()`` fails as fast as plain Celery's), and a poison job
-    never stalls the others."""
+    Jobs dispatched together go to the broker together: on Redis (kombu 5.7 and later)
+    their pushes travel in one pipeline, one round trip, sent once all are built; on other
+    brokers one by one. A job that cannot be published goes aside for a delay that doubles
+    with each failure (at most a minute), and after
+    :data:`~django_fair_jobs.dispatch.store.PUBLISH_ATTEMPTS` failures ends failed; nothing
+    is dispatched into the room it leaves. After a broker error the rest are not tried:
+    they stay dispatched, and the lost-message repair publishes them again once the broker
+    is back. So one call makes at most one failed attempt and returns (a ``delay()`` fails
+    as fast as plain Celery's), and a poison job never stalls the others."""
     if not ready:
         return 0
-    published = 0
     with app.producer_or_acquire() as producer:
-        for position, item in enumerate(ready):
-            try:
-                message.send(app, producer, item.message, item.job_id)
-            except Exception:
-                logger.exception("Could not publish dispatched job %s; it goes aside", item.job_id)
-                _set_aside(item.job_id)
-                if position + 1 < len(ready):
-                    logger.warning(
-                        "%d dispatched jobs are published again by the lost-message repair",
-                        len(ready) - position - 1,
-                    )
-                break
-            published += 1
-    return published
+        try:
+            with _together(producer, len(ready)):
+                return _send(app, producer, ready)
+        except Exception:  # the pipeline failed: whether its pushes arrived is unknown
+            logger.exception("Could not publish %d dispatched jobs together", len(ready))
+            _gave_up(ready, 0)
+            return 0
+
+
+def _together(producer: Any, count: int) -> AbstractContextManager[Any]:
+    """A batch of ``producer``'s publishes sent in one round trip at its exit, where the
+    transport has one (kombu's ``Producer.batch``, Redis); else publish at once. A batch's
+    failure leaves each of its messages sent or not: the caller's fence refuses a copy
+    either way (a job set aside or published again starts at most once)."""
+    batch = getattr(producer, "batch", None)
+    if count < 2 or batch is None or not getattr(producer, "supports_batch_publish", False):
+        return nullcontext()
+    return cast(AbstractContextManager[Any], batch())
+
+
+def _send(app: Celery, producer: Any, ready: list[Ready]) -> int:
+    """Hand each of ``ready`` to ``producer`` in turn, until one fails (see
+    :func:`publish`); returns how many were handed."""
+    for position, item in enumerate(ready):
+        try:
+            message.send(app, producer, item.message, item.job_id)
+        except Exception:
+            logger.exception("Could not publish dispatched job %s; it goes aside", item.job_id)
+            _gave_up(ready, position)
+            return position
+    return len(ready)
+
+
+def _gave_up(ready: list[Ready], position: int) -> None:
+    """The publish of ``ready[position]`` failed: it goes aside, and the rest wait for
+    the lost-message repair."""
+    _set_aside(ready[position].job_id)
+    if position + 1 < len(ready):
+        logger.warning(
+            "%d dispatched jobs are published again by the lost-message repair",
+            len(ready) - position - 1,
+        )
 
 
 def _set_aside(job_id: int) -> None:

@@ -12,6 +12,7 @@ import pytest
 from celery.signals import before_task_publish
 
 from django_fair_jobs import dispatch, headers
+from django_fair_jobs.dispatch.models import DispatchJob
 from tests.dispatch.conftest import job_of, set_capacity
 from tests.testapp import tasks
 
@@ -204,3 +205,86 @@ def test_expires_written_naive__read_as_utc_whatever_the_machines_zone(
         time.tzset()
     ((_, publish),) = sent
     assert 8 < publish["expiration"] <= 10
+
+
+def _redis_sends(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Each write to a Redis socket from now on (one per round trip: a pipeline's
+    commands go in one), the real write made as well."""
+    from redis.connection import AbstractConnection
+
+    sends: list[Any] = []
+    real = AbstractConnection.send_packed_command
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+        sends.append(command)
+        real(self, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+    return sends
+
+
+def _in_broker(queue: str = "fair") -> list[int]:
+    """The row ids the messages waiting in ``queue`` of the Redis broker name."""
+    import redis
+    from django.conf import settings
+
+    raw = redis.Redis.from_url(settings.CELERY_BROKER_URL).lrange(queue, 0, -1)
+    return sorted(int(json.loads(m)["headers"][headers.DISPATCH]) for m in raw)
+
+
+@pytest.fixture
+def empty_broker() -> None:
+    """The Redis broker's ``fair`` queue empty."""
+    import redis
+    from django.conf import settings
+
+    redis.Redis.from_url(settings.CELERY_BROKER_URL).delete("fair")
+
+
+BATCHES = hasattr(__import__("kombu").Producer, "batch")
+"""kombu 5.7 batches a producer's publishes on Redis (``Producer.batch``); before it, each
+publish is its own round trip."""
+
+
+@pytest.mark.usefixtures("empty_broker")
+def test_jobs_dispatched_together__go_to_redis_in_one_round_trip(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    set_capacity(0)
+    for i in range(11):
+        tasks.dispatched.delay(f"t{i}")
+    set_capacity(1)
+    dispatch.publish(celery_app, dispatch.dispatch("fair"))  # the queue declared once
+    set_capacity(11)
+    ready = dispatch.dispatch("fair")
+    assert len(ready) == 10
+    sends = _redis_sends(monkeypatch)
+    assert dispatch.publish(celery_app, ready) == 10
+    assert len(sends) == (1 if BATCHES else 10)
+    assert _in_broker() == sorted(DispatchJob.objects.values_list("pk", flat=True))
+
+
+@pytest.mark.usefixtures("empty_broker")
+def test_a_batch_that_fails__nothing_lost__the_first_aside__the_rest_repaired(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    from redis.connection import AbstractConnection
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    set_capacity(0)
+    for i in range(5):
+        tasks.dispatched.delay(f"t{i}")
+    set_capacity(5)
+    ready = dispatch.dispatch("fair")
+
+    def cut(self: Any, command: Any, check_health: bool = True) -> None:
+        raise RedisConnectionError("Connection reset by peer")
+
+    with monkeypatch.context() as broken:
+        broken.setattr(AbstractConnection, "send_packed_command", cut)
+        assert dispatch.publish(celery_app, ready) == 0
+    assert _in_broker() == []
+    failures = dict(DispatchJob.objects.values_list("pk", "publish_failures"))
+    assert len(failures) == 5  # nothing lost
+    assert failures[ready[0].job_id] == 1  # aside, for a growing delay
+    assert DispatchJob.objects.filter(state=2).count() == 4  # for the lost-message repair
