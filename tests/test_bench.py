@@ -116,8 +116,9 @@ def test_summarize__synthetic_records() -> None:
         Record(4, "s2", 100.5, 102.5, 103.0),
     ]
     s = summarize(
-        records, [1, 2, 3, 4, 5], frozenset({"g"}), origin=100.0, statements=20, on_path=5
-    )
+        records, [1, 2, 3, 4, 5], frozenset({"g"}), origin=100.0, statements=20, on_path=5,
+        commits=15,
+    )  # fmt: skip
     assert (s.jobs, s.completed, s.lost, s.run_twice) == (5, 4, 1, 1)
     assert (s.small_wait_p50, s.small_wait_p95, s.small_wait_max) == (1.0, 2.0, 2.0)
     assert s.greedy_makespan == 4.0
@@ -126,6 +127,7 @@ def test_summarize__synthetic_records() -> None:
     assert (s.peak_tenant, s.peak_jobs, s.greedy_peak) == ("g", 2, 2)
     assert s.statements_per_job == 4.0
     assert s.on_path_per_job == 1.0
+    assert s.commits_per_job == 3.0
 
 
 def test_process_gaps__between_a_processs_jobs__idle_time_left_out() -> None:
@@ -326,3 +328,38 @@ def test_aggregate__median_and_spread_over_runs() -> None:
     assert a["share_error"] == {"median": 0.02, "min": 0.01, "max": 0.03}  # the runs that had one
     text = aggregate_table({"dispatch": a})
     assert "| dispatch | 3 | 1.30x (1.20-1.90) |" in text and "| 2.0% (1.0-3.0) | 1 | 0 |" in text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_statements__durable_commits__one_per_writing_transaction() -> None:
+    from django.db import connection, transaction
+
+    from bench import statements
+    from django_fair_jobs.dispatch.models import DispatchQueue
+
+    statements.install()
+    connection.ensure_connection()
+    statements._on_connection(None, connection)  # the signal fired before install()
+    statements.reset()
+    DispatchQueue.objects.create(queue="q1", capacity=1)  # autocommit: one
+    assert statements.commits() == 1
+    list(DispatchQueue.objects.all())  # a read: none
+    assert statements.commits() == 1
+    with transaction.atomic():  # three writes, one commit
+        DispatchQueue.objects.create(queue="q2", capacity=1)
+        DispatchQueue.objects.filter(queue="q1").update(capacity=2)
+        DispatchQueue.objects.filter(queue="q2").delete()
+        assert statements.commits() == 1
+    assert statements.commits() == 2
+
+    def rolled_back() -> None:
+        with transaction.atomic():
+            DispatchQueue.objects.create(queue="q3", capacity=1)
+            raise RuntimeError
+
+    with pytest.raises(RuntimeError):  # rolled back: none
+        rolled_back()
+    with transaction.atomic():  # and the next transaction counts again
+        DispatchQueue.objects.create(queue="q4", capacity=1)
+    assert statements.commits() == 3
+    assert statements.count() >= 7

@@ -47,6 +47,8 @@ class Summary:
     statements_per_job: float | None
     on_path_per_job: float | None = None
     """Statements per job sent by the worker processes' job threads (the job's path)."""
+    commits_per_job: float | None = None
+    """The library's durable commits per job, in every process (``bench.statements``)."""
     job_gap_ms: float | None = None
     """The median time, in a worker process, from the end of one job's body to the start of
     the next's, over the jobs already enqueued when the one before ended: what Celery and
@@ -146,6 +148,7 @@ def summarize(
     statements: int | None = None,
     weights: Mapping[str, float] | None = None,
     on_path: int | None = None,
+    commits: int | None = None,
 ) -> Summary:
     """Summarize one mode.
 
@@ -153,7 +156,8 @@ def summarize(
     other tenant is small); ``origin`` the time the mode's first job was enqueued;
     ``statements`` the statements on the library's tables during the mode, if counted;
     ``weights`` the tenants' weights, if the scenario weighs them; ``on_path`` the
-    statements the worker processes sent from the thread that runs the jobs, if counted.
+    statements the worker processes sent from the thread that runs the jobs, if counted;
+    ``commits`` the library's durable commits, if counted.
     """
     expected_ids = set(expected)
     first = first_runs(records)
@@ -192,6 +196,9 @@ def summarize(
         else None,
         on_path_per_job=(on_path / len(expected_ids))
         if on_path is not None and expected_ids
+        else None,
+        commits_per_job=(commits / len(expected_ids))
+        if commits is not None and expected_ids
         else None,
         job_gap_ms=statistics.median(gaps) * 1000 if gaps else None,
         shares=shares(records, weights) if weights else None,

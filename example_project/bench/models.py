@@ -34,3 +34,5 @@ class StatementCount(models.Model):
     statements = models.BigIntegerField()
     on_path = models.BigIntegerField(default=0)
     """Of them, those sent by the thread that runs the jobs."""
+    commits = models.BigIntegerField(default=0)
+    """The library's durable commits (``bench.statements.commits``)."""

@@ -29,6 +29,8 @@ class ModeData:
     statements: int | None
     on_path: int | None = None
     """Of the statements, those the worker processes sent from the thread running the jobs."""
+    commits: int | None = None
+    """The library's durable commits in every process."""
 
 
 def ideal_records(
@@ -82,8 +84,9 @@ def build(
     }
     for m in modes:
         summaries[m.name] = summarize(
-            m.records, nominal, greedy, m.origin, m.statements, weights or None, m.on_path
-        )
+            m.records, nominal, greedy, m.origin, m.statements, weights or None, m.on_path,
+            m.commits,
+        )  # fmt: skip
     ref = summaries.get(reference)
     at_plain: list[Record] = []
     if ref is not None and ref.job_gap_ms is not None:
@@ -159,9 +162,9 @@ def table(report: dict[str, Any]) -> str:
         "| greedy makespan | makespan "
         "| makespan / plain | jobs/s | jobs/s / plain | most of one tenant at once "
         "| lost | run twice | library statements / job | on the job's path "
-        "| gap between jobs in a process "
+        "| durable commits / job | gap between jobs in a process "
         "| added to a job |" + (" shares while all backlogged | share gap |" if weights else ""),
-        "|---" * (20 if weights else 18) + "|",
+        "|---" * (21 if weights else 19) + "|",
     ]
     for name, s in report["summaries"].items():
         peak = f"{s['peak_jobs']} ({s['peak_tenant']})" if s["peak_tenant"] else "n/a"
@@ -176,6 +179,7 @@ def table(report: dict[str, Any]) -> str:
             f"| {'-' if name in IDEALS else s['run_twice']} "
             f"| {'-' if name in IDEALS else _f(s['statements_per_job'], '', 1)} "
             f"| {'-' if name in IDEALS else _f(s['on_path_per_job'], '', 1)} "
+            f"| {'-' if name in IDEALS else _f(s['commits_per_job'], '', 1)} "
             f"| {_f(s['job_gap_ms'], ' ms', 1)} | {_f(s['added_ms'], ' ms', 1)} |"
             + (f" {'- | -' if name in IDEALS else _shares(s, weights)} |" if weights else "")
         )
@@ -211,6 +215,7 @@ RATIOS = (
     "throughput_vs_plain",
     "statements_per_job",
     "on_path_per_job",
+    "commits_per_job",
     "added_ms",
     "share_error",
 )
@@ -254,9 +259,9 @@ def aggregate_table(aggregated: dict[str, dict[str, Any]]) -> str:
     """The markdown table of :func:`aggregate`: each figure's median (lowest-highest)."""
     lines = [
         "| mode | runs | p95 / ideal | p95 / ideal at plain's speed | makespan / plain "
-        "| jobs/s / plain | library statements / job | on the job's path | added to a job "
-        "| share gap | lost | run twice |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| jobs/s / plain | library statements / job | on the job's path "
+        "| durable commits / job | added to a job | share gap | lost | run twice |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, a in aggregated.items():
         gap = a["share_error"]
@@ -267,6 +272,7 @@ def aggregate_table(aggregated: dict[str, dict[str, Any]]) -> str:
             f"| {_spread(a['makespan_vs_plain'], 'x')} | {_spread(a['throughput_vs_plain'], 'x')} "
             f"| {_spread(a['statements_per_job'], '', 1)} "
             f"| {_spread(a['on_path_per_job'], '', 1)} "
+            f"| {_spread(a['commits_per_job'], '', 1)} "
             f"| {_spread(a['added_ms'], ' ms', 1)} "
             f"| {'n/a' if gap is None else _spread({k: v * 100 for k, v in gap.items()}, '%', 1)} "
             f"| {lost} | {twice} |"

@@ -75,6 +75,8 @@ class ModeResult:
     notes: list[str] = field(default_factory=list)
     on_path: int | None = None
     """Statements the worker processes sent from the thread that runs the jobs."""
+    commits: int | None = None
+    """The library's durable commits in the worker processes and the publisher."""
 
 
 def describe_database() -> str:
@@ -400,7 +402,7 @@ def run_mode(
                 workers[0].wait_ready()
         for w in workers:
             w.wait_ready()
-        before = statements.count()
+        before, commits_before = statements.count(), statements.commits()
         origin = time.time()
         publisher = threading.Thread(
             target=publish, args=(mode, queue, run, scenario.jobs, origin, errors), daemon=True
@@ -427,6 +429,7 @@ def run_mode(
             time.sleep(0.2)
         publisher.join()
         publisher_statements = statements.count() - before
+        publisher_commits = statements.commits() - commits_before
         if errors:
             raise BenchError(f"Publishing failed in mode {mode.name}: {errors[0]!r}") from errors[0]
         # A redelivered or duplicated job would show up shortly after the last one.
@@ -458,6 +461,9 @@ def run_mode(
         else sum(counts.values_list("statements", flat=True)) + publisher_statements,
         publisher_statements=publisher_statements,
         on_path=None if missing else sum(counts.values_list("on_path", flat=True)),
+        commits=None
+        if missing
+        else sum(counts.values_list("commits", flat=True)) + publisher_commits,
         leftover=library_leftover(),
         timed_out=timed_out,
         notes=notes,

@@ -5,10 +5,18 @@ covers everything the library does: acquire, park, release, wake, heartbeats and
 maintenance. The jobs' own records go to other tables and are not counted, so a plain
 Celery task adds nothing; plain workers count only the heartbeat and maintenance that every
 worker process runs (a few statements per process per heartbeat interval).
+
+It also counts the library's durable commits: the transactions that wrote to its tables
+and waited for the WAL flush at their commit. A writing statement in autocommit is one
+(each of the library's PostgreSQL steps); writing statements inside a transaction are one
+at its commit, however many (the ORM steps on SQLite, a ``delay()`` inside ``atomic()``);
+a statement that turns ``synchronous_commit`` off for its transaction
+(``FAIR_JOBS_ASYNC_RELEASE``) is not one.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +26,19 @@ from django.db.backends.signals import connection_created
 
 LIBRARY_TABLE_PREFIX = "fair_jobs_"
 
+WRITES = re.compile(
+    r"\b(INSERT|UPDATE|DELETE)\b|\bfair_jobs_(enqueue|enqueue_many|dispatch|dispatch_start"
+    r"|dispatch_end|dispatch_end_many|dispatch_recount)\s*\(",
+    re.IGNORECASE,
+)
+"""A statement that writes: an insert, update, delete or row lock (``FOR UPDATE``), or a
+call of one of fair dispatch's functions that write (``fair_jobs_dispatch_room`` and
+``fair_jobs_dispatch_vt`` only read)."""
+
 _lock = threading.Lock()
 _count = 0
 _on_path = 0
+_commits = 0
 
 
 def on_path() -> int:
@@ -35,11 +53,17 @@ def count() -> int:
     return _count
 
 
+def commits() -> int:
+    """The library's durable commits in this process since it started or was last reset
+    (see the module's docstring)."""
+    return _commits
+
+
 def reset() -> None:
     """Start counting from 0 (a forked worker child inherits its parent's count)."""
-    global _count, _on_path
+    global _count, _on_path, _commits
     with _lock:
-        _count = _on_path = 0
+        _count = _on_path = _commits = 0
 
 
 def _counting(
@@ -51,7 +75,24 @@ def _counting(
         with _lock:
             _count += 1
             _on_path += main
+        if WRITES.search(sql) and not (isinstance(params, dict) and params.get("async_commit")):
+            _count_commit(context["connection"])
     return execute(sql, params, many, context)
+
+
+def _count_commit(connection: BaseDatabaseWrapper) -> None:
+    """A writing statement: one commit now (autocommit), or one at the commit of the
+    transaction it runs in, counted once however many of its statements write."""
+    if not connection.in_atomic_block:
+        _add_commit()
+    elif not any(entry[1] is _add_commit for entry in connection.run_on_commit):
+        connection.on_commit(_add_commit)
+
+
+def _add_commit() -> None:
+    global _commits
+    with _lock:
+        _commits += 1
 
 
 def _on_connection(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:

@@ -167,6 +167,7 @@ def _save_count(**_: Any) -> None:
             pid=os.getpid(),
             statements=statements.count(),
             on_path=statements.on_path(),
+            commits=statements.commits(),
         )
 
 

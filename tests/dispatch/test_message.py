@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from celery.signals import before_task_publish
+from kombu import Producer
 
 from django_fair_jobs import dispatch, headers
 from django_fair_jobs.dispatch.models import DispatchJob
@@ -213,7 +214,7 @@ def _redis_sends(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     from redis.connection import AbstractConnection
 
     sends: list[Any] = []
-    real = AbstractConnection.send_packed_command
+    real: Any = AbstractConnection.send_packed_command
 
     def counting(self: Any, command: Any, check_health: bool = True) -> None:
         sends.append(command)
@@ -241,7 +242,7 @@ def empty_broker() -> None:
     redis.Redis.from_url(settings.CELERY_BROKER_URL).delete("fair")
 
 
-BATCHES = hasattr(__import__("kombu").Producer, "batch")
+BATCHES = hasattr(Producer, "batch")
 """kombu 5.7 batches a producer's publishes on Redis (``Producer.batch``); before it, each
 publish is its own round trip."""
 

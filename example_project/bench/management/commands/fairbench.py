@@ -260,7 +260,13 @@ class Command(BaseCommand):
         nominal = {j.id: (j.tenant, j.offset, j.seconds) for j in scenario.jobs}
         data = [
             report.ModeData(
-                r.mode.name, r.mode.description, r.origin, r.records, r.statements, r.on_path
+                r.mode.name,
+                r.mode.description,
+                r.origin,
+                r.records,
+                r.statements,
+                on_path=r.on_path,
+                commits=r.commits,
             )
             for r in results
         ]
