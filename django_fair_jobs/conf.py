@@ -322,8 +322,10 @@ class Settings:
     def DISPATCH_POLL_INTERVAL(self) -> float:
         """Seconds between two looks, by one process of each worker node, for countdowns
         and ETAs of its queues that came due, so that a job with a countdown runs on time
-        on an idle queue (on a busy one, the next job's end dispatches it sooner). 0: only
-        maintenance looks, every ``FAIR_JOBS_HEARTBEAT_INTERVAL``. Default 1."""
+        on an idle queue (on a busy one, the next job's end dispatches it sooner), and for
+        jobs waiting while their queue has room (an end that freed the room while an
+        enqueue was committing could not see its job). 0: only maintenance looks, every
+        ``FAIR_JOBS_HEARTBEAT_INTERVAL``. Default 1."""
         value: float = self._get("DISPATCH_POLL_INTERVAL", 1.0, float)
         return value
 

@@ -316,8 +316,11 @@ def dispatch(queue: str, limit: int = BATCH) -> list[Ready]:
 
 
 def due_queues(queues: list[str]) -> list[str]:
-    """Those of ``queues`` that hold countdowns or ETAs come due (their next dispatch
-    puts them in line); one round trip, an index probe per queue."""
+    """Those of ``queues`` that are due a dispatch: they hold countdowns or ETAs come due
+    (their next dispatch puts them in line), or jobs waiting in line while they have room
+    (an end that freed the room while an enqueue was committing could not see its job).
+    One round trip: an index probe or two per queue, and the room of a queue with jobs
+    waiting."""
     if not queues:
         return []
     return _store().due_queues(queues)  # type: ignore[no-any-return]

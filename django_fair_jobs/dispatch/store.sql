@@ -166,11 +166,17 @@ SELECT queue, tenant, waiting_was, waiting, in_flight_was, in_flight
   FROM fair_jobs_dispatch_recount();
 
 -- name: dispatch_due_queues
--- Fair dispatch: which of these queues hold countdowns or ETAs that came due (a probe of
--- the partial index fair_jobs_dispatch_due per queue; nothing is read when none is due).
+-- Fair dispatch: which of these queues have jobs to dispatch now: countdowns or ETAs that
+-- came due (a probe of the partial index fair_jobs_dispatch_due), or a line with jobs
+-- waiting (a probe of fair_jobs_dispatch_next) while the queue has room. The second finds
+-- the room an end left while an enqueue was committing: neither saw the other, so neither
+-- dispatched. The room is counted only for a queue with a line waiting.
 SELECT q.queue FROM unnest(%(queues)s::text[]) AS q(queue)
  WHERE EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
                 WHERE j.queue = q.queue AND j.state = 0 AND j.not_before <= now())
+    OR (EXISTS (SELECT 1 FROM fair_jobs_dispatchtenant AS t
+                 WHERE t.queue = q.queue AND t.waiting > 0 AND NOT t.blocked)
+        AND fair_jobs_dispatch_room(q.queue) > 0)
  ORDER BY q.queue;
 
 -- name: dispatch_lock_line

@@ -385,7 +385,10 @@ class Store(pg_store.Store):
         """See :func:`django_fair_jobs.dispatch.due_queues`."""
         now = db.database_now(self.alias)  # a value, as in _due
         due = self._jobs().filter(queue__in=queues, state=SCHEDULED, not_before__lte=now)
-        return sorted(set(due.values_list("queue", flat=True)))
+        found = set(due.values_list("queue", flat=True))
+        lines = self._tenants().filter(queue__in=queues, waiting__gt=0, blocked=False)
+        waiting = set(lines.values_list("queue", flat=True)) - found
+        return sorted(found | {queue for queue in waiting if self._room(queue) > 0})
 
     def queues_with_room(self) -> list[str]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.queues_with_room`."""

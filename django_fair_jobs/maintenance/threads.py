@@ -184,7 +184,8 @@ def _due_loop(ident: identity.Identity) -> None:
 
 
 def dispatch_due() -> int:
-    """Dispatch the queues this worker consumes that hold countdowns or ETAs come due;
+    """Dispatch the queues this worker consumes that are due a dispatch (countdowns or ETAs
+    come due, or jobs waiting while the queue has room: :func:`dispatch.due_queues`);
     returns how many jobs were published."""
     from celery import current_app
 

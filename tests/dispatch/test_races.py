@@ -9,7 +9,13 @@ from celery.result import AsyncResult
 from django.db import connection
 
 from django_fair_jobs import backlog, dispatch, identity, sql
-from django_fair_jobs.dispatch.models import DISPATCHED, DispatchJob, DispatchQueue, DispatchTenant
+from django_fair_jobs.dispatch.models import (
+    DISPATCHED,
+    WAITING,
+    DispatchJob,
+    DispatchQueue,
+    DispatchTenant,
+)
 from tests.sessions import in_thread, session, wait_until_blocked
 from tests.testapp import tasks
 
@@ -103,3 +109,32 @@ def test_dispatch_while_a_cancel_holds_the_line__takes_another_tenant_never_a_ca
     assert not DispatchJob.objects.filter(task_id__in=flood).exists()
     assert (_line("flood").waiting, _line("flood").in_flight) == (0, 0)
     assert dispatch.in_flight() == {"fair": 1}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_end_while_an_enqueue_commits__the_room_it_left_is_found_by_the_due_poll() -> None:
+    # The enqueue reads the queue's room (none) with its tenant's line held, and commits a
+    # moment later; the end that frees the room meanwhile cannot see the enqueue's job (not
+    # committed yet), so neither dispatches it. The due poll (every
+    # FAIR_JOBS_DISPATCH_POLL_INTERVAL) must find the queue, or the job waits with room
+    # free until the next end or maintenance pass (10 s by default).
+    process = uuid.uuid4()
+    identity.register_process(process_id=process, node="n@h", hostname="h", pid=1)
+    DispatchQueue.objects.create(queue="fair", capacity=1)
+    busy = DispatchJob.objects.get(task_id=tasks.dispatched.delay("busy").id)
+    assert dispatch.start(busy.pk, process).status == "started"
+    other = session()
+    enqueued = other.execute(
+        "SELECT * FROM fair_jobs_enqueue('fair', 'newcomer', 'tests.dispatched', 'x-1', '{}',"
+        " 0, NULL, NULL, NULL, 0::smallint, true)"
+    ).fetchall()
+    assert enqueued == []  # no room: the busy job runs
+    try:
+        assert dispatch.end_many([busy.pk], process) == []  # it cannot see the newcomer
+    finally:
+        other.commit()
+        other.close()
+    newcomer = DispatchJob.objects.get(task_id="x-1")
+    assert newcomer.state == WAITING  # with room free: neither dispatched it
+    assert dispatch.due_queues(["fair"]) == ["fair"]
+    assert [r.job_id for r in dispatch.dispatch("fair")] == [newcomer.pk]

@@ -274,6 +274,16 @@ def test_due_queues__only_queues_with_a_countdown_come_due(published: list[int])
     assert dispatch.due_queues(["fair"]) == [] and dispatch.due_queues([]) == []
 
 
+def test_due_queues__a_queue_with_room_and_jobs_waiting(published: list[int]) -> None:
+    set_capacity(0)
+    tasks.dispatched.delay("a")  # waiting: no room
+    assert dispatch.due_queues(["fair"]) == []
+    set_capacity(1)  # room, and a job waiting that no end dispatched
+    assert dispatch.due_queues(["fair"]) == ["fair"]
+    assert len(dispatch.dispatch("fair")) == 1
+    assert dispatch.due_queues(["fair"]) == []  # nothing waits any more
+
+
 def test_publish_failure__aside_for_later__the_next_dispatch_takes_its_room(
     monkeypatch: pytest.MonkeyPatch, celery_app: Any
 ) -> None:
