@@ -86,11 +86,12 @@ def test_observe__no_statement__flush__one_statement_into_the_right_buckets() ->
 
 
 def test_flush__adds_to_the_rows__two_processes_counts_sum() -> None:
-    now = time.time()
-    waits.observe("q", None, now - 0.05)
+    # Each wait is taken just before its observe: a slow first flush (a loaded CI
+    # machine) must not push the later waits past the first bucket's 0.1 s.
+    waits.observe("q", None, time.time() - 0.01)
     waits.flush()
-    waits.observe("q", None, now - 0.05)
-    waits.observe("q", None, now - 0.05)
+    waits.observe("q", None, time.time() - 0.01)
+    waits.observe("q", None, time.time() - 0.01)
     waits.flush()
     assert WaitBucket.objects.get(queue="q", bucket=0).count == 3
 
