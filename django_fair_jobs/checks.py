@@ -173,6 +173,12 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ),
     ("DISPATCH_LOST_AFTER", "fair_jobs.E019", lambda v: _number(v, 0, True), "seconds > 0"),
     (
+        "DISPATCH_ASYNC_COMMIT",
+        "fair_jobs.E019",
+        lambda v: isinstance(v, bool),
+        "True or False (False: a dispatched job's start and end wait for the disk)",
+    ),
+    (
         "DISPATCH_POLL_INTERVAL",
         "fair_jobs.E019",
         lambda v: _number(v, 0, False),

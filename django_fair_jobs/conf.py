@@ -319,6 +319,16 @@ class Settings:
         return value
 
     @property
+    def DISPATCH_ASYNC_COMMIT(self) -> bool:
+        """True: a dispatched job's start and its flushed end commit without waiting for
+        their WAL flush (``synchronous_commit = off`` for that statement alone,
+        PostgreSQL), so the job's path has no disk wait. Each worker process confirms its
+        own at its next heartbeat, with one commit that waits, and makes again what a crash
+        of the database server lost. False: every commit waits. Default True."""
+        value: bool = self._get("DISPATCH_ASYNC_COMMIT", True, _boolean)
+        return value
+
+    @property
     def DISPATCH_POLL_INTERVAL(self) -> float:
         """Seconds between two looks, by one process of each worker node, for countdowns
         and ETAs of its queues that came due, so that a job with a countdown runs on time

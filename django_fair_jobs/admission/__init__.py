@@ -57,6 +57,7 @@ from django_fair_jobs.admission.ends import end as end
 from django_fair_jobs.admission.ends import release as release
 from django_fair_jobs.admission.ends import retry_pending_ends as retry_pending_ends
 from django_fair_jobs.admission.ends import retry_pending_releases as retry_pending_releases
+from django_fair_jobs.admission.flusher import confirm_dispatch as confirm_dispatch
 from django_fair_jobs.admission.handoff import release_kept as release_kept
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import TaskIdError
@@ -229,7 +230,8 @@ def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> 
     a copy that must not run, or when the database does not answer."""
     for delay in (*REPLY_RETRY_DELAYS, None):
         try:
-            started = dispatch.start(job_id, process)
+            asynchronous = dispatch.commits_async()
+            started = dispatch.start(job_id, process, async_commit=asynchronous)
             break
         except DatabaseError:
             if delay is None:
@@ -244,6 +246,9 @@ def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> 
         logger.info("Job %s (%s) already ran or runs: this copy is dropped", job_id, task.name)
         raise Ignore()
     ends.forget_end(job_id)  # a start that committed with its reply lost: it runs now
+    if asynchronous:
+        with ends.LEDGER.lock:
+            ends.LEDGER.unconfirmed_starts[job_id] = process
     return started
 
 

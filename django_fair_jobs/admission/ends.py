@@ -88,6 +88,14 @@ class Ledger:
     yet (handed to the flusher, or kept after a failed flush): a copy of one delivered here
     is refused, as its row still says it runs here. By row id, not task id: a retry of the
     job is a new row under the same task id, and runs."""
+    unconfirmed_starts: dict[int, uuid.UUID] = field(default_factory=dict)
+    """Dispatched jobs whose start committed without waiting for the disk
+    (``FAIR_JOBS_DISPATCH_ASYNC_COMMIT``): row id to process, until the heartbeat confirms
+    them (:func:`~django_fair_jobs.admission.flusher.confirm`) or an end of the job that
+    waited for the disk covers them (WAL is flushed in order)."""
+    unconfirmed_ends: dict[int, uuid.UUID] = field(default_factory=dict)
+    """Dispatched jobs whose flushed end committed without waiting for the disk: row id to
+    process, until the heartbeat confirms them."""
     flush_in_thread: bool = False
     """Whether jobs' ends go to the flusher thread (a worker process on PostgreSQL)."""
     flusher: tuple[int, threading.Thread] | None = None
@@ -370,7 +378,16 @@ def end(
         logger.exception("Could not end dispatched job %s; retrying at the next heartbeat", job_id)
         end_later(job_id, process, outcome="later" if block else outcome)
         return
+    covered([job_id])
     dispatch.publish(task.app, ready)
+
+
+def covered(job_ids: list[int]) -> None:
+    """The ends of ``job_ids`` committed and waited for the disk: their starts, committed
+    before, are on disk too (WAL is flushed in order), and are confirmed."""
+    with LEDGER.lock:
+        for job_id in job_ids:
+            LEDGER.unconfirmed_starts.pop(job_id, None)
 
 
 def end_later(job_id: int, process: uuid.UUID, *, outcome: dispatch.Outcome) -> None:
@@ -420,6 +437,7 @@ def retry_pending_ends(app: Any) -> int:
                 if LEDGER.pending_ends.get(job_id) == (process, outcome):
                     del LEDGER.pending_ends[job_id]
                 LEDGER.unflushed.discard(job_id)
+        covered(ids)
         dispatch.publish(app, ready)
         done += len(ids)
     return done

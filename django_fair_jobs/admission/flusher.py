@@ -115,7 +115,8 @@ def flush(batch: list[tuple[int, uuid.UUID, Any]]) -> int:
     for process, items in by_process.items():
         ids = [job_id for job_id, _ in items]
         try:
-            ready = dispatch.end_many(ids, process)
+            asynchronous = dispatch.commits_async()
+            ready = dispatch.end_many(ids, process, async_commit=asynchronous)
         except Exception:  # a closed connection raises InterfaceError, not DatabaseError
             logger.exception(
                 "Could not end %d dispatched jobs; retrying at the next heartbeat", len(items)
@@ -126,11 +127,53 @@ def flush(batch: list[tuple[int, uuid.UUID, Any]]) -> int:
             continue
         with LEDGER.lock:
             LEDGER.unflushed.difference_update(ids)
+            if asynchronous:
+                LEDGER.unconfirmed_ends.update(dict.fromkeys(ids, process))
+        if not asynchronous:
+            ends.covered(ids)
         try:
             dispatch.publish(items[-1][1], ready)
         except Exception:  # publish sets aside what it could not send; never end the thread
             logger.exception("Could not publish the jobs dispatched by a flush")
     return len(batch)
+
+
+def confirm_dispatch(app: Any) -> int:
+    """Confirm this process's starts and flushed ends that did not wait for the disk
+    (``FAIR_JOBS_DISPATCH_ASYNC_COMMIT``), making again any that a crash of the database
+    server lost, and publish what the room of an end made again went to; returns how many
+    starts were made again. Called at every heartbeat's maintenance and at shutdown: until
+    then, after such a crash, a job whose start was lost shows dispatched (the lost-message
+    repair waits ``FAIR_JOBS_DISPATCH_LOST_AFTER`` from the server's start), and one whose
+    end was lost keeps its room. A database error keeps them for the next pass."""
+    with LEDGER.lock:
+        started, ended = dict(LEDGER.unconfirmed_starts), dict(LEDGER.unconfirmed_ends)
+    redone = 0
+    for process in sorted(set(started.values()) | set(ended.values())):
+        mine_started = [job_id for job_id, p in started.items() if p == process]
+        mine_ended = [job_id for job_id, p in ended.items() if p == process]
+        try:
+            confirmed, lost, ready = dispatch.confirm(mine_started, mine_ended, process)
+        except DatabaseError:
+            logger.warning("Could not confirm %s start(s) and end(s) yet", len(mine_started))
+            continue
+        if not confirmed:  # reaped while alive: confirmed once registered again
+            continue
+        with LEDGER.lock:
+            for kept, ids in ((LEDGER.unconfirmed_starts, mine_started),
+                              (LEDGER.unconfirmed_ends, mine_ended)):  # fmt: skip
+                for job_id in ids:
+                    if kept.get(job_id) == process:
+                        del kept[job_id]
+        redone += lost
+        dispatch.publish(app, ready)
+    if redone:
+        logger.warning(
+            "Made again %s start(s) of dispatched jobs that the database lost (a crash of "
+            "the server)",
+            redone,
+        )
+    return redone
 
 
 def _drop_connections() -> None:

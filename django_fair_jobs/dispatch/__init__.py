@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
 
-from django.db import router
+from django.db import connections, router
 from django.utils import timezone
 
 from django_fair_jobs import db, validation
@@ -277,10 +277,31 @@ def enqueue_many(jobs: list[Job]) -> list[Ready]:
     return _store().enqueue_many(ordered)  # type: ignore[no-any-return]
 
 
-def start(job_id: int, process_id: uuid.UUID) -> Started:
+def commits_async() -> bool:
+    """Whether a start or an end of many commits without waiting for the disk here and now
+    (``FAIR_JOBS_DISPATCH_ASYNC_COMMIT`` on PostgreSQL, the statement a transaction of its
+    own, never a caller's whole commit): kept by the caller until :func:`confirm`."""
+    conn = connections[alias_ := alias()]
+    own = conn.get_autocommit() and not conn.in_atomic_block
+    return fair_settings.DISPATCH_ASYNC_COMMIT and db.uses_sql(alias_) and own
+
+
+def start(job_id: int, process_id: uuid.UUID, *, async_commit: bool = False) -> Started:
     """A dispatched job starts in ``process_id``; one round trip. Sent again after a lost
-    reply, it answers ``"again"``."""
-    return _store().start(job_id, process_id)  # type: ignore[no-any-return]
+    reply, it answers ``"again"``. ``async_commit`` (see :func:`commits_async`): its
+    commit does not wait for the disk."""
+    store = _store()
+    return store.start(job_id, process_id, async_commit=async_commit)  # type: ignore[no-any-return]
+
+
+def confirm(
+    started: list[int], ended: list[int], process_id: uuid.UUID
+) -> tuple[bool, int, list[Ready]]:
+    """Make durable what ``process_id`` committed without waiting for the disk (starts,
+    ends of many), making again what a crash of the server lost (``Store.confirm``).
+    Returns whether they are confirmed (False: the process row is gone, nothing written),
+    how many starts had been lost, and the jobs to publish."""
+    return _store().confirm(started, ended, process_id)  # type: ignore[no-any-return]
 
 
 def end(
@@ -301,13 +322,18 @@ def end(
     )
 
 
-def end_many(job_ids: list[int], process_id: uuid.UUID, *, limit: int = BATCH) -> list[Ready]:
+def end_many(
+    job_ids: list[int], process_id: uuid.UUID, *, limit: int = BATCH, async_commit: bool = False
+) -> list[Ready]:
     """End many jobs that ran to their end under ``process_id`` in one round trip (a
     process's ends flushed together); a job not running under it is skipped. Each queue
-    they leave dispatches up to ``limit`` jobs into its room; returns the jobs to publish."""
+    they leave dispatches up to ``limit`` jobs into its room; returns the jobs to publish.
+    ``async_commit`` as in :func:`start`."""
     if not job_ids:
         return []
-    return _store().end_many(job_ids, process_id, limit=limit)  # type: ignore[no-any-return]
+    return _store().end_many(  # type: ignore[no-any-return]
+        job_ids, process_id, limit=limit, async_commit=async_commit
+    )
 
 
 def dispatch(queue: str, limit: int = BATCH) -> list[Ready]:

@@ -72,10 +72,39 @@ class Store:
         """See :func:`django_fair_jobs.dispatch.enqueue_many`."""
         return self._ready(self._rows("dispatch_enqueue_many", self._columns(jobs)))
 
-    def start(self, job_id: int, process_id: uuid.UUID) -> Started:
+    def start(self, job_id: int, process_id: uuid.UUID, *, async_commit: bool = False) -> Started:
         """See :func:`django_fair_jobs.dispatch.start`."""
-        ((status, cap),) = self._rows("dispatch_start", {"job": job_id, "process": process_id})
+        params = {"job": job_id, "process": process_id, "async_commit": async_commit}
+        ((status, cap, _),) = self._rows("dispatch_start", params)
         return Started(str(status), None if cap is None else int(cap))
+
+    def confirm(
+        self, started: list[int], ended: list[int], process_id: uuid.UUID
+    ) -> tuple[bool, int, list[Ready]]:
+        """See :func:`django_fair_jobs.dispatch.confirm`. In one transaction: the process's
+        row written by a commit that waits for the disk (WAL is flushed in order, so it
+        covers every commit before it), the starts sent again (a lost one runs the job's
+        row here again; the others write nothing), then the ends (a lost one ends its row
+        and dispatches the room it leaves)."""
+        ready: list[Ready] = []
+        with transaction.atomic(using=self.alias):
+            if not self.confirm_beat(process_id):
+                return False, 0, []
+            redone = self.restart(started, process_id) if started else 0
+            if ended:
+                ready = self.end_many(ended, process_id)
+        return True, redone, ready
+
+    def restart(self, job_ids: list[int], process_id: uuid.UUID) -> int:
+        """See :func:`django_fair_jobs.dispatch.confirm`: the starts made again; returns
+        how many a crash had lost (their rows were not running here)."""
+        rows = self._rows("dispatch_restart", {"jobs": sorted(job_ids), "process": process_id})
+        return sum(1 for (status,) in rows if status == "started")
+
+    def confirm_beat(self, process_id: uuid.UUID) -> bool:
+        """See :func:`django_fair_jobs.dispatch.confirm`: the process's row written by a
+        commit that waits for the disk; False if the row is gone."""
+        return bool(self._rows("dispatch_confirm_beat", {"process": process_id}))
 
     def end(
         self,
@@ -95,10 +124,18 @@ class Store:
         return self._ready(self._rows("dispatch_end", params))
 
     def end_many(
-        self, job_ids: list[int], process_id: uuid.UUID, limit: int = BATCH
+        self,
+        job_ids: list[int],
+        process_id: uuid.UUID,
+        limit: int = BATCH,
+        *,
+        async_commit: bool = False,
     ) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.end_many`."""
-        params = {"jobs": list(job_ids), "process": process_id, "max": limit}
+        params = {
+            "jobs": list(job_ids), "process": process_id, "max": limit,
+            "async_commit": async_commit,
+        }  # fmt: skip
         return self._ready(self._rows("dispatch_end_many", params))
 
     def failures(self, job_id: int) -> int:

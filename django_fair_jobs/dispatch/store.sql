@@ -36,7 +36,33 @@ SELECT job_id, job_message FROM fair_jobs_enqueue_many(
     %(weights)s::double precision[], %(caps)s::integer[], %(on_losses)s::smallint[]);
 
 -- name: dispatch_start
-SELECT status, cap FROM fair_jobs_dispatch_start(%(job)s, %(process)s);
+-- With async_commit (FAIR_JOBS_DISPATCH_ASYNC_COMMIT, the start a transaction of its own)
+-- its commit does not wait for the WAL flush: set_config(..., true) lasts until that
+-- commit. A crash of the server may lose it; dispatch_confirm_beat and dispatch_restart
+-- make it again at the process's next heartbeat.
+SELECT s.status, s.cap,
+       CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END
+  FROM fair_jobs_dispatch_start(%(job)s, %(process)s) AS s;
+
+-- name: dispatch_restart
+-- Make again the starts of a process that did not wait for the disk, in job order: a
+-- start a crash lost finds its row dispatched (or back in its line) and runs it here
+-- again; one that reached the disk answers "again" (or "duplicate" once the job ended)
+-- and writes nothing.
+SELECT s.status
+  FROM unnest(%(jobs)s::bigint[]) AS i(id)
+ CROSS JOIN LATERAL fair_jobs_dispatch_start(i.id, %(process)s) AS s
+ ORDER BY i.id;
+
+-- name: dispatch_confirm_beat
+-- The process's row, written by a commit that waits for the disk even where the session's
+-- default does not: WAL is flushed in order, so every commit of the process that did not
+-- wait (a start, an end) and came before it is on disk once it returns. No row (the
+-- process was reaped): nothing is written, nothing is confirmed.
+UPDATE fair_jobs_workerprocess SET last_heartbeat_at = now()
+ WHERE id = %(process)s
+RETURNING CASE WHEN current_setting('synchronous_commit') = 'off'
+               THEN set_config('synchronous_commit', 'local', true) END;
 
 -- name: dispatch_end
 SELECT job_id, job_message
@@ -44,8 +70,14 @@ SELECT job_id, job_message
                               %(max)s);
 
 -- name: dispatch_end_many
-SELECT job_id, job_message
-  FROM fair_jobs_dispatch_end_many(%(jobs)s::bigint[], %(process)s, %(max)s);
+-- With async_commit, as dispatch_start: confirmed (made again) at the next heartbeat. The
+-- setting is made on the left of an outer join, so once whether or not the room went to
+-- any job (one row with NULLs then).
+SELECT e.job_id, e.job_message
+  FROM (SELECT CASE WHEN %(async_commit)s
+                    THEN set_config('synchronous_commit', 'off', true) END) AS c(off)
+  LEFT JOIN LATERAL fair_jobs_dispatch_end_many(%(jobs)s::bigint[], %(process)s, %(max)s)
+       AS e ON true;
 
 -- name: dispatch_next
 SELECT job_id, job_message FROM fair_jobs_dispatch(%(queue)s, %(max)s);
@@ -96,10 +128,13 @@ SELECT j.id, j.process_id,
 -- Dispatched jobs not started in time, on queues with live capacity: their message may be
 -- lost (a purged queue, a publisher that died); returned to be published again. Each copy
 -- doubles the wait before the next (at most 64 times lost_after), so a message that is
--- only slow (behind a long job, prefetched by a busy node) is not copied every pass.
+-- only slow (behind a long job, prefetched by a busy node) is not copied every pass. The
+-- wait counts from the server's start at the earliest: a crash of the server may have lost
+-- the start of a job that runs (FAIR_JOBS_DISPATCH_ASYNC_COMMIT), and its process makes it
+-- again at its next heartbeat, well within lost_after.
 UPDATE fair_jobs_dispatchjob AS j SET dispatched_at = now(), republished = j.republished + 1
  WHERE j.state = 2
-   AND j.dispatched_at < now() - make_interval(
+   AND greatest(j.dispatched_at, pg_postmaster_start_time()) < now() - make_interval(
            secs => %(lost_after)s * power(2, LEAST(j.republished, 6)))
    AND EXISTS (SELECT 1 FROM fair_jobs_dispatchqueue AS q
                 WHERE q.queue = j.queue AND q.capacity > 0)

@@ -218,8 +218,21 @@ class Store(pg_store.Store):
                 ready += self._dispatch(queue, BATCH)
         return ready
 
-    def start(self, job_id: int, process_id: uuid.UUID) -> Started:
-        """See :func:`django_fair_jobs.dispatch.start`."""
+    def restart(self, job_ids: list[int], process_id: uuid.UUID) -> int:
+        """See :meth:`django_fair_jobs.dispatch.store.Store.restart` (the ORM store's
+        commits always wait for the disk: only a caller's own list brings it here)."""
+        return sum(self.start(job_id, process_id).status == "started" for job_id in sorted(job_ids))
+
+    def confirm_beat(self, process_id: uuid.UUID) -> bool:
+        """See :meth:`django_fair_jobs.dispatch.store.Store.confirm_beat`."""
+        from django_fair_jobs.models import WorkerProcess
+
+        rows = WorkerProcess.objects.using(self.alias).filter(pk=process_id)
+        return bool(rows.update(last_heartbeat_at=Now()))
+
+    def start(self, job_id: int, process_id: uuid.UUID, *, async_commit: bool = False) -> Started:
+        """See :func:`django_fair_jobs.dispatch.start` (``async_commit`` is PostgreSQL's:
+        this store's commits wait)."""
         with transaction.atomic(using=self.alias):
             job = self._jobs().filter(pk=job_id).first()
             if job is None or job.state not in (WAITING, DISPATCHED, RUNNING):
@@ -286,9 +299,15 @@ class Store(pg_store.Store):
             return self._dispatch(job.queue, limit) if limit > 0 else []
 
     def end_many(
-        self, job_ids: list[int], process_id: uuid.UUID, limit: int = BATCH
+        self,
+        job_ids: list[int],
+        process_id: uuid.UUID,
+        limit: int = BATCH,
+        *,
+        async_commit: bool = False,
     ) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.end_many`."""
+        """See :func:`django_fair_jobs.dispatch.end_many` (``async_commit`` as in
+        :meth:`start`)."""
         with transaction.atomic(using=self.alias):
             held = self._jobs().filter(pk__in=job_ids, state=RUNNING, process_id=process_id)
             rows = sorted(held.values_list("queue", "tenant"))

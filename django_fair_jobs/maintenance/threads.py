@@ -130,6 +130,7 @@ def _maintenance_loop(ident: identity.Identity) -> None:
     releases, ends and planned starts, and take part in the cluster's maintenance pass.
     Each of them may publish (wake-ups, dispatches), so a broker that stops answering
     blocks this thread, never the heartbeat."""
+    from celery import current_app
 
     try:
         while not ident.stop.wait(fair_settings.HEARTBEAT_INTERVAL):
@@ -138,6 +139,7 @@ def _maintenance_loop(ident: identity.Identity) -> None:
             try:
                 close_old_connections()
                 admission.confirm_releases()
+                admission.confirm_dispatch(current_app)
                 admission.retry_pending_releases()
                 passes.retry_pending_ends()
                 planner.retry_pending_starts()
@@ -217,6 +219,7 @@ def shutdown() -> None:
         # acks_late job that completed a second time.
         admission.retry_pending_ends(current_app)
         admission.retry_pending_releases()
+        admission.confirm_dispatch(current_app)  # before the retire takes the row
     except Exception:
         logger.exception("Could not end this process's pending jobs; the reap will")
     try:

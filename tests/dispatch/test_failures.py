@@ -50,8 +50,8 @@ def test_d5__the_start_commits_and_its_reply_is_lost__the_job_runs(
     job = job_of(tasks.dispatched.delay("acme").id)
     real, cut = dispatch.start, list[int]()
 
-    def start_then_cut(job_id: int, process: uuid.UUID) -> dispatch.Started:
-        started = real(job_id, process)
+    def start_then_cut(job_id: int, process: uuid.UUID, **kwargs: Any) -> dispatch.Started:
+        started = real(job_id, process, **kwargs)
         if not cut:
             cut.append(job_id)
             raise OperationalError("server closed the connection unexpectedly")

@@ -1,0 +1,186 @@
+"""A dispatched job's start and its flushed end commit without waiting for the disk
+(``FAIR_JOBS_DISPATCH_ASYNC_COMMIT``, PostgreSQL): the process keeps them in its ledger
+until the next heartbeat confirms them with one commit that does wait, and makes again
+whatever a crash of the database server lost."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+
+from django_fair_jobs import admission, dispatch
+from django_fair_jobs.admission import ends, flusher
+from django_fair_jobs.admission.ends import LEDGER
+from django_fair_jobs.dispatch.models import DISPATCHED, RUNNING, DispatchJob
+from django_fair_jobs.models import WorkerProcess
+from tests.conftest import runs_sql
+from tests.dispatch.conftest import deliver, job_of, set_capacity
+from tests.dispatch.test_flusher import no_thread
+from tests.testapp import tasks
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("engine", "in_process_worker", "collected"),
+]
+
+@pytest.fixture(autouse=True)
+def fresh_ledger() -> Iterator[None]:
+    LEDGER.__init__()  # type: ignore[misc]
+    yield
+    flusher.stop()
+    LEDGER.__init__()  # type: ignore[misc]
+
+
+def needs_sql() -> None:
+    if not runs_sql():
+        pytest.skip("asynchronous commits are PostgreSQL's; the ORM store's commits wait")
+
+
+class Recorded:
+    """The statements this thread's connection runs, with their parameters."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        self.calls.append((sql, params))
+        return execute(sql, params, many, context)
+
+    def asynchronous(self, name: str) -> list[bool]:
+        """Per statement calling ``name``: whether it asked not to wait for the disk."""
+        return [bool(p.get("async_commit")) for sql, p in self.calls if name in sql]
+
+
+@pytest.fixture
+def recorded() -> Iterator[Recorded]:
+    recorder = Recorded()
+    with connection.execute_wrapper(recorder):
+        yield recorder
+
+
+def test_start_and_flushed_end__commit_without_waiting_for_the_disk__kept_to_confirm(
+    monkeypatch: pytest.MonkeyPatch, in_process_worker: uuid.UUID, recorded: Recorded
+) -> None:
+    needs_sql()
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    flusher.start()
+    monkeypatch.setattr(ends, "own_thread", no_thread)  # the end waits for stop()
+    assert deliver(job) == "ran"
+    assert flusher.stop() == 1
+    assert recorded.asynchronous("fair_jobs_dispatch_start(") == [True]
+    assert recorded.asynchronous("fair_jobs_dispatch_end_many(") == [True]
+    assert LEDGER.unconfirmed_starts == {job.pk: in_process_worker}
+    assert LEDGER.unconfirmed_ends == {job.pk: in_process_worker}
+    # The setting lasts for each statement's own transaction only.
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone() == ("on",)
+
+
+def test_start__inside_a_transaction__waits_as_the_transaction_does(
+    monkeypatch: pytest.MonkeyPatch, recorded: Recorded
+) -> None:
+    needs_sql()
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    flusher.start()
+    monkeypatch.setattr(ends, "own_thread", no_thread)
+    with transaction.atomic():
+        assert deliver(job) == "ran"
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            assert cursor.fetchone() == ("on",)  # the caller's commit is left alone
+    assert recorded.asynchronous("fair_jobs_dispatch_start(") == [False]
+    assert LEDGER.unconfirmed_starts == {}
+
+
+@override_settings(FAIR_JOBS_DISPATCH_ASYNC_COMMIT=False)
+def test_turned_off__every_commit_waits__nothing_kept(
+    monkeypatch: pytest.MonkeyPatch, recorded: Recorded
+) -> None:
+    needs_sql()
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    flusher.start()
+    monkeypatch.setattr(ends, "own_thread", no_thread)
+    assert deliver(job) == "ran"
+    assert flusher.stop() == 1
+    assert recorded.asynchronous("fair_jobs_dispatch_start(") == [False]
+    assert recorded.asynchronous("fair_jobs_dispatch_end_many(") == [False]
+    assert LEDGER.unconfirmed_starts == {} and LEDGER.unconfirmed_ends == {}
+
+
+def test_an_end_that_waits_for_the_disk__confirms_the_start_before_it() -> None:
+    needs_sql()
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    assert deliver(job) == "ran"  # no flusher: the job ends its own row, a durable commit
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()
+    # Its start is covered by that commit: confirming it later would find the row gone.
+    assert LEDGER.unconfirmed_starts == {} and LEDGER.unconfirmed_ends == {}
+
+
+def test_confirm__a_lost_start_and_a_lost_end_made_again__one_durable_commit(
+    collected: list[int], in_process_worker: uuid.UUID, celery_app: Any
+) -> None:
+    set_capacity(2)
+    running, ended, waiting = (job_of(tasks.dispatched.delay(t).id) for t in "abc")
+    assert collected == [running.pk, ended.pk]
+    process = in_process_worker
+    assert dispatch.start(ended.pk, process).status == "started"
+    # What a crash of the server that lost the last commits leaves: the running job's row
+    # dispatched again (its start lost), the ended job's row running (its end lost).
+    with LEDGER.lock:
+        LEDGER.unconfirmed_starts.update({running.pk: process, ended.pk: process})
+        LEDGER.unconfirmed_ends[ended.pk] = process
+    beat_before = WorkerProcess.objects.get(pk=process).last_heartbeat_at
+    with CaptureQueriesContext(connection) as queries:
+        assert admission.confirm_dispatch(celery_app) == 1  # the start made again
+    row = DispatchJob.objects.get(pk=running.pk)
+    assert (row.state, row.process_id) == (RUNNING, process)  # started again, here
+    assert not DispatchJob.objects.filter(pk=ended.pk).exists()  # ended again
+    assert collected[-1] == waiting.pk  # the room it left went to the next job
+    assert LEDGER.unconfirmed_starts == {} and LEDGER.unconfirmed_ends == {}
+    assert WorkerProcess.objects.get(pk=process).last_heartbeat_at > beat_before
+    if runs_sql():
+        # The process's row written by a commit that waits for the disk, whatever the
+        # session's default, then the starts made again, then the ends.
+        statements = [q["sql"] for q in queries.captured_queries]
+        assert statements[0] == "BEGIN" and statements[-1] == "COMMIT"  # one transaction
+        assert len(statements) == 5
+        assert "set_config('synchronous_commit', 'local', true)" in statements[1]
+
+
+def test_confirm__nothing_lost__rows_untouched__ledger_emptied(
+    in_process_worker: uuid.UUID, celery_app: Any
+) -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    assert dispatch.start(job.pk, in_process_worker).status == "started"
+    with LEDGER.lock:
+        LEDGER.unconfirmed_starts[job.pk] = in_process_worker
+    assert admission.confirm_dispatch(celery_app) == 0
+    row = DispatchJob.objects.get(pk=job.pk)
+    assert (row.state, row.process_id) == (RUNNING, in_process_worker)
+    assert LEDGER.unconfirmed_starts == {}
+
+
+def test_confirm__process_reaped__kept_for_the_next_pass(
+    in_process_worker: uuid.UUID, celery_app: Any
+) -> None:
+    # No process row: the confirmation wrote nothing that waits for the disk.
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    with LEDGER.lock:
+        LEDGER.unconfirmed_starts[job.pk] = in_process_worker
+    WorkerProcess.objects.filter(pk=in_process_worker).delete()
+    admission.confirm_dispatch(celery_app)
+    assert LEDGER.unconfirmed_starts == {job.pk: in_process_worker}
+    assert DispatchJob.objects.get(pk=job.pk).state in (DISPATCHED, RUNNING)
