@@ -46,13 +46,14 @@ SELECT s.status, s.cap,
 
 -- name: dispatch_restart
 -- Make again the starts of a process that did not wait for the disk, in job order: a
--- start a crash lost finds its row dispatched (or back in its line) and runs it here
--- again; one that reached the disk answers "again" (or "duplicate" once the job ended)
--- and writes nothing.
+-- start a crash lost left its row dispatched (or back in its line), and the start runs it
+-- here again. The others (running here, or ended and gone: most of them) are only looked
+-- up by their key, nothing called or written.
 SELECT s.status
-  FROM unnest(%(jobs)s::bigint[]) AS i(id)
- CROSS JOIN LATERAL fair_jobs_dispatch_start(i.id, %(process)s) AS s
- ORDER BY i.id;
+  FROM fair_jobs_dispatchjob AS j
+ CROSS JOIN LATERAL fair_jobs_dispatch_start(j.id, %(process)s) AS s
+ WHERE j.id = ANY(%(jobs)s::bigint[]) AND j.state IN (1, 2)
+ ORDER BY j.id;
 
 -- name: dispatch_confirm_beat
 -- The process's row, written by a commit that waits for the disk even where the session's

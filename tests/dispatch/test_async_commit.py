@@ -29,6 +29,7 @@ pytestmark = [
     pytest.mark.usefixtures("engine", "in_process_worker", "collected"),
 ]
 
+
 @pytest.fixture(autouse=True)
 def fresh_ledger() -> Iterator[None]:
     LEDGER.__init__()  # type: ignore[misc]
