@@ -94,8 +94,13 @@ class Ledger:
     them (:func:`~django_fair_jobs.admission.flusher.confirm`) or an end of the job that
     waited for the disk covers them (WAL is flushed in order)."""
     unconfirmed_ends: dict[int, uuid.UUID] = field(default_factory=dict)
-    """Dispatched jobs whose flushed end committed without waiting for the disk: row id to
-    process, until the heartbeat confirms them."""
+    """Dispatched jobs that ended here while their start was unconfirmed, or whose flushed
+    end committed without waiting for the disk: row id to process, until the heartbeat
+    confirms them (a lost start is made again, then the end)."""
+    confirming: threading.Lock = field(default_factory=threading.Lock)
+    """Held by the confirmation from its copy of the lists to its commit, and by an end
+    done in the job's thread or the heartbeat's retry: a job put back in its line by such
+    an end is never started here again by a confirmation that copied it before."""
     flush_in_thread: bool = False
     """Whether jobs' ends go to the flusher thread (a worker process on PostgreSQL)."""
     flusher: tuple[int, threading.Thread] | None = None
@@ -370,24 +375,33 @@ def end(
     at the next heartbeat (:func:`retry_pending_ends`), so the room is not lost while the
     process lives."""
     try:
-        ready = dispatch.end(
-            job_id, process, outcome=outcome, delay=delay, block=block,
-            limit=0 if block else dispatch.BATCH,
-        )  # fmt: skip
+        with LEDGER.confirming:
+            ready = dispatch.end(
+                job_id, process, outcome=outcome, delay=delay, block=block,
+                limit=0 if block else dispatch.BATCH,
+            )  # fmt: skip
+            settled([job_id], process, outcome)
     except DatabaseError:
         logger.exception("Could not end dispatched job %s; retrying at the next heartbeat", job_id)
         end_later(job_id, process, outcome="later" if block else outcome)
         return
-    covered([job_id])
     dispatch.publish(task.app, ready)
 
 
-def covered(job_ids: list[int]) -> None:
-    """The ends of ``job_ids`` committed and waited for the disk: their starts, committed
-    before, are on disk too (WAL is flushed in order), and are confirmed."""
+def settled(job_ids: list[int], process: uuid.UUID, outcome: dispatch.Outcome) -> None:
+    """The ends of ``job_ids`` (``outcome``) committed, waiting for the disk. A job put
+    back (``back``, ``later``, ``failed``) must never be started here again: its
+    unconfirmed start is dropped (were it lost, its row shows dispatched and the
+    lost-message repair publishes it, as it should). A job that ended whose start is
+    unconfirmed is kept for the confirmation as an end too: were its start lost, the end
+    matched no row and wrote nothing, so it covers nothing; the confirmation makes the
+    start again, then the end."""
     with LEDGER.lock:
         for job_id in job_ids:
-            LEDGER.unconfirmed_starts.pop(job_id, None)
+            if outcome != "end":
+                LEDGER.unconfirmed_starts.pop(job_id, None)
+            elif job_id in LEDGER.unconfirmed_starts:
+                LEDGER.unconfirmed_ends[job_id] = process
 
 
 def end_later(job_id: int, process: uuid.UUID, *, outcome: dispatch.Outcome) -> None:
@@ -426,10 +440,12 @@ def retry_pending_ends(app: Any) -> int:
     done = 0
     for ids, process, outcome in [*((ids, p, "end") for p, ids in batches.items()), *singles]:
         try:
-            if outcome == "end":
-                ready = dispatch.end_many(ids, process)
-            else:
-                ready = dispatch.end(ids[0], process, outcome=outcome)
+            with LEDGER.confirming:
+                if outcome == "end":
+                    ready = dispatch.end_many(ids, process)
+                else:
+                    ready = dispatch.end(ids[0], process, outcome=outcome)
+                settled(ids, process, outcome)
         except DatabaseError:
             break
         with LEDGER.lock:
@@ -437,7 +453,6 @@ def retry_pending_ends(app: Any) -> int:
                 if LEDGER.pending_ends.get(job_id) == (process, outcome):
                     del LEDGER.pending_ends[job_id]
                 LEDGER.unflushed.discard(job_id)
-        covered(ids)
         dispatch.publish(app, ready)
         done += len(ids)
     return done

@@ -130,7 +130,7 @@ def flush(batch: list[tuple[int, uuid.UUID, Any]]) -> int:
             if asynchronous:
                 LEDGER.unconfirmed_ends.update(dict.fromkeys(ids, process))
         if not asynchronous:
-            ends.covered(ids)
+            ends.settled(ids, process, "end")
         try:
             dispatch.publish(items[-1][1], ready)
         except Exception:  # publish sets aside what it could not send; never end the thread
@@ -139,32 +139,23 @@ def flush(batch: list[tuple[int, uuid.UUID, Any]]) -> int:
 
 
 def confirm_dispatch(app: Any) -> int:
-    """Confirm this process's starts and flushed ends that did not wait for the disk
+    """Confirm this process's starts and ends that did not wait for the disk
     (``FAIR_JOBS_DISPATCH_ASYNC_COMMIT``), making again any that a crash of the database
     server lost, and publish what the room of an end made again went to; returns how many
     starts were made again. Called at every heartbeat's maintenance and at shutdown: until
     then, after such a crash, a job whose start was lost shows dispatched (the lost-message
     repair waits ``FAIR_JOBS_DISPATCH_LOST_AFTER`` from the server's start), and one whose
-    end was lost keeps its room. A database error keeps them for the next pass."""
-    with LEDGER.lock:
-        started, ended = dict(LEDGER.unconfirmed_starts), dict(LEDGER.unconfirmed_ends)
+    end was lost keeps its room. An error keeps them for the next pass; those of a process
+    whose row is gone (reaped: the reap put its jobs back) are dropped."""
     redone = 0
-    for process in sorted(set(started.values()) | set(ended.values())):
-        mine_started = [job_id for job_id, p in started.items() if p == process]
-        mine_ended = [job_id for job_id, p in ended.items() if p == process]
+    with LEDGER.lock:
+        processes = sorted({*LEDGER.unconfirmed_starts.values(), *LEDGER.unconfirmed_ends.values()})
+    for process in processes:
         try:
-            confirmed, lost, ready = dispatch.confirm(mine_started, mine_ended, process)
-        except DatabaseError:
-            logger.warning("Could not confirm %s start(s) and end(s) yet", len(mine_started))
+            lost, ready = _confirm(process)
+        except Exception:  # a closed connection raises InterfaceError, not DatabaseError
+            logger.warning("Could not confirm the starts and ends of %s yet", process)
             continue
-        if not confirmed:  # reaped while alive: confirmed once registered again
-            continue
-        with LEDGER.lock:
-            for kept, ids in ((LEDGER.unconfirmed_starts, mine_started),
-                              (LEDGER.unconfirmed_ends, mine_ended)):  # fmt: skip
-                for job_id in ids:
-                    if kept.get(job_id) == process:
-                        del kept[job_id]
         redone += lost
         dispatch.publish(app, ready)
     if redone:
@@ -174,6 +165,36 @@ def confirm_dispatch(app: Any) -> int:
             redone,
         )
     return redone
+
+
+def _confirm(process: uuid.UUID) -> tuple[int, list[dispatch.Ready]]:
+    """Confirm the starts and ends ``process`` keeps (see :func:`confirm_dispatch`) under
+    the ledger's ``confirming`` lock, so that no end of the job's thread puts a job back
+    between the copy and the commit; returns the starts made again and the jobs to publish.
+    A job whose end is pending (its reply may have been lost) is not started again."""
+    with LEDGER.confirming:
+        with LEDGER.lock:
+            started = [
+                job_id
+                for job_id, p in LEDGER.unconfirmed_starts.items()
+                if p == process and job_id not in LEDGER.pending_ends
+            ]
+            ended = [job_id for job_id, p in LEDGER.unconfirmed_ends.items() if p == process]
+            kept = [job_id for job_id, p in LEDGER.unconfirmed_starts.items() if p == process]
+        confirmed, lost, ready = dispatch.confirm(started, ended, process)
+        if not confirmed:
+            logger.warning(
+                "Dropped %s unconfirmed start(s) and end(s) of %s: its row is gone (reaped)",
+                len(kept) + len(ended),
+                process,
+            )
+        with LEDGER.lock:
+            for job_id in kept:
+                if job_id not in LEDGER.pending_ends:
+                    LEDGER.unconfirmed_starts.pop(job_id, None)
+            for job_id in ended:
+                LEDGER.unconfirmed_ends.pop(job_id, None)
+    return lost, ready
 
 
 def _drop_connections() -> None:

@@ -132,7 +132,7 @@ SELECT j.id, j.process_id,
 -- only slow (behind a long job, prefetched by a busy node) is not copied every pass. The
 -- wait counts from the server's start at the earliest: a crash of the server may have lost
 -- the start of a job that runs (FAIR_JOBS_DISPATCH_ASYNC_COMMIT), and its process makes it
--- again at its next heartbeat, well within lost_after.
+-- again at its next heartbeat, normally well within lost_after.
 UPDATE fair_jobs_dispatchjob AS j SET dispatched_at = now(), republished = j.republished + 1
  WHERE j.state = 2
    AND greatest(j.dispatched_at, pg_postmaster_start_time()) < now() - make_interval(

@@ -5,12 +5,13 @@ whatever a crash of the database server lost."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
@@ -118,13 +119,18 @@ def test_turned_off__every_commit_waits__nothing_kept(
     assert LEDGER.unconfirmed_starts == {} and LEDGER.unconfirmed_ends == {}
 
 
-def test_an_end_that_waits_for_the_disk__confirms_the_start_before_it() -> None:
+def test_an_end_in_the_jobs_thread__kept_with_its_start__confirmed_at_the_heartbeat(
+    in_process_worker: uuid.UUID, celery_app: Any
+) -> None:
     needs_sql()
     set_capacity(1)
     job = job_of(tasks.dispatched.delay("acme").id)
-    assert deliver(job) == "ran"  # no flusher: the job ends its own row, a durable commit
+    assert deliver(job) == "ran"  # no flusher: the job ends its own row
     assert not DispatchJob.objects.filter(pk=job.pk).exists()
-    # Its start is covered by that commit: confirming it later would find the row gone.
+    # Had the start been lost, that end would have matched nothing: both are kept.
+    assert LEDGER.unconfirmed_starts == {job.pk: in_process_worker}
+    assert LEDGER.unconfirmed_ends == {job.pk: in_process_worker}
+    assert admission.confirm_dispatch(celery_app) == 0  # nothing was lost
     assert LEDGER.unconfirmed_starts == {} and LEDGER.unconfirmed_ends == {}
 
 
@@ -173,15 +179,85 @@ def test_confirm__nothing_lost__rows_untouched__ledger_emptied(
     assert LEDGER.unconfirmed_starts == {}
 
 
-def test_confirm__process_reaped__kept_for_the_next_pass(
+def test_confirm__process_reaped__its_jobs_were_put_back__nothing_started_again(
     in_process_worker: uuid.UUID, celery_app: Any
 ) -> None:
-    # No process row: the confirmation wrote nothing that waits for the disk.
+    # No process row: the reap put its jobs back; starting them here again would take
+    # them from the copies that run them now.
     set_capacity(1)
     job = job_of(tasks.dispatched.delay("acme").id)
     with LEDGER.lock:
         LEDGER.unconfirmed_starts[job.pk] = in_process_worker
     WorkerProcess.objects.filter(pk=in_process_worker).delete()
+    assert admission.confirm_dispatch(celery_app) == 0
+    assert LEDGER.unconfirmed_starts == {}
+    assert DispatchJob.objects.get(pk=job.pk).state == DISPATCHED
+
+
+def test_an_end_whose_start_was_lost__kept__the_confirmation_starts_then_ends_it(
+    in_process_worker: uuid.UUID, celery_app: Any
+) -> None:
+    # A crash lost the start; the job's own end (in its thread) then matched no row and
+    # wrote nothing, so it covers nothing: the job would be published again and run twice.
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    with LEDGER.lock:
+        LEDGER.unconfirmed_starts[job.pk] = in_process_worker
+    ends.end(tasks.dispatched, job.pk, in_process_worker, outcome="end")
+    assert DispatchJob.objects.get(pk=job.pk).state == DISPATCHED  # the end found nothing
+    assert LEDGER.unconfirmed_ends == {job.pk: in_process_worker}
+    assert admission.confirm_dispatch(celery_app) == 1
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()
+    assert LEDGER.unconfirmed_starts == {} and LEDGER.unconfirmed_ends == {}
+
+
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_job_put_back__never_started_here_again_by_the_confirmation(
+    in_process_worker: uuid.UUID, celery_app: Any, pending: bool
+) -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    assert dispatch.start(job.pk, in_process_worker).status == "started"
+    with LEDGER.lock:
+        LEDGER.unconfirmed_starts[job.pk] = in_process_worker
+    if pending:  # put back, its reply lost: kept to be sent again
+        dispatch.end(job.pk, in_process_worker, outcome="back", limit=0)
+        ends.end_later(job.pk, in_process_worker, outcome="back")
+    else:  # Reject(requeue=True), the fence's error path
+        ends.end(tasks.dispatched, job.pk, in_process_worker, outcome="back")
     admission.confirm_dispatch(celery_app)
-    assert LEDGER.unconfirmed_starts == {job.pk: in_process_worker}
-    assert DispatchJob.objects.get(pk=job.pk).state in (DISPATCHED, RUNNING)
+    row = DispatchJob.objects.get(pk=job.pk)
+    assert row.state != RUNNING and row.process_id is None  # in its line, for its copy
+
+
+def test_a_job_put_back_while_the_confirmation_runs__waits_for_it__not_started_again(
+    monkeypatch: pytest.MonkeyPatch, in_process_worker: uuid.UUID, celery_app: Any
+) -> None:
+    # The confirmation copies the job's unconfirmed start; the job's thread then puts it
+    # back (Reject(requeue=True)). Were the end to commit between the copy and the
+    # restart, the restart would take the job from its line and run it here, where it
+    # no longer runs, and its redelivered copy would be refused.
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    assert dispatch.start(job.pk, in_process_worker).status == "started"
+    with LEDGER.lock:
+        LEDGER.unconfirmed_starts[job.pk] = in_process_worker
+    real = dispatch.confirm
+
+    def put_back() -> None:
+        ends.end(tasks.dispatched, job.pk, in_process_worker, outcome="back")
+        connections.close_all()
+
+    ender = threading.Thread(target=put_back)
+
+    def confirm_with_an_end_under_way(*args: Any) -> Any:
+        ender.start()
+        ender.join(0.5)  # it waits for the confirmation's lock
+        return real(*args)
+
+    monkeypatch.setattr(dispatch, "confirm", confirm_with_an_end_under_way)
+    admission.confirm_dispatch(celery_app)
+    ender.join(10)
+    row = DispatchJob.objects.get(pk=job.pk)
+    assert row.state != RUNNING and row.process_id is None
+    assert LEDGER.unconfirmed_starts == {}
