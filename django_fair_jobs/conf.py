@@ -324,8 +324,9 @@ class Settings:
         their WAL flush (``synchronous_commit = off`` for that statement alone,
         PostgreSQL), so the job's path has no disk wait. Each worker process confirms its
         own at its next heartbeat, with one commit that waits, and makes again what a crash
-        of the database server lost. False: every commit waits. Default True."""
-        value: bool = self._get("DISPATCH_ASYNC_COMMIT", True, _boolean)
+        of the database server lost; until then such a crash can run a job twice (see the
+        deployment how-to). Default False: every commit waits."""
+        value: bool = self._get("DISPATCH_ASYNC_COMMIT", False, _boolean)
         return value
 
     @property

@@ -32,6 +32,12 @@ pytestmark = [
 
 
 @pytest.fixture(autouse=True)
+def asynchronous(settings: Any) -> None:
+    """The setting on (it is off by default); a test that turns it off overrides it."""
+    settings.FAIR_JOBS_DISPATCH_ASYNC_COMMIT = True
+
+
+@pytest.fixture(autouse=True)
 def fresh_ledger() -> Iterator[None]:
     LEDGER.__init__()  # type: ignore[misc]
     yield

@@ -90,6 +90,7 @@ def test_crash_of_the_server__lost_starts_and_ends__made_again_by_the_process(
         # confirm the commits and the crash lose nothing.
         "FAIR_JOBS_HEARTBEAT_INTERVAL": "20",
         "FAIR_JOBS_WORKER_TIMEOUT": "60",
+        "FAIR_JOBS_DISPATCH_ASYNC_COMMIT": "true",
     }
     subprocess.run(
         [sys.executable, "-m", "django", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True
