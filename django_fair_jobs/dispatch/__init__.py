@@ -281,9 +281,10 @@ def commits_async() -> bool:
     """Whether a start or an end of many commits without waiting for the disk here and now
     (``FAIR_JOBS_DISPATCH_ASYNC_COMMIT`` on PostgreSQL, the statement a transaction of its
     own, never a caller's whole commit): kept by the caller until :func:`confirm`."""
+    if not fair_settings.DISPATCH_ASYNC_COMMIT:  # the default: no router call per start
+        return False
     conn = connections[alias_ := alias()]
-    own = conn.get_autocommit() and not conn.in_atomic_block
-    return fair_settings.DISPATCH_ASYNC_COMMIT and db.uses_sql(alias_) and own
+    return db.uses_sql(alias_) and conn.get_autocommit() and not conn.in_atomic_block
 
 
 def start(job_id: int, process_id: uuid.UUID, *, async_commit: bool = False) -> Started:

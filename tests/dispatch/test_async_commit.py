@@ -72,6 +72,19 @@ def recorded() -> Iterator[Recorded]:
         yield recorder
 
 
+def unconfirmed_job(process: uuid.UUID, *, started: bool) -> DispatchJob:
+    """A dispatched job whose start this process keeps unconfirmed: ``started``, its row
+    runs here (the start reached the disk); else its row shows dispatched (a crash lost
+    the start)."""
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    if started:
+        assert dispatch.start(job.pk, process).status == "started"
+    with LEDGER.lock:
+        LEDGER.unconfirmed_starts[job.pk] = process
+    return job
+
+
 def test_start_and_flushed_end__commit_without_waiting_for_the_disk__kept_to_confirm(
     monkeypatch: pytest.MonkeyPatch, in_process_worker: uuid.UUID, recorded: Recorded
 ) -> None:
@@ -174,11 +187,7 @@ def test_confirm__a_lost_start_and_a_lost_end_made_again__one_durable_commit(
 def test_confirm__nothing_lost__rows_untouched__ledger_emptied(
     in_process_worker: uuid.UUID, celery_app: Any
 ) -> None:
-    set_capacity(1)
-    job = job_of(tasks.dispatched.delay("acme").id)
-    assert dispatch.start(job.pk, in_process_worker).status == "started"
-    with LEDGER.lock:
-        LEDGER.unconfirmed_starts[job.pk] = in_process_worker
+    job = unconfirmed_job(in_process_worker, started=True)
     assert admission.confirm_dispatch(celery_app) == 0
     row = DispatchJob.objects.get(pk=job.pk)
     assert (row.state, row.process_id) == (RUNNING, in_process_worker)
@@ -190,10 +199,7 @@ def test_confirm__process_reaped__its_jobs_were_put_back__nothing_started_again(
 ) -> None:
     # No process row: the reap put its jobs back; starting them here again would take
     # them from the copies that run them now.
-    set_capacity(1)
-    job = job_of(tasks.dispatched.delay("acme").id)
-    with LEDGER.lock:
-        LEDGER.unconfirmed_starts[job.pk] = in_process_worker
+    job = unconfirmed_job(in_process_worker, started=False)
     WorkerProcess.objects.filter(pk=in_process_worker).delete()
     assert admission.confirm_dispatch(celery_app) == 0
     assert LEDGER.unconfirmed_starts == {}
@@ -205,10 +211,7 @@ def test_an_end_whose_start_was_lost__kept__the_confirmation_starts_then_ends_it
 ) -> None:
     # A crash lost the start; the job's own end (in its thread) then matched no row and
     # wrote nothing, so it covers nothing: the job would be published again and run twice.
-    set_capacity(1)
-    job = job_of(tasks.dispatched.delay("acme").id)
-    with LEDGER.lock:
-        LEDGER.unconfirmed_starts[job.pk] = in_process_worker
+    job = unconfirmed_job(in_process_worker, started=False)
     ends.end(tasks.dispatched, job.pk, in_process_worker, outcome="end")
     assert DispatchJob.objects.get(pk=job.pk).state == DISPATCHED  # the end found nothing
     assert LEDGER.unconfirmed_ends == {job.pk: in_process_worker}
@@ -221,11 +224,7 @@ def test_an_end_whose_start_was_lost__kept__the_confirmation_starts_then_ends_it
 def test_a_job_put_back__never_started_here_again_by_the_confirmation(
     in_process_worker: uuid.UUID, celery_app: Any, pending: bool
 ) -> None:
-    set_capacity(1)
-    job = job_of(tasks.dispatched.delay("acme").id)
-    assert dispatch.start(job.pk, in_process_worker).status == "started"
-    with LEDGER.lock:
-        LEDGER.unconfirmed_starts[job.pk] = in_process_worker
+    job = unconfirmed_job(in_process_worker, started=True)
     if pending:  # put back, its reply lost: kept to be sent again
         dispatch.end(job.pk, in_process_worker, outcome="back", limit=0)
         ends.end_later(job.pk, in_process_worker, outcome="back")
@@ -243,11 +242,7 @@ def test_a_job_put_back_while_the_confirmation_runs__waits_for_it__not_started_a
     # back (Reject(requeue=True)). Were the end to commit between the copy and the
     # restart, the restart would take the job from its line and run it here, where it
     # no longer runs, and its redelivered copy would be refused.
-    set_capacity(1)
-    job = job_of(tasks.dispatched.delay("acme").id)
-    assert dispatch.start(job.pk, in_process_worker).status == "started"
-    with LEDGER.lock:
-        LEDGER.unconfirmed_starts[job.pk] = in_process_worker
+    job = unconfirmed_job(in_process_worker, started=True)
     real = dispatch.confirm
 
     def put_back() -> None:

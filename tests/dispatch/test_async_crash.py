@@ -7,15 +7,11 @@ of the test's own; the machine's shared server is never touched."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.chaos.harness import ROOT
 from tests.chaos.pgserver import ThrowawayPostgres
-from tests.slots.test_async_release import crash, crashable_pg
+from tests.slots.test_async_release import crash, crashable_pg, start_script
 
 __all__ = ["crashable_pg"]  # the fixture, shared with the slots' crash test
 
@@ -81,23 +77,11 @@ print(json.dumps({"after_crash": after_crash, "republished": republished,
 def test_crash_of_the_server__lost_starts_and_ends__made_again_by_the_process(
     crashable_pg: ThrowawayPostgres,
 ) -> None:
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "PYTHONPATH": str(ROOT),
-        "DATABASE_URL": crashable_pg.url("crash"),
-        # The maintenance thread's first pass comes after the crash, not before: it would
-        # confirm the commits and the crash lose nothing.
-        "FAIR_JOBS_HEARTBEAT_INTERVAL": "20",
-        "FAIR_JOBS_WORKER_TIMEOUT": "60",
-        "FAIR_JOBS_DISPATCH_ASYNC_COMMIT": "true",
-    }
-    subprocess.run(
-        [sys.executable, "-m", "django", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True
-    )
-    script = subprocess.Popen(
-        [sys.executable, "-c", CRASH_SCRIPT], cwd=ROOT, env=env, text=True,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    # The maintenance thread's first pass comes after the crash, not before: it would
+    # confirm the commits and the crash lose nothing.
+    script = start_script(
+        crashable_pg, CRASH_SCRIPT,
+        FAIR_JOBS_HEARTBEAT_INTERVAL="20", FAIR_JOBS_DISPATCH_ASYNC_COMMIT="true",
     )  # fmt: skip
     assert script.stdin is not None and script.stdout is not None
     try:

@@ -306,23 +306,9 @@ def crashable_pg() -> Iterator[ThrowawayPostgres]:
 def test_crash_of_the_server__async_releases_lost__confirm_releases_them_again(
     crashable_pg: ThrowawayPostgres,
 ) -> None:
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "PYTHONPATH": str(ROOT),
-        "DATABASE_URL": crashable_pg.url("crash"),
-        # The maintenance thread's first pass comes after the crash (which takes a second
-        # or two), not before: it would confirm the releases and the crash lose nothing.
-        "FAIR_JOBS_HEARTBEAT_INTERVAL": "15",
-        "FAIR_JOBS_WORKER_TIMEOUT": "60",
-    }
-    subprocess.run(
-        [sys.executable, "-m", "django", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True
-    )
-    script = subprocess.Popen(
-        [sys.executable, "-c", CRASH_SCRIPT], cwd=ROOT, env=env, text=True,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-    )  # fmt: skip
+    # The maintenance thread's first pass comes after the crash (which takes a second or
+    # two), not before: it would confirm the releases and the crash lose nothing.
+    script = start_script(crashable_pg, CRASH_SCRIPT, FAIR_JOBS_HEARTBEAT_INTERVAL="15")
     assert script.stdin is not None and script.stdout is not None
     try:
         assert json.loads(script.stdout.readline()) == {"unconfirmed": 9}
@@ -346,6 +332,27 @@ def test_crash_of_the_server__async_releases_lost__confirm_releases_them_again(
     # Confirmed releases are on disk: a crash right after the confirmation (well within
     # the WAL writer's 10 s) brought none of them back.
     assert second == {"after_second_crash": {"held": [], "count": 0}}
+
+
+def start_script(server: ThrowawayPostgres, script: str, **env: str) -> subprocess.Popen[str]:
+    """Migrate ``server``'s database ``crash`` and start ``script`` against it, as a worker
+    process of the test suite's settings (``env``: more environment), its standard input
+    and output piped."""
+    environ = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONPATH": str(ROOT),
+        "DATABASE_URL": server.url("crash"),
+        "FAIR_JOBS_WORKER_TIMEOUT": "60",
+        **env,
+    }
+    subprocess.run(
+        [sys.executable, "-m", "django", "migrate", "-v", "0"], cwd=ROOT, env=environ, check=True
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, env=environ, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
 
 
 def crash(server: ThrowawayPostgres, script: subprocess.Popen[str]) -> None:
