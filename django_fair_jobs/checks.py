@@ -173,6 +173,12 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ),
     ("DISPATCH_LOST_AFTER", "fair_jobs.E019", lambda v: _number(v, 0, True), "seconds > 0"),
     (
+        "DISPATCH_CARRY_WAIT",
+        "fair_jobs.E019",
+        lambda v: _number(v, 0, False) and v <= 1,
+        "seconds from 0 to 1 (0: a dispatched job's end is not kept for the next start)",
+    ),
+    (
         "DISPATCH_ASYNC_COMMIT",
         "fair_jobs.E019",
         lambda v: isinstance(v, bool),

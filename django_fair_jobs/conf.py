@@ -311,6 +311,15 @@ class Settings:
         return value
 
     @property
+    def DISPATCH_CARRY_WAIT(self) -> float:
+        """Seconds the end of a dispatched job waits, in its worker process, for the start
+        of that process's next job to carry it: one round trip and one commit for both. No
+        start within the wait: the process's flusher thread ends it alone. Until its end,
+        the job counts in flight. Default 0.015; 0 ends every job at once."""
+        value: float = self._get("DISPATCH_CARRY_WAIT", 0.015, float)
+        return value
+
+    @property
     def DISPATCH_LOST_AFTER(self) -> float:
         """Seconds a dispatched job may stay published and not started before maintenance
         publishes it again (its message may be lost: a purged queue, a publisher that

@@ -227,19 +227,27 @@ def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> 
     """Mark a dispatched job's row running under ``process``, tried again on a new
     connection after a database error (a failover or a pooler restart cuts the reply,
     often after the start committed: the next try answers "again"). Raises ``Ignore`` for
-    a copy that must not run, or when the database does not answer."""
+    a copy that must not run, or when the database does not answer. The first try carries
+    the ends of this process's earlier jobs that its flusher has not flushed yet; after an
+    error the flusher ends them itself."""
+    carrying = flusher.take(process)
     for delay in (*REPLY_RETRY_DELAYS, None):
         try:
             asynchronous = dispatch.commits_async()
-            started = dispatch.start(job_id, process, async_commit=asynchronous)
+            ended = [item[0] for item in carrying]
+            started = dispatch.start(job_id, process, ended=ended, async_commit=asynchronous)
             break
         except DatabaseError:
+            flusher.hand_back(carrying)
+            carrying = []
             if delay is None:
                 logger.exception("Could not start dispatched job %s; it goes back later", job_id)
                 ends.end_later(job_id, process, outcome="back")
                 raise Ignore() from None
             close_old_connections()
             time.sleep(delay)
+    if carrying:
+        flusher.carried(carrying, started.ready, asynchronous)
     # "again": this process's own start, whose reply was lost (a second copy here was
     # refused by dispatched_run before it asked).
     if started.status not in ("started", "again"):

@@ -83,6 +83,9 @@ class Ledger:
     """Ends handed to this process's flusher thread and not yet taken by it: (job id,
     process, Celery app) of dispatched jobs that ran to their end
     (:mod:`django_fair_jobs.admission.flusher`)."""
+    publishing: list[tuple[Any, list[dispatch.Ready]]] = field(default_factory=list)
+    """Jobs dispatched into the room of ends a start carried, for the flusher thread to
+    publish: (Celery app, jobs)."""
     unflushed: set[int] = field(default_factory=set)
     """Row ids of dispatched jobs that ran to their end here and whose end is not committed
     yet (handed to the flusher, or kept after a failed flush): a copy of one delivered here

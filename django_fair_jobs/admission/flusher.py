@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -37,6 +38,7 @@ from django.db import DatabaseError, connections
 from django_fair_jobs import dispatch
 from django_fair_jobs.admission import ends
 from django_fair_jobs.admission.ends import LEDGER
+from django_fair_jobs.conf import fair_settings
 
 logger = logging.getLogger("django_fair_jobs.admission")
 
@@ -88,21 +90,83 @@ def hand(app: Any, job_id: int, process: uuid.UUID) -> bool:
     return True
 
 
+def take(process: uuid.UUID) -> list[tuple[int, uuid.UUID, Any]]:
+    """Take from the flusher the ends of ``process`` it has not flushed yet, for the start
+    of this process's next job to carry (:func:`carried`, or :func:`hand_back` if that
+    start failed)."""
+    with LEDGER.lock:
+        if LEDGER.flusher_stopping or not LEDGER.ending:
+            return []
+        mine = [item for item in LEDGER.ending if item[1] == process]
+        LEDGER.ending = [item for item in LEDGER.ending if item[1] != process]
+    return mine
+
+
+def carried(
+    items: list[tuple[int, uuid.UUID, Any]], ready: tuple[dispatch.Ready, ...], asynchronous: bool
+) -> None:
+    """The ends of ``items`` (:func:`take`) committed with a start: settle them as a flush
+    does, and have the flusher publish the jobs their room went to (here if it stops)."""
+    ids = [job_id for job_id, _, _ in items]
+    process, app = items[0][1], items[0][2]
+    with LEDGER.lock:
+        LEDGER.unflushed.difference_update(ids)
+        if asynchronous:
+            LEDGER.unconfirmed_ends.update(dict.fromkeys(ids, process))
+        inline = LEDGER.flusher_stopping
+        if ready and not inline:
+            LEDGER.publishing.append((app, list(ready)))
+    if not asynchronous:
+        ends.settled(ids, process, "end")
+    if ready and inline:
+        dispatch.publish(app, list(ready))
+    elif ready:
+        LEDGER.flush_wanted.set()
+
+
+def hand_back(items: list[tuple[int, uuid.UUID, Any]]) -> None:
+    """The start that was to carry ``items`` failed: the flusher ends them itself."""
+    if items:
+        with LEDGER.lock:
+            LEDGER.ending.extend(items)
+        LEDGER.flush_wanted.set()
+
+
 def _loop() -> None:
-    """The flusher thread: flush whatever was handed to it, as soon as it was."""
+    """The flusher thread: publish at once what the ends a start carried dispatched; flush
+    the ends handed to it once ``FAIR_JOBS_DISPATCH_CARRY_WAIT`` has passed without a
+    start taking them (at once when the process stops)."""
     try:
+        deadline: float | None = None
         while True:
-            LEDGER.flush_wanted.wait()
+            LEDGER.flush_wanted.wait(None if deadline is None else deadline - time.monotonic())
             LEDGER.flush_wanted.clear()
+            wait = fair_settings.DISPATCH_CARRY_WAIT
             with LEDGER.lock:
-                batch, LEDGER.ending = LEDGER.ending, []
+                publishing, LEDGER.publishing = LEDGER.publishing, []
                 stopping = LEDGER.flusher_stopping
+                if LEDGER.ending and deadline is None:
+                    deadline = time.monotonic() + wait
+                batch: list[tuple[int, uuid.UUID, Any]] = []
+                if LEDGER.ending and (stopping or time.monotonic() >= (deadline or 0.0)):
+                    batch, LEDGER.ending = LEDGER.ending, []
+                if not LEDGER.ending:
+                    deadline = None
+            for app, ready in publishing:
+                _publish(app, ready)
             if batch:
                 flush(batch)
             if stopping:
                 return
     finally:
         connections.close_all()
+
+
+def _publish(app: Any, ready: list[dispatch.Ready]) -> None:
+    try:
+        dispatch.publish(app, ready)
+    except Exception:  # publish sets aside what it could not send; never end the thread
+        logger.exception("Could not publish the jobs dispatched by a flush")
 
 
 def flush(batch: list[tuple[int, uuid.UUID, Any]]) -> int:
@@ -131,10 +195,7 @@ def flush(batch: list[tuple[int, uuid.UUID, Any]]) -> int:
                 LEDGER.unconfirmed_ends.update(dict.fromkeys(ids, process))
         if not asynchronous:
             ends.settled(ids, process, "end")
-        try:
-            dispatch.publish(items[-1][1], ready)
-        except Exception:  # publish sets aside what it could not send; never end the thread
-            logger.exception("Could not publish the jobs dispatched by a flush")
+        _publish(items[-1][1], ready)
     return len(batch)
 
 
@@ -225,4 +286,7 @@ def stop(timeout: float | None = None) -> int:
             )
     with LEDGER.lock:
         left, LEDGER.ending = LEDGER.ending, []
+        publishing, LEDGER.publishing = LEDGER.publishing, []
+    for app, ready in publishing:
+        _publish(app, ready)
     return flush(left) if left else 0

@@ -7,12 +7,11 @@ usual. The broker holds, per queue, no more messages than the queue's **capacity
 live worker processes consuming it) plus a small **slack** (``FAIR_JOBS_DISPATCH_SLACK``
 per worker node), counting jobs published and not started and jobs running.
 
-**When.** A job's end dispatches the next job in the same statement that ends it; an
-enqueue dispatches at once while the queue has room (inside the caller's transaction only
-the job's row is written, and it enters its line and is dispatched after the commit); a
-worker process that starts or stops changes the capacity and dispatches; the maintenance
-pass (every heartbeat interval) repairs what was missed: a lost message, a purged queue, a
-crashed publisher, a worker that died mid-job, a count that drifted.
+**When.** A job's end dispatches the room it leaves in the statement that ends it: the
+start of its process's next job, which carries it, or its flusher's; an enqueue at once
+while the queue has room (after the caller's commit); a worker process that starts or
+stops; the maintenance pass repairs what was missed (a lost message, a purged queue, a
+crashed publisher, a worker that died mid-job, a count that drifted).
 
 **Room.** A queue's room is its live capacity plus slack, less its jobs dispatched or
 running (counted from their rows), bounded by its queue limit and per-worker limit (a
@@ -66,9 +65,7 @@ from django_fair_jobs.dispatch.types import Job as Job
 from django_fair_jobs.dispatch.types import Outcome as Outcome
 from django_fair_jobs.dispatch.types import Ready as Ready
 from django_fair_jobs.dispatch.types import Started as Started
-from django_fair_jobs.errors import (
-    DispatchError as DispatchError,
-)
+from django_fair_jobs.errors import DispatchError as DispatchError
 from django_fair_jobs.routing import declared_queue, queue_name
 from django_fair_jobs.tenants import for_log, warn_missing_tenant
 
@@ -86,8 +83,7 @@ can be empty (:func:`~django_fair_jobs.tenants.normalize_tenant` reads blank as 
 WEIGHT_TTL = 60.0
 """Seconds a process reuses a tenant's weight before asking ``tenant_weights`` again."""
 
-MIN_WEIGHT = validation.MIN_WEIGHT
-MAX_WEIGHT = validation.MAX_WEIGHT
+MIN_WEIGHT, MAX_WEIGHT = validation.MIN_WEIGHT, validation.MAX_WEIGHT
 
 FENCE_DELAY = 1.0
 """Seconds a job waits aside when the fence refused it at start (its tenant slot or queue
@@ -119,7 +115,6 @@ def parse(raw: Any) -> Options | None:
     problems = option_errors(raw)
     if problems:
         raise DispatchError("; ".join(problems))
-
     spec = raw.get("tenant_weights") if isinstance(raw, Mapping) else None
     if spec is None:
         spec = fair_settings.PLANNER_TENANT_WEIGHTS
@@ -287,12 +282,20 @@ def commits_async() -> bool:
     return db.uses_sql(alias_) and conn.get_autocommit() and not conn.in_atomic_block
 
 
-def start(job_id: int, process_id: uuid.UUID, *, async_commit: bool = False) -> Started:
+def start(
+    job_id: int,
+    process_id: uuid.UUID,
+    *,
+    ended: list[int] | None = None,
+    async_commit: bool = False,
+) -> Started:
     """A dispatched job starts in ``process_id``; one round trip. Sent again after a lost
-    reply, it answers ``"again"``. ``async_commit`` (see :func:`commits_async`): its
-    commit does not wait for the disk."""
-    store = _store()
-    return store.start(job_id, process_id, async_commit=async_commit)  # type: ignore[no-any-return]
+    reply, it answers ``"again"``. ``ended``: jobs that ran to their end under the same
+    process, ended in the same round trip after the start (as :func:`end_many`; the jobs
+    their room went to come back in ``Started.ready``). ``async_commit`` (see
+    :func:`commits_async`): its commit does not wait for the disk."""
+    started: Started = _store().start(job_id, process_id, ended=ended, async_commit=async_commit)
+    return started
 
 
 def confirm(
@@ -359,12 +362,11 @@ def publish(app: Celery, ready: list[Ready]) -> int:
     Jobs dispatched together go to the broker together: on Redis (kombu 5.7 and later)
     their pushes travel in one pipeline, one round trip, sent once all are built; on other
     brokers one by one. A job that cannot be published goes aside for a delay that doubles
-    with each failure (at most a minute), and after
-    :data:`~django_fair_jobs.dispatch.store.PUBLISH_ATTEMPTS` failures ends failed; nothing
-    is dispatched into the room it leaves. After a broker error the rest are not tried:
-    they stay dispatched, and the lost-message repair publishes them again once the broker
-    is back. So one call makes at most one failed attempt and returns (a ``delay()`` fails
-    as fast as plain Celery's), and a poison job never stalls the others."""
+    with each failure (at most a minute), and after ``store.PUBLISH_ATTEMPTS`` failures
+    ends failed; nothing is dispatched into the room it leaves. After a broker error the
+    rest stay dispatched, for the lost-message repair once the broker is back. So one call
+    makes at most one failed attempt (a ``delay()`` fails as fast as plain Celery's), and a
+    poison job never stalls the others."""
     if not ready:
         return 0
     with app.producer_or_acquire() as producer:
@@ -389,8 +391,7 @@ def _together(producer: Any, count: int) -> AbstractContextManager[Any]:
 
 
 def _send(app: Celery, producer: Any, ready: list[Ready]) -> int:
-    """Hand each of ``ready`` to ``producer`` in turn, until one fails (see
-    :func:`publish`); returns how many were handed."""
+    """Hand each of ``ready`` to ``producer`` until one fails; returns how many were."""
     for position, item in enumerate(ready):
         try:
             message.send(app, producer, item.message, item.job_id)
@@ -402,8 +403,7 @@ def _send(app: Celery, producer: Any, ready: list[Ready]) -> int:
 
 
 def _gave_up(ready: list[Ready], position: int) -> None:
-    """The publish of ``ready[position]`` failed: it goes aside, and the rest wait for
-    the lost-message repair."""
+    """The publish of ``ready[position]`` failed: aside; the rest wait for the repair."""
     _set_aside(ready[position].job_id)
     if position + 1 < len(ready):
         logger.warning(

@@ -72,11 +72,23 @@ class Store:
         """See :func:`django_fair_jobs.dispatch.enqueue_many`."""
         return self._ready(self._rows("dispatch_enqueue_many", self._columns(jobs)))
 
-    def start(self, job_id: int, process_id: uuid.UUID, *, async_commit: bool = False) -> Started:
+    def start(
+        self,
+        job_id: int,
+        process_id: uuid.UUID,
+        *,
+        ended: list[int] | None = None,
+        async_commit: bool = False,
+    ) -> Started:
         """See :func:`django_fair_jobs.dispatch.start`."""
         params = {"job": job_id, "process": process_id, "async_commit": async_commit}
-        ((status, cap, _),) = self._rows("dispatch_start", params)
-        return Started(str(status), None if cap is None else int(cap))
+        if not ended:
+            ((status, cap, _),) = self._rows("dispatch_start", params)
+            return Started(str(status), None if cap is None else int(cap))
+        rows = self._rows("dispatch_start_ending", {**params, "jobs": ended, "max": BATCH})
+        status, cap = rows[0][0], rows[0][1]
+        ready = tuple(Ready(int(row[2]), str(row[3])) for row in rows if row[2] is not None)
+        return Started(str(status), None if cap is None else int(cap), ready)
 
     def confirm(
         self, started: list[int], ended: list[int], process_id: uuid.UUID

@@ -44,6 +44,19 @@ SELECT s.status, s.cap,
        CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END
   FROM fair_jobs_dispatch_start(%(job)s, %(process)s) AS s;
 
+-- name: dispatch_start_ending
+-- A start that carries the ends its process has not flushed yet (the jobs it ran before
+-- this one): the start first (its job's row), then the ends as one flush of many (their
+-- rows, then their lines, then each queue's room dispatched), so one round trip and one
+-- commit serve both. The end's argument names the start's row, which makes the ends run
+-- after it, whatever the plan. One row per job to publish, or one with NULLs.
+SELECT s.status, s.cap, e.job_id, e.job_message,
+       CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END
+  FROM fair_jobs_dispatch_start(%(job)s, %(process)s) AS s
+  LEFT JOIN LATERAL fair_jobs_dispatch_end_many(
+       CASE WHEN s.status IS NOT NULL THEN %(jobs)s::bigint[] END, %(process)s, %(max)s
+  ) AS e ON true;
+
 -- name: dispatch_restart
 -- Make again the starts of a process that did not wait for the disk, in job order: a
 -- start a crash lost left its row dispatched (or back in its line), and the start runs it

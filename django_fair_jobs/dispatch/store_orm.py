@@ -230,29 +230,45 @@ class Store(pg_store.Store):
         rows = WorkerProcess.objects.using(self.alias).filter(pk=process_id)
         return bool(rows.update(last_heartbeat_at=Now()))
 
-    def start(self, job_id: int, process_id: uuid.UUID, *, async_commit: bool = False) -> Started:
+    def start(
+        self,
+        job_id: int,
+        process_id: uuid.UUID,
+        *,
+        ended: list[int] | None = None,
+        async_commit: bool = False,
+    ) -> Started:
         """See :func:`django_fair_jobs.dispatch.start` (``async_commit`` is PostgreSQL's:
-        this store's commits wait)."""
+        this store's commits wait). The start, then the ends it carries, in one
+        transaction."""
         with transaction.atomic(using=self.alias):
-            job = self._jobs().filter(pk=job_id).first()
-            if job is None or job.state not in (WAITING, DISPATCHED, RUNNING):
+            started = self._start(job_id, process_id)
+            if not ended:
+                return started
+            ready = tuple(self.end_many(ended, process_id))
+            return Started(started.status, started.cap, ready)
+
+    def _start(self, job_id: int, process_id: uuid.UUID) -> Started:
+        """The start alone, inside :meth:`start`'s transaction."""
+        job = self._jobs().filter(pk=job_id).first()
+        if job is None or job.state not in (WAITING, DISPATCHED, RUNNING):
+            return Started("duplicate")
+        status = "started"
+        if job.state == RUNNING:
+            if job.process_id != process_id:
                 return Started("duplicate")
-            status = "started"
-            if job.state == RUNNING:
-                if job.process_id != process_id:
-                    return Started("duplicate")
-                status = "again"
-            else:
-                self._jobs().filter(pk=job_id).update(
-                    state=RUNNING, process_id=process_id, started_at=Now()
-                )
-            if job.state == WAITING:
-                head, cap = self._head(job.queue, job.tenant)
-                self._tenants().filter(queue=job.queue, tenant=job.tenant).update(
-                    waiting=F("waiting") - 1, in_flight=F("in_flight") + 1, head_id=head, cap=cap
-                )
-            slot = self._slot_max(job.tenant, job.queue)
-            return Started(status, slot if slot is not None else job.cap)
+            status = "again"
+        else:
+            self._jobs().filter(pk=job_id).update(
+                state=RUNNING, process_id=process_id, started_at=Now()
+            )
+        if job.state == WAITING:
+            head, cap = self._head(job.queue, job.tenant)
+            self._tenants().filter(queue=job.queue, tenant=job.tenant).update(
+                waiting=F("waiting") - 1, in_flight=F("in_flight") + 1, head_id=head, cap=cap
+            )
+        slot = self._slot_max(job.tenant, job.queue)
+        return Started(status, slot if slot is not None else job.cap)
 
     def end(
         self,

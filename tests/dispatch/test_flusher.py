@@ -188,3 +188,66 @@ def test_start__on_sqlite_only_with_immediate_transactions(
     flusher.start()
     assert LEDGER.flush_in_thread is enabled
     assert flusher._stop_timeout() == stop_after
+
+
+def test_the_next_start__carries_the_unflushed_end__one_round_trip(
+    monkeypatch: pytest.MonkeyPatch, collected: list[int]
+) -> None:
+    # The end of a process's last job travels with the start of its next one: one
+    # statement and one commit for both, and the room the end left is dispatched by it.
+    set_capacity(2)
+    first, second, third = (job_of(tasks.dispatched.delay("acme").id) for _ in range(3))
+    flusher.start()
+    monkeypatch.setattr(ends, "own_thread", no_thread)  # the flusher never takes it first
+    assert deliver(first) == "ran"
+    assert [job_id for job_id, _, _ in LEDGER.ending] == [first.pk]
+    with CaptureQueriesContext(connection) as queries:
+        assert deliver(second) == "ran"
+    assert not DispatchJob.objects.filter(pk=first.pk).exists()  # ended with the start
+    assert not ends.ended_here(first.pk)
+    assert [job_id for job_id, _, _ in LEDGER.ending] == [second.pk]  # the next to carry
+    if runs_sql():  # the ORM store's start and end are several statements of their own
+        starts = [q["sql"] for q in queries.captured_queries if "dispatch_start" in q["sql"]]
+        assert len(starts) == 1 and "dispatch_end_many" in starts[0]
+    flusher.stop()  # publishes what the carried end dispatched
+    assert collected[-1] == third.pk
+    assert DispatchJob.objects.get(pk=third.pk).state != RUNNING
+
+
+def test_a_start_that_fails_while_carrying_ends__the_flusher_ends_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_capacity(2)
+    first, second = (job_of(tasks.dispatched.delay("acme").id) for _ in range(2))
+    flusher.start()
+    monkeypatch.setattr(ends, "own_thread", no_thread)
+    assert deliver(first) == "ran"
+    real, calls = dispatch.start, []
+
+    def failing_once(*args: Any, **kwargs: Any) -> dispatch.Started:
+        calls.append(list(kwargs.get("ended") or []))
+        if len(calls) == 1:
+            raise OperationalError("the connection was cut")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "start", failing_once)
+    assert deliver(second) == "ran"  # tried again alone
+    assert calls == [[first.pk], []]
+    # Given back to the flusher, before the end of the job that just ran.
+    assert [job_id for job_id, _, _ in LEDGER.ending] == [first.pk, second.pk]
+    assert flusher.stop() == 2
+    assert not DispatchJob.objects.filter(pk__in=[first.pk, second.pk]).exists()
+
+
+def test_an_end_no_start_carries__flushed_by_the_thread_after_the_carry_wait() -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    flusher.start()
+    assert deliver(job) == "ran"
+    assert LEDGER.flusher is not None
+    for _ in range(500):  # the thread ends it without being stopped
+        if not DispatchJob.objects.filter(pk=job.pk).exists():
+            break
+        threading.Event().wait(0.01)
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()
+    assert LEDGER.ending == [] and not ends.ended_here(job.pk)
