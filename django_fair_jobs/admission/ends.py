@@ -6,6 +6,7 @@ next heartbeat, so that nothing is lost while the process lives."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -83,6 +84,12 @@ class Ledger:
     """Ends handed to this process's flusher thread and not yet taken by it: (job id,
     process, Celery app) of dispatched jobs that ran to their end
     (:mod:`django_fair_jobs.admission.flusher`)."""
+    handed_at: float = -math.inf
+    """When (``time.monotonic()``) the last end was handed to the flusher."""
+    carrying: bool = False
+    """Whether the flusher keeps an end for the next start: the last start came within
+    ``FAIR_JOBS_DISPATCH_CARRY_WAIT`` of the end before it (a process that waits longer
+    for its next job would only hold its ends' room)."""
     publishing: list[tuple[Any, list[dispatch.Ready]]] = field(default_factory=list)
     """Jobs dispatched into the room of ends a start carried, for the flusher thread to
     publish: (Celery app, jobs)."""

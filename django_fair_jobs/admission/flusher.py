@@ -1,17 +1,21 @@
 """Ends flushed in batches, off the job's path. A dispatched job that ran to its end hands
 its end to this process's flusher thread (:func:`hand`) and returns at once, so the worker
-takes its next job without waiting for the database. The thread ends every job handed to
-it since its last flush in one round trip (``fair_jobs_dispatch_end_many``: the rows go,
-their lines' counts drop, each queue's room is dispatched) and publishes the jobs
-dispatched into that room. Ends that come together share one statement and one commit.
+takes its next job without waiting for the database. The start of that next job takes
+the ends the thread holds and sends them in its own statement (:func:`take`,
+:func:`carried`; ``FAIR_JOBS_DISPATCH_CARRY_WAIT``): one round trip and one commit for
+both. Ends that no start took within the wait, the thread ends in one round trip of its
+own (``fair_jobs_dispatch_end_many``: the rows go, their lines' counts drop, each queue's
+room is dispatched); either way the thread publishes the jobs dispatched into that room.
 
-What it bends: until the flush (one round trip after the end, longer while the database
-is slow) the job still counts in flight, so the room it leaves is dispatched that much
-later; and a node or pool process that dies in that window leaves the job running under
-a dead process, so the reap treats it as a job whose worker died: an ``acks_late`` job
-runs again, where plain Celery, which acknowledged it when it returned, would not. Until
-its end is committed, the job's row id is kept (``Ledger.unflushed``), so a copy of it
-delivered to this process is refused, never run again.
+What it bends: until the flush (the next start, at most the wait and a round trip after
+the end; longer while the database is slow) the job still counts in flight, so the room
+it leaves is dispatched that much later (a process whose last start came later than the
+wait after the end before it flushes its next end at once); and a node or pool process
+that dies in that window leaves the job running under a dead process, so the reap treats
+it as a job whose worker died: an ``acks_late`` job runs again, where plain Celery, which
+acknowledged it when it returned, would not. Until its end is committed, the job's row id
+is kept (``Ledger.unflushed``), so a copy of it delivered to this process is refused,
+never run again.
 
 Only in worker processes (:func:`start`, when a pool process starts). On SQLite only with
 ``transaction_mode = "IMMEDIATE"`` (as ``RECOMMENDED_SQLITE_OPTIONS`` sets): the thread's
@@ -86,6 +90,7 @@ def hand(app: Any, job_id: int, process: uuid.UUID) -> bool:
             return False
         LEDGER.ending.append((job_id, process, app))
         LEDGER.unflushed.add(job_id)
+        LEDGER.handed_at = time.monotonic()
     LEDGER.flush_wanted.set()
     return True
 
@@ -93,8 +98,11 @@ def hand(app: Any, job_id: int, process: uuid.UUID) -> bool:
 def take(process: uuid.UUID) -> list[tuple[int, uuid.UUID, Any]]:
     """Take from the flusher the ends of ``process`` it has not flushed yet, for the start
     of this process's next job to carry (:func:`carried`, or :func:`hand_back` if that
-    start failed)."""
+    start failed). Whether this start came within the wait of the last end decides
+    whether the flusher keeps the next end for a start (``Ledger.carrying``)."""
+    wait = fair_settings.DISPATCH_CARRY_WAIT
     with LEDGER.lock:
+        LEDGER.carrying = time.monotonic() - LEDGER.handed_at <= wait
         if LEDGER.flusher_stopping or not LEDGER.ending:
             return []
         mine = [item for item in LEDGER.ending if item[1] == process]
@@ -135,13 +143,14 @@ def hand_back(items: list[tuple[int, uuid.UUID, Any]]) -> None:
 def _loop() -> None:
     """The flusher thread: publish at once what the ends a start carried dispatched; flush
     the ends handed to it once ``FAIR_JOBS_DISPATCH_CARRY_WAIT`` has passed without a
-    start taking them (at once when the process stops)."""
+    start taking them, at once when the process's last start came later than that after
+    the end before it, or when the process stops."""
     try:
         deadline: float | None = None
         while True:
             LEDGER.flush_wanted.wait(None if deadline is None else deadline - time.monotonic())
             LEDGER.flush_wanted.clear()
-            wait = fair_settings.DISPATCH_CARRY_WAIT
+            wait = _wait()
             with LEDGER.lock:
                 publishing, LEDGER.publishing = LEDGER.publishing, []
                 stopping = LEDGER.flusher_stopping
@@ -160,6 +169,12 @@ def _loop() -> None:
                 return
     finally:
         connections.close_all()
+
+
+def _wait() -> float:
+    """Seconds the flusher keeps an end for the next start: the setting's while the
+    process's starts come within it of the end before them, else none."""
+    return fair_settings.DISPATCH_CARRY_WAIT if LEDGER.carrying else 0.0
 
 
 def _publish(app: Any, ready: list[dispatch.Ready]) -> None:

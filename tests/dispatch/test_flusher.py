@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -251,3 +252,19 @@ def test_an_end_no_start_carries__flushed_by_the_thread_after_the_carry_wait() -
         threading.Event().wait(0.01)
     assert not DispatchJob.objects.filter(pk=job.pk).exists()
     assert LEDGER.ending == [] and not ends.ended_here(job.pk)
+
+
+def test_the_carry_wait__kept_only_while_starts_come_within_it(settings: Any) -> None:
+    # A process whose next job comes later than the wait (a queue with no job for it)
+    # would only hold the room of its end: its next end is flushed at once.
+    settings.FAIR_JOBS_DISPATCH_CARRY_WAIT = 0.5
+    process = uuid.uuid4()
+    LEDGER.handed_at = time.monotonic() - 5.0  # the last end, long before this start
+    assert flusher.take(process) == []
+    assert flusher._wait() == 0.0
+    LEDGER.handed_at = time.monotonic() + 5.0  # "just now", whatever the machine's speed
+    flusher.take(process)
+    assert flusher._wait() == 0.5
+    settings.FAIR_JOBS_DISPATCH_CARRY_WAIT = 0
+    flusher.take(process)
+    assert flusher._wait() == 0.0
