@@ -127,7 +127,7 @@ def carried(
     if not asynchronous:
         ends.settled(ids, process, "end")
     if ready and inline:
-        dispatch.publish(app, list(ready))
+        _publish(app, list(ready))
     elif ready:
         LEDGER.flush_wanted.set()
 
@@ -178,6 +178,7 @@ def _wait() -> float:
 
 
 def _publish(app: Any, ready: list[dispatch.Ready]) -> None:
+    """Publish ``ready``; an error is logged, never raised (the repair publishes later)."""
     try:
         dispatch.publish(app, ready)
     except Exception:  # publish sets aside what it could not send; never end the thread
