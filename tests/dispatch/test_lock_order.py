@@ -178,3 +178,37 @@ def test_d14__enqueue_start_end_and_dispatch_never_write_the_queue_row() -> None
         dispatch.dispatch("fair")
 
     finishes_while_held(QUEUE_ROW, a_jobs_life, "a job's life on the queue")
+
+
+def test_a_start_carrying_ends__its_own_job_first__then_the_ended_jobs_lines() -> None:
+    # The start of a process's next job carries the ends of its last ones: it takes its
+    # job's row first, then the ended jobs' rows and lines, and never holds a line while
+    # it waits for another (order 1 of How it works).
+    import psycopg
+
+    set_capacity(10)
+    ended = running("a")
+    following = job_id(tasks.dispatched.delay("b").id)
+    held = session()
+    held.execute(*line_lock("a"))  # as an enqueue or an end of a's line holds it
+    thread, out = in_thread(lambda: dispatch.start(following, PROCESS, ended=[ended]))
+    try:
+        wait_until_blocked(thread, "the carrying start to wait on a's line")
+        assert thread.is_alive(), out
+        with session() as look:
+            statement, params = line_lock("b")
+            look.execute(statement + " NOWAIT", params)  # no line held while it waits
+            look.rollback()
+            with pytest.raises(psycopg.errors.LockNotAvailable):  # its own job taken first
+                look.execute(
+                    "SELECT id FROM fair_jobs_dispatchjob WHERE id = %s FOR UPDATE NOWAIT",
+                    [following],
+                )
+    finally:
+        held.commit()
+        held.close()
+        thread.join(20)
+    (started,) = out
+    assert not isinstance(started, BaseException), started
+    assert started.status == "started"
+    assert not DispatchJob.objects.filter(pk=ended).exists()
