@@ -195,6 +195,12 @@ def test_flood_scenario_is_the_specified_one() -> None:
     assert len(long.jobs) == 12_000 and {j.seconds for j in long.jobs} == {0.0}
     assert {j.tenant for j in long.jobs} == {j.tenant for j in spread.jobs}
     assert long.limit_for(4) == 1000
+    longer = load("flood100")
+    greedy = [j for j in longer.jobs if j.tenant == "greedy"]
+    small = [j for j in longer.jobs if j.tenant != "greedy"]
+    assert len(greedy) == 600 and {(j.offset, j.seconds) for j in greedy} == {(0.0, 0.1)}
+    assert len(small) == 60 and {(j.offset, j.seconds) for j in small} == {(0.5, 0.1)}
+    assert len({j.tenant for j in small}) == 20 and longer.greedy_tenants == {"greedy"}
 
 
 def test_steady_scenario__poisson_arrivals_are_seeded_and_one_tenant_turns_greedy() -> None:
