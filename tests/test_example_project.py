@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -159,6 +160,18 @@ def test_fairbench__repeat_weights_and_nodes(tmp_path: Path) -> None:
     heavy = [run["dispatch"]["shares"]["heavy"] for run in report["runs"]]
     assert sum(heavy) / len(heavy) > 0.6, heavy
     assert report["weights"] == {"light": 1.0, "heavy": 3.0}
+    # Every execution of every job of both runs, in the per-job file the docs' timelines use.
+    with (out / "tinyweighted-jobs.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    per_mode_run = {(r["run"], r["mode"]) for r in rows}
+    assert per_mode_run == {(run, mode) for run in ("1", "2") for mode in ("plain", "dispatch")}
+    for key in per_mode_run:
+        mine = [r for r in rows if (r["run"], r["mode"]) == key]
+        assert len({r["job"] for r in mine}) == len(mine) == 64  # the scenario's 32 + 32, once
+        assert all(
+            0 <= float(r["enqueued"]) <= float(r["started"]) <= float(r["finished"]) for r in mine
+        )
+        assert {r["tenant"] for r in mine} == {"light", "heavy"} and all(r["pid"] for r in mine)
 
 
 def test_latency_proxy__a_session_through_it_works__each_round_trip_waits_the_delay() -> None:

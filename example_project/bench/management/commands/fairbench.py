@@ -5,6 +5,7 @@ See docs/benchmarks.md for what each figure means.
 
 from __future__ import annotations
 
+import csv
 import os
 import platform
 from datetime import UTC, datetime
@@ -155,6 +156,7 @@ class Command(BaseCommand):
         repeat: int = options["repeat"]
         reports: list[dict[str, Any]] = []
         problems: list[str] = []
+        job_rows: list[tuple[Any, ...]] = []
         for i in range(repeat):
             if repeat > 1:
                 self.stdout.write(f"Run {i + 1} of {repeat}")
@@ -164,6 +166,7 @@ class Command(BaseCommand):
                 )
             reports.append(built)
             problems += self._problems(built, results)
+            job_rows += _job_rows(i + 1, results)
             if repeat > 1:
                 self.stdout.write(report.table(built))
                 self.stdout.write("")
@@ -197,6 +200,8 @@ class Command(BaseCommand):
                 for r in results
             },
         }
+        jobs_path = out_dir / f"{scenario.name}-jobs.csv"
+        _write_jobs(jobs_path, job_rows)
         json_path = out_dir / f"{scenario.name}.json"
         png_path = out_dir / f"{scenario.name}.png"
         aggregated = report.aggregate(reports)
@@ -218,6 +223,7 @@ class Command(BaseCommand):
             self.stderr.write(f"PROBLEM: {p}")
         self.stdout.write(f"Results: {json_path}")
         self.stdout.write(f"Figure:  {png_path}")
+        self.stdout.write(f"Jobs:    {jobs_path}")
         if problems:
             raise CommandError("The benchmark found problems (above).")
         return built
@@ -307,6 +313,29 @@ class Command(BaseCommand):
             self.stdout.flush()
         else:
             self.stdout.write(line)
+
+
+JOB_COLUMNS = ("run", "mode", "job", "tenant", "enqueued", "started", "finished", "pid")
+"""The columns of ``SCENARIO-jobs.csv``: one row per execution of a job (a job run twice has
+two), its times in seconds from its mode's origin (when the mode's publishing began)."""
+
+
+def _job_rows(run: int, results: list[runner.ModeResult]) -> list[tuple[Any, ...]]:
+    """Every execution of every job of one run, for ``SCENARIO-jobs.csv``."""
+    return [
+        (run, r.mode.name, rec.job, rec.tenant, round(rec.enqueued_at - r.origin, 6),
+         round(rec.started_at - r.origin, 6), round(rec.finished_at - r.origin, 6), rec.pid)
+        for r in results
+        for rec in sorted(r.records, key=lambda rec: rec.started_at)
+    ]  # fmt: skip
+
+
+def _write_jobs(path: Path, rows: list[tuple[Any, ...]]) -> None:
+    """Write ``rows`` (see :data:`JOB_COLUMNS`) to ``path`` as CSV, with a header."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(JOB_COLUMNS)
+        writer.writerows(rows)
 
 
 def _median_headline(aggregated: dict[str, dict[str, Any]]) -> str:
