@@ -452,9 +452,9 @@ def retry_pending_ends(app: Any) -> int:
         try:
             with LEDGER.confirming:
                 if outcome == "end":
-                    ready = dispatch.end_many(ids, process)
+                    ready = dispatch.end_many(ids, process, again=True)
                 else:
-                    ready = dispatch.end(ids[0], process, outcome=outcome)
+                    ready = dispatch.end(ids[0], process, outcome=outcome, again=True)
                 settled(ids, process, outcome)
         except DatabaseError:
             break

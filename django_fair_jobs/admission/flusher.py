@@ -196,7 +196,9 @@ def flush(batch: list[tuple[int, uuid.UUID, Any]]) -> int:
         ids = [job_id for job_id, _ in items]
         try:
             asynchronous = dispatch.commits_async()
-            ready = dispatch.end_many(ids, process, async_commit=asynchronous)
+            # An end handed back by a start whose reply was lost may have committed: sent
+            # again, it answers with the jobs that start dispatched into its room.
+            ready = dispatch.end_many(ids, process, async_commit=asynchronous, again=True)
         except Exception:  # a closed connection raises InterfaceError, not DatabaseError
             logger.exception(
                 "Could not end %d dispatched jobs; retrying at the next heartbeat", len(items)

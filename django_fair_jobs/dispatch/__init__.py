@@ -7,11 +7,10 @@ usual. The broker holds, per queue, no more messages than the queue's **capacity
 live worker processes consuming it) plus a small **slack** (``FAIR_JOBS_DISPATCH_SLACK``
 per worker node), counting jobs published and not started and jobs running.
 
-**When.** A job's end dispatches the room it leaves in the statement that ends it: the
-start of its process's next job, which carries it, or its flusher's; an enqueue at once
-while the queue has room (after the caller's commit); a worker process that starts or
-stops; the maintenance pass repairs what was missed (a lost message, a purged queue, a
-crashed publisher, a worker that died mid-job, a count that drifted).
+**When.** A job's end dispatches the room it leaves in the statement that ends it (the
+start of its process's next job, or its flusher's); an enqueue while the queue has room
+(after the caller's commit); a worker process that starts or stops; the maintenance pass
+repairs what was missed (a lost message, a crashed publisher, a count that drifted).
 
 **Room.** A queue's room is its live capacity plus slack, less its jobs dispatched or
 running (counted from their rows), bounded by its queue limit and per-worker limit (a
@@ -33,13 +32,12 @@ the broker.
 
 **At-least-once.** A dispatched job's row is marked before its message is published: a
 publisher that dies in between leaves a row the maintenance pass publishes again. Every
-copy of a message names its row, and only the first copy to start runs (the row moves to
-running under one conditional UPDATE); later copies are acknowledged without running. A
-start whose reply was lost is sent again and answers "again" (the row already runs under
-this process), so the job runs. A job whose worker process died while running it goes
-back to its line as Celery would redeliver it: with ``acks_late`` and
-``reject_on_worker_lost`` always, with ``acks_late`` alone when its whole node is gone;
-otherwise it is dropped (Celery acknowledged it and records the failure).
+copy of a message names its row; only the first copy to start runs (one conditional
+UPDATE), later copies are acknowledged without running. A step whose reply was lost is
+sent again: a start answers "again" (the job runs), an end returns the jobs its first try
+dispatched. A job whose worker process died while running it goes back to its line as
+Celery would redeliver it (``acks_late`` with ``reject_on_worker_lost``, or ``acks_late``
+when its whole node is gone); otherwise it is dropped, as Celery records the failure.
 """
 
 from __future__ import annotations
@@ -154,7 +152,7 @@ def weight_of(options: Options, queue: str, tenant: str, task_name: str) -> floa
     weight = clean_weight(raw)
     if weight is None:
         logger.warning(
-            "tenant_weights of %s gave %r for %s; it weighs 1", task_name, raw, for_log(tenant)
+            "tenant_weights of %s gave %r for %s; weighs 1", task_name, raw, for_log(tenant)
         )
         weight = 1.0
     _weights[(queue, tenant)] = (weight, now + WEIGHT_TTL)
@@ -174,7 +172,6 @@ def prepare(
     line of :data:`NO_TENANT`, under no tenant's cap, with a warning logged at most once
     per interval per task. Raises :class:`DispatchError` when the job cannot be stored
     as JSON."""
-
     if tenant is None:
         warn_missing_tenant(task.name, "dispatched")
     publish_options = dict(publish_options)
@@ -216,8 +213,7 @@ def prepare(
 
 
 def on_loss(task: Task[Any, Any]) -> int:
-    """What the reap does with ``task``'s job if its process dies, as Celery would: see
-    :data:`~django_fair_jobs.dispatch.models.DROP_ON_LOSS` and the two after it."""
+    """What the reap does with ``task``'s job if its process dies, as Celery would."""
     from django_fair_jobs.dispatch import models
 
     if not getattr(task, "acks_late", False):
@@ -235,8 +231,7 @@ def alias() -> str:
 
 
 def _store() -> Any:
-    """The store of the lines' database: PostgreSQL's functions, or the ORM elsewhere
-    (``db.uses_sql`` decides, as for every room, so one test suite runs over both)."""
+    """The lines' database's store: PostgreSQL's functions, or the ORM (``db.uses_sql``)."""
     alias_ = alias()
     if db.uses_sql(alias_):
         from django_fair_jobs.dispatch import store
@@ -256,16 +251,14 @@ def enqueue(job: Job) -> list[Ready]:
 def stage(jobs: list[Job]) -> None:
     """Write the jobs' rows alone (one statement), aside and due at once (or at their
     countdown or ETA), inside the caller's transaction: they commit with the caller's data
-    and lock nothing another step waits for. :func:`dispatch` of their queues after the
-    commit (or the due poll) puts them in their lines."""
+    and lock nothing another step waits for; :func:`dispatch` after the commit lines them."""
     if jobs:
         _store().stage(jobs)
 
 
 def enqueue_many(jobs: list[Job]) -> list[Ready]:
-    """Store ``jobs`` in their lines in one round trip (one transaction), then dispatch
-    each of their queues while it has room; returns the jobs to publish now. The jobs are
-    taken in (queue, tenant) order, so that concurrent calls lock lines in one order."""
+    """Store ``jobs`` in their lines in one round trip, then dispatch their queues while
+    they have room; returns the jobs to publish. Lines are locked in (queue, tenant) order."""
     if not jobs:
         return []
     ordered = sorted(jobs, key=lambda j: (j.queue, j.tenant))
@@ -274,8 +267,7 @@ def enqueue_many(jobs: list[Job]) -> list[Ready]:
 
 def commits_async() -> bool:
     """Whether a start or an end of many commits without waiting for the disk here and now
-    (``FAIR_JOBS_DISPATCH_ASYNC_COMMIT`` on PostgreSQL, the statement a transaction of its
-    own, never a caller's whole commit): kept by the caller until :func:`confirm`."""
+    (``FAIR_JOBS_DISPATCH_ASYNC_COMMIT``, in autocommit): kept until :func:`confirm`."""
     if not fair_settings.DISPATCH_ASYNC_COMMIT:  # the default: no router call per start
         return False
     conn = connections[alias_ := alias()]
@@ -316,27 +308,35 @@ def end(
     delay: float = 0.0,
     block: bool = False,
     limit: int = BATCH,
+    again: bool = False,
 ) -> list[Ready]:
     """Take a job out of flight (see :data:`~django_fair_jobs.dispatch.types.Outcome`):
     fenced by ``process_id`` for a running job, None for a dispatched one. ``block`` keeps
     its line out of the selection until its room comes back. The room it leaves is
-    dispatched in the same round trip (up to ``limit`` jobs); returns the jobs to publish."""
+    dispatched in the same round trip (up to ``limit`` jobs); returns the jobs to publish.
+    ``again``: sent again after an error; if the first try committed (its reply lost),
+    returns the jobs it dispatched that have not started (never published)."""
     return _store().end(  # type: ignore[no-any-return]
-        job_id, process_id, outcome=outcome, delay=delay, block=block, limit=limit
+        job_id, process_id, outcome=outcome, delay=delay, block=block, limit=limit, again=again
     )
 
 
 def end_many(
-    job_ids: list[int], process_id: uuid.UUID, *, limit: int = BATCH, async_commit: bool = False
+    job_ids: list[int],
+    process_id: uuid.UUID,
+    *,
+    limit: int = BATCH,
+    async_commit: bool = False,
+    again: bool = False,
 ) -> list[Ready]:
     """End many jobs that ran to their end under ``process_id`` in one round trip (a
     process's ends flushed together); a job not running under it is skipped. Each queue
     they leave dispatches up to ``limit`` jobs into its room; returns the jobs to publish.
-    ``async_commit`` as in :func:`start`."""
+    ``async_commit`` as in :func:`start`, ``again`` as in :func:`end`."""
     if not job_ids:
         return []
     return _store().end_many(  # type: ignore[no-any-return]
-        job_ids, process_id, limit=limit, async_commit=async_commit
+        job_ids, process_id, limit=limit, async_commit=async_commit, again=again
     )
 
 

@@ -137,6 +137,12 @@ class DispatchJob(models.Model):
     dispatched_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     process_id = models.UUIDField(null=True, blank=True)
+    dispatched_by = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="The job whose end made the room this one was dispatched into, so that "
+        "the end, sent again after its reply was lost, publishes it.",
+    )
     publish_failures = models.PositiveIntegerField(default=0)
     republished = models.PositiveIntegerField(
         default=0, help_text="Copies published by the lost-message repair (each doubles its wait)."

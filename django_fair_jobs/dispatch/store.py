@@ -127,11 +127,12 @@ class Store:
         delay: float = 0.0,
         block: bool = False,
         limit: int = BATCH,
+        again: bool = False,
     ) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.end`."""
         params = {
             "job": job_id, "process": process_id, "outcome": outcome, "delay": delay,
-            "block": block, "max": limit,
+            "block": block, "max": limit, "again": again,
         }  # fmt: skip
         return self._ready(self._rows("dispatch_end", params))
 
@@ -142,11 +143,12 @@ class Store:
         limit: int = BATCH,
         *,
         async_commit: bool = False,
+        again: bool = False,
     ) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.end_many`."""
         params = {
             "jobs": list(job_ids), "process": process_id, "max": limit,
-            "async_commit": async_commit,
+            "async_commit": async_commit, "again": again,
         }  # fmt: skip
         return self._ready(self._rows("dispatch_end_many", params))
 

@@ -81,7 +81,7 @@ RETURNING CASE WHEN current_setting('synchronous_commit') = 'off'
 -- name: dispatch_end
 SELECT job_id, job_message
   FROM fair_jobs_dispatch_end(%(job)s, %(process)s, %(outcome)s, %(delay)s, %(block)s,
-                              %(max)s);
+                              %(max)s, %(again)s);
 
 -- name: dispatch_end_many
 -- With async_commit, as dispatch_start: confirmed (made again) at the next heartbeat. The
@@ -90,8 +90,8 @@ SELECT job_id, job_message
 SELECT e.job_id, e.job_message
   FROM (SELECT CASE WHEN %(async_commit)s
                     THEN set_config('synchronous_commit', 'off', true) END) AS c(off)
-  LEFT JOIN LATERAL fair_jobs_dispatch_end_many(%(jobs)s::bigint[], %(process)s, %(max)s)
-       AS e ON true;
+  LEFT JOIN LATERAL fair_jobs_dispatch_end_many(%(jobs)s::bigint[], %(process)s, %(max)s,
+                                                %(again)s) AS e ON true;
 
 -- name: dispatch_next
 SELECT job_id, job_message FROM fair_jobs_dispatch(%(queue)s, %(max)s);

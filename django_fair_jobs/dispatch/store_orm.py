@@ -114,7 +114,7 @@ class Store(pg_store.Store):
             line.weight = weight if weight is not None else line.weight
             line.save(update_fields=["waiting", "head_id", "cap", "pass_value", "weight"])
 
-    def _dispatch(self, queue: str, limit: int) -> list[Ready]:
+    def _dispatch(self, queue: str, limit: int, by: int | None = None) -> list[Ready]:
         self._due(queue)
         room = min(self._room(queue), limit)
         ready: list[Ready] = []
@@ -132,7 +132,7 @@ class Store(pg_store.Store):
             claimed = (
                 self._jobs()
                 .filter(pk=job_id, state=WAITING)
-                .update(state=DISPATCHED, dispatched_at=Now())
+                .update(state=DISPATCHED, dispatched_at=Now(), dispatched_by=by)
             )
             if not claimed:
                 line.head_id, line.cap = self._head(queue, line.tenant)
@@ -279,6 +279,7 @@ class Store(pg_store.Store):
         delay: float = 0.0,
         block: bool = False,
         limit: int = BATCH,
+        again: bool = False,
     ) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.end`."""
         with transaction.atomic(using=self.alias):
@@ -289,7 +290,7 @@ class Store(pg_store.Store):
             )
             job = self._jobs().filter(held, pk=job_id).first()
             if job is None:
-                return []
+                return self._sent_again([job_id]) if again else []
             if outcome == "end":
                 self._jobs().filter(pk=job_id).delete()
             else:
@@ -312,7 +313,7 @@ class Store(pg_store.Store):
                 line.waiting += 1
             line.blocked = block
             line.save(update_fields=["in_flight", "waiting", "head_id", "cap", "blocked"])
-            return self._dispatch(job.queue, limit) if limit > 0 else []
+            return self._dispatch(job.queue, limit, job_id) if limit > 0 else []
 
     def end_many(
         self,
@@ -321,6 +322,7 @@ class Store(pg_store.Store):
         limit: int = BATCH,
         *,
         async_commit: bool = False,
+        again: bool = False,
     ) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.end_many` (``async_commit`` as in
         :meth:`start`)."""
@@ -328,15 +330,23 @@ class Store(pg_store.Store):
             held = self._jobs().filter(pk__in=job_ids, state=RUNNING, process_id=process_id)
             rows = sorted(held.values_list("queue", "tenant"))
             held.delete()
+            ready = self._sent_again(job_ids) if again and len(rows) < len(job_ids) else []
             for queue, tenant in sorted(set(rows)):
                 line = self._tenants().get(queue=queue, tenant=tenant)
                 line.in_flight = max(line.in_flight - rows.count((queue, tenant)), 0)
                 line.blocked = False
                 line.save(update_fields=["in_flight", "blocked"])
             if limit <= 0:
-                return []
-            queues = sorted({queue for queue, _ in rows})
-            return [ready for queue in queues for ready in self._dispatch(queue, limit)]
+                return ready
+            for queue in sorted({queue for queue, _ in rows}):
+                ready += self._dispatch(queue, limit, job_ids[0])
+            return ready
+
+    def _sent_again(self, job_ids: list[int]) -> list[Ready]:
+        """An end sent again after a lost reply: the jobs its first try dispatched into
+        the room of ``job_ids`` that have not started (never published)."""
+        rows = self._jobs().filter(state=DISPATCHED, dispatched_by__in=job_ids)
+        return [Ready(int(pk), message) for pk, message in rows.values_list("pk", "message")]
 
     def failures(self, job_id: int) -> int:
         """See :meth:`django_fair_jobs.dispatch.store.Store.failures`."""

@@ -122,7 +122,11 @@ $$;
 -- takes it out of the selection's index until its room comes back (an end of its jobs, a
 -- limit changed, the maintenance pass), so the choice stays one index probe however many
 -- tenants cannot be chosen. Returns the jobs to publish. Due jobs join their lines first.
-CREATE OR REPLACE FUNCTION fair_jobs_dispatch(p_queue text, p_max integer)
+-- p_by: the job whose end made the room (an end's step), kept on each job dispatched
+-- (dispatched_by), so that the step sent again after a lost reply finds them.
+CREATE OR REPLACE FUNCTION fair_jobs_dispatch(
+    p_queue text, p_max integer, p_by bigint DEFAULT NULL
+)
 RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
@@ -156,7 +160,8 @@ BEGIN
         -- One statement: the head job is dispatched and its line moves on to its oldest
         -- other waiting job (the statement's snapshot still sees the head as waiting).
         WITH taken AS (
-            UPDATE fair_jobs_dispatchjob AS j SET state = 2, dispatched_at = now()
+            UPDATE fair_jobs_dispatchjob AS j
+               SET state = 2, dispatched_at = now(), dispatched_by = p_by
              WHERE j.id = v_line.head_id AND j.state = 1
             RETURNING j.id, j.message
         ), following AS (
@@ -326,9 +331,12 @@ $$;
 -- second time); p_process NULL acts on a dispatched job (its publish failed, or its
 -- message was revoked). p_block keeps its line out of the selection until its room comes
 -- back (the fence refused the job). Then dispatch up to p_max jobs into the room it left.
+-- p_again: sent again after an error; if the job is out of flight already (the first try
+-- committed and its reply was lost), return the jobs that try dispatched and that have
+-- not started, whose messages were never published.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_end(
     p_job bigint, p_process uuid, p_outcome text, p_delay double precision,
-    p_block boolean, p_max integer
+    p_block boolean, p_max integer, p_again boolean DEFAULT false
 )
 RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
@@ -357,6 +365,10 @@ BEGIN
         RETURNING j.queue, j.tenant, j.cap INTO v_job;
     END IF;
     IF NOT FOUND THEN
+        IF p_again THEN
+            RETURN QUERY SELECT j.id, j.message FROM fair_jobs_dispatchjob AS j
+                          WHERE j.state = 2 AND j.dispatched_by = p_job;
+        END IF;
         RETURN;
     END IF;
     UPDATE fair_jobs_dispatchtenant AS t
@@ -370,7 +382,7 @@ BEGIN
      WHERE t.queue = v_job.queue AND t.tenant = v_job.tenant;
     IF p_max > 0 THEN
         RETURN QUERY SELECT d.job_id, d.job_message
-                       FROM fair_jobs_dispatch(v_job.queue, p_max) AS d;
+                       FROM fair_jobs_dispatch(v_job.queue, p_max, p_job) AS d;
     END IF;
 END;
 $$;
@@ -381,8 +393,9 @@ $$;
 -- (queue, tenant) order by byte value, as enqueue_many takes them, so two flushes or a
 -- flush and a bulk enqueue never wait for each other out of order. A job not running
 -- under p_process (ended already, or reaped) is skipped. Returns the jobs to publish.
+-- p_again: as in fair_jobs_dispatch_end, for the jobs already ended.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_end_many(
-    p_jobs bigint[], p_process uuid, p_max integer
+    p_jobs bigint[], p_process uuid, p_max integer, p_again boolean DEFAULT false
 )
 RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
@@ -391,6 +404,7 @@ DECLARE
     v_tenants text[];
     v_counts integer[];
     v_queue text;
+    v_gone integer;
 BEGIN
     WITH gone AS (
         DELETE FROM fair_jobs_dispatchjob AS j
@@ -401,8 +415,15 @@ BEGIN
     )
     SELECT array_agg(l.queue ORDER BY l.queue COLLATE "C", l.tenant COLLATE "C"),
            array_agg(l.tenant ORDER BY l.queue COLLATE "C", l.tenant COLLATE "C"),
-           array_agg(l.n ORDER BY l.queue COLLATE "C", l.tenant COLLATE "C")
-      INTO v_queues, v_tenants, v_counts FROM lines AS l;
+           array_agg(l.n ORDER BY l.queue COLLATE "C", l.tenant COLLATE "C"),
+           COALESCE(sum(l.n), 0)
+      INTO v_queues, v_tenants, v_counts, v_gone FROM lines AS l;
+    IF p_again AND v_gone < cardinality(p_jobs) THEN
+        -- Sent again after a lost reply: the jobs an earlier try dispatched into the room
+        -- of the ends it made, not started yet (their messages were never published).
+        RETURN QUERY SELECT j.id, j.message FROM fair_jobs_dispatchjob AS j
+                      WHERE j.state = 2 AND j.dispatched_by = ANY(p_jobs);
+    END IF;
     IF v_queues IS NULL THEN
         RETURN;
     END IF;
@@ -415,7 +436,7 @@ BEGIN
         FOR v_queue IN SELECT DISTINCT q.queue FROM unnest(v_queues) AS q(queue) ORDER BY 1
         LOOP
             RETURN QUERY SELECT d.job_id, d.job_message
-                           FROM fair_jobs_dispatch(v_queue, p_max) AS d;
+                           FROM fair_jobs_dispatch(v_queue, p_max, p_jobs[1]) AS d;
         END LOOP;
     END IF;
 END;

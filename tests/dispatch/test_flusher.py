@@ -268,3 +268,67 @@ def test_the_carry_wait__kept_only_while_starts_come_within_it(settings: Any) ->
     settings.FAIR_JOBS_DISPATCH_CARRY_WAIT = 0
     flusher.take(process)
     assert flusher._wait() == 0.0
+
+
+def cut_after_commit(monkeypatch: pytest.MonkeyPatch, name: str) -> list[list[dispatch.Ready]]:
+    """``dispatch.<name>`` commits, then its reply is lost (a pooler restart, a failover),
+    once; returns what the lost replies held."""
+    real, lost = getattr(dispatch, name), list[list[dispatch.Ready]]()
+
+    def commit_then_cut(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        if not lost:
+            lost.append(list(getattr(result, "ready", result)))
+            raise OperationalError("server closed the connection unexpectedly")
+        return result
+
+    monkeypatch.setattr(dispatch, name, commit_then_cut)
+    return lost
+
+
+def test_a_flush_whose_reply_is_lost__sent_again__publishes_what_its_room_went_to(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any, collected: list[int]
+) -> None:
+    # The flush committed (the job's row gone, the next job dispatched into its room) and
+    # its reply was lost: sent again at the heartbeat, it finds the job ended and answers
+    # with the job the first try dispatched, instead of leaving it to the lost-message
+    # repair (FAIR_JOBS_DISPATCH_LOST_AFTER, a minute by default).
+    set_capacity(1)
+    first, second = (job_of(tasks.dispatched.delay("acme").id) for _ in range(2))
+    process = uuid.uuid4()
+    assert dispatch.start(first.pk, process).status == "started"
+    lost = cut_after_commit(monkeypatch, "end_many")
+    assert flusher.flush([(first.pk, process, celery_app)]) == 1
+    assert [r.job_id for r in lost[0]] == [second.pk] and second.pk not in collected
+    assert admission.retry_pending_ends(celery_app) == 1
+    assert collected.count(second.pk) == 1
+
+
+def test_a_carrying_start_whose_reply_is_lost__the_flusher_publishes_what_the_ends_freed(
+    monkeypatch: pytest.MonkeyPatch, collected: list[int]
+) -> None:
+    set_capacity(2)
+    first, second, third = (job_of(tasks.dispatched.delay("acme").id) for _ in range(3))
+    flusher.start()
+    monkeypatch.setattr(ends, "own_thread", no_thread)
+    monkeypatch.setattr(admission, "REPLY_RETRY_DELAYS", (0.0, 0.0))
+    assert deliver(first) == "ran"
+    lost = cut_after_commit(monkeypatch, "start")
+    assert deliver(second) == "ran"  # asked again alone: "again"
+    assert [r.job_id for r in lost[0]] == [third.pk] and third.pk not in collected
+    assert flusher.stop() == 2  # the handed-back end of the first, the second's own
+    assert collected.count(third.pk) == 1
+
+
+def test_an_end_whose_reply_is_lost__sent_again__publishes_what_its_room_went_to(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any, collected: list[int]
+) -> None:
+    set_capacity(1)
+    first, second = (job_of(tasks.dispatched.delay("acme").id) for _ in range(2))
+    process = uuid.uuid4()
+    assert dispatch.start(first.pk, process).status == "started"
+    lost = cut_after_commit(monkeypatch, "end")
+    ends.end(tasks.dispatched, first.pk, process, outcome="later", delay=60.0)
+    assert [r.job_id for r in lost[0]] == [second.pk] and second.pk not in collected
+    assert admission.retry_pending_ends(celery_app) == 1
+    assert collected.count(second.pk) == 1

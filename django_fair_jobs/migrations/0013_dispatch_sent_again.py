@@ -1,0 +1,44 @@
+from typing import Any
+
+from django.db import migrations, models
+
+from django_fair_jobs.sql import queries
+
+FUNCTIONS_DIGEST = "98151763deac7826be9210ae3e6cfce89231286e17a9e6135082a934674cbbcf"
+"""The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
+tests/dispatch/test_functions.py fails when the file changes without a migration that
+installs it again (and records its new digest)."""
+
+
+def install_functions(apps: Any, schema_editor: Any) -> None:
+    # An end sent again after a lost reply returns what its first try dispatched: the
+    # dispatch keeps the job whose end made the room (dispatched_by), and the ends take
+    # p_again. New arguments make new signatures, so the old ones are dropped first.
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS fair_jobs_dispatch(text, integer),"
+        " fair_jobs_dispatch_end(bigint, uuid, text, double precision, boolean, integer),"
+        " fair_jobs_dispatch_end_many(bigint[], uuid, integer)"
+    )
+    schema_editor.execute(queries("dispatch")["functions"], params=None)
+
+
+class Migration(migrations.Migration):
+    dependencies = [
+        ("fair_jobs", "0012_dispatch_message"),
+    ]
+
+    operations = [
+        migrations.AddField(
+            model_name="dispatchjob",
+            name="dispatched_by",
+            field=models.BigIntegerField(
+                blank=True,
+                help_text="The job whose end made the room this one was dispatched into, so "
+                "that the end, sent again after its reply was lost, publishes it.",
+                null=True,
+            ),
+        ),
+        migrations.RunPython(install_functions, migrations.RunPython.noop),
+    ]
