@@ -17,9 +17,8 @@ A dispatched job (``fair_dispatch``) marks its row running (one round trip; a se
 of the message is dropped), takes its tenant slot when its task or slot has a cap and its
 queue place on a limited queue (the fence that keeps the limits whatever was dispatched),
 runs, and ends its row in the round trip that dispatches the next job
-(:func:`dispatched_run`). :func:`holding` runs it all
-around a ``FairTask`` job. Plain tasks on a limited queue
-(``FAIR_JOBS_LIMIT_PLAIN_TASKS``) go through :func:`enter` too (:func:`install`).
+(:func:`dispatched_run`). :func:`holding` runs it all around a ``FairTask`` job. Plain
+tasks on a limited queue (``FAIR_JOBS_LIMIT_PLAIN_TASKS``) go through :func:`enter` too.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore, Reject
-from django.db import DatabaseError, DataError, close_old_connections
+from django.db import DatabaseError, DataError, InterfaceError, close_old_connections
 
 from django_fair_jobs import (
     decisions,
@@ -188,12 +187,10 @@ def dispatched_run(
     publish the jobs its room went to.
 
     Raises ``Ignore`` (the message is acknowledged, nothing runs) for a second copy of a
-    job; when the database cannot mark the start (the row stays dispatched and is
-    published again later, or, if the start committed with its reply lost, goes back to
-    its line at the next heartbeat); when the fence refuses or fails (the job goes back,
-    and its line waits out of the selection until its room comes back). A
-    ``Reject(requeue=True)`` puts the row back in its line for the redelivered copy.
-    """
+    job; when the database cannot mark the start (the row is published again later, or
+    goes back to its line at the next heartbeat); when the fence refuses or fails (the job
+    goes back, its line out of the selection until its room comes back). A
+    ``Reject(requeue=True)`` puts the row back in its line for the redelivered copy."""
     process = _process_id()
     task_id = str(task.request.id)
     if ends.ended_here(job_id) or not ends.claim_running(task_id):
@@ -231,21 +228,25 @@ def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> 
     the ends of this process's earlier jobs that its flusher has not flushed yet; after an
     error the flusher ends them itself."""
     carrying = flusher.take(process)
-    for delay in (*REPLY_RETRY_DELAYS, None):
-        try:
-            asynchronous = dispatch.commits_async()
-            ended = [item[0] for item in carrying]
-            started = dispatch.start(job_id, process, ended=ended, async_commit=asynchronous)
-            break
-        except DatabaseError:
-            flusher.hand_back(carrying)
-            carrying = []
-            if delay is None:
-                logger.exception("Could not start dispatched job %s; it goes back later", job_id)
-                ends.end_later(job_id, process, outcome="back")
-                raise Ignore() from None
-            close_old_connections()
-            time.sleep(delay)
+    try:
+        for delay in (*REPLY_RETRY_DELAYS, None):
+            try:
+                asynchronous = dispatch.commits_async()
+                ended = [item[0] for item in carrying]
+                started = dispatch.start(job_id, process, ended=ended, async_commit=asynchronous)
+                break
+            except (DatabaseError, InterfaceError):  # a closed connection raises the latter
+                flusher.hand_back(carrying)
+                carrying = []
+                if delay is None:
+                    logger.exception("Could not start dispatched job %s; goes back later", job_id)
+                    ends.end_later(job_id, process, outcome="back")
+                    raise Ignore() from None
+                close_old_connections()
+                time.sleep(delay)
+    except BaseException:  # a time limit, a bug: the ends it carried are not lost
+        flusher.hand_back(carrying)
+        raise
     if carrying:
         flusher.carried(carrying, started.ready, asynchronous)
     # "again": this process's own start, whose reply was lost (a second copy here was

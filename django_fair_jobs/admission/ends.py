@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError
+from django.db import DatabaseError, InterfaceError
 
 from django_fair_jobs import dispatch, identity, queue_limits, slots
 from django_fair_jobs.leases import store as lease_store
@@ -391,7 +391,7 @@ def end(
                 limit=0 if block else dispatch.BATCH,
             )  # fmt: skip
             settled([job_id], process, outcome)
-    except DatabaseError:
+    except (DatabaseError, InterfaceError):  # a closed connection raises the latter
         logger.exception("Could not end dispatched job %s; retrying at the next heartbeat", job_id)
         end_later(job_id, process, outcome="later" if block else outcome)
         return

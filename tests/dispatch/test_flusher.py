@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery.exceptions import Reject
-from django.db import OperationalError, connection
+from celery.exceptions import Reject, SoftTimeLimitExceeded
+from django.db import InterfaceError, OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 
 from django_fair_jobs import admission, dispatch
@@ -247,7 +247,8 @@ def test_an_end_no_start_carries__flushed_by_the_thread_after_the_carry_wait() -
     assert deliver(job) == "ran"
     assert LEDGER.flusher is not None
     for _ in range(500):  # the thread ends it without being stopped
-        if not DispatchJob.objects.filter(pk=job.pk).exists():
+        # The row goes at the flush's commit, the ledger's entry just after its reply.
+        if not DispatchJob.objects.filter(pk=job.pk).exists() and not ends.ended_here(job.pk):
             break
         threading.Event().wait(0.01)
     assert not DispatchJob.objects.filter(pk=job.pk).exists()
@@ -332,3 +333,57 @@ def test_an_end_whose_reply_is_lost__sent_again__publishes_what_its_room_went_to
     assert [r.job_id for r in lost[0]] == [second.pk] and second.pk not in collected
     assert admission.retry_pending_ends(celery_app) == 1
     assert collected.count(second.pk) == 1
+
+
+@pytest.mark.parametrize(
+    ("error", "runs"),
+    [(InterfaceError("connection already closed"), True), (SoftTimeLimitExceeded(), False)],
+    ids=["closed_connection", "soft_time_limit"],
+)
+def test_a_carrying_start_that_raises_anything__the_ends_go_back_to_the_flusher(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException, runs: bool
+) -> None:
+    # A closed connection raises InterfaceError, which is no DatabaseError; a soft time
+    # limit can strike anywhere. Neither may drop the ends the start carried: their rows
+    # would stay running under a live process, holding their tenants' room for good.
+    set_capacity(2)
+    first, second = (job_of(tasks.dispatched.delay("acme").id) for _ in range(2))
+    flusher.start()
+    monkeypatch.setattr(ends, "own_thread", no_thread)
+    monkeypatch.setattr(admission, "REPLY_RETRY_DELAYS", (0.0, 0.0))
+    assert deliver(first) == "ran"
+    real, calls = dispatch.start, []
+
+    def raising_once(*args: Any, **kwargs: Any) -> dispatch.Started:
+        calls.append(1)
+        if len(calls) == 1:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "start", raising_once)
+    if runs:
+        assert deliver(second) == "ran"  # tried again on a new connection
+    else:
+        with pytest.raises(SoftTimeLimitExceeded):
+            deliver(second)
+    assert LEDGER.ending[0][0] == first.pk
+    flusher.stop()
+    assert not DispatchJob.objects.filter(pk=first.pk).exists()
+
+
+def test_an_end_whose_connection_is_closed__kept_for_the_heartbeat(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    process = uuid.uuid4()
+    assert dispatch.start(job.pk, process).status == "started"
+    real = dispatch.end
+    monkeypatch.setattr(
+        dispatch, "end", lambda *a, **k: (_ for _ in ()).throw(InterfaceError("closed"))
+    )
+    ends.end(tasks.dispatched, job.pk, process, outcome="later", delay=60.0)
+    assert LEDGER.pending_ends == {job.pk: (process, "later")}
+    monkeypatch.setattr(dispatch, "end", real)
+    assert admission.retry_pending_ends(celery_app) == 1
+    assert DispatchJob.objects.get(pk=job.pk).state != RUNNING
