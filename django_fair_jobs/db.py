@@ -267,6 +267,26 @@ def require_migrated(alias: str) -> None:
         raise not_migrated(alias, missing)
 
 
+_migrated: set[str] = set()
+"""The aliases this process found fully migrated (:func:`require_migrated_once`)."""
+
+
+def require_migrated_once(alias: str) -> None:
+    """:func:`require_migrated`, read once per process and alias that has every migration:
+    the first ``delay()`` of a process on a database that lacks one raises, even where its
+    statements would still work (a migration that changed only the worker's). A database
+    that cannot be read now is read again at the next call."""
+    if alias in _migrated:
+        return
+    try:
+        missing = missing_migrations(alias)
+    except (OperationalError, ProgrammingError):
+        return  # the statement that follows says what is wrong with the database
+    if missing:
+        raise not_migrated(alias, missing)
+    _migrated.add(alias)
+
+
 def schema_error(exc: BaseException, alias: str) -> NotMigratedError | None:
     """For an error a statement of the library raised on ``alias``: the
     :class:`NotMigratedError` to raise instead, when the statement met a missing table,

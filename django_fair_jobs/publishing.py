@@ -114,6 +114,7 @@ def hold_for_dispatch(
     whether the job's transaction commits or not."""
     job = dispatch.prepare(task, _dispatch_options(task), tenant, args, kwargs, options)
     alias = dispatch.alias()
+    db.require_migrated_once(alias)
     request = task.request
     if getattr(request, "fair_retrying", False) and connections[alias].in_atomic_block:
         _deferred_retries.__dict__.setdefault("jobs", []).append(job)
@@ -149,6 +150,7 @@ def hold_many_for_dispatch(
     given."""
     options = _dispatch_options(task)
     jobs = [dispatch.prepare(task, options, t, a, k, o) for t, a, k, o in items]
+    db.require_migrated_once(dispatch.alias())
     if connections[dispatch.alias()].in_atomic_block:
         _store_until_commit(task, jobs)
     else:
