@@ -279,11 +279,9 @@ def require_migrated_once(alias: str) -> None:
     if alias in _migrated:
         return
     try:
-        missing = missing_migrations(alias)
+        require_migrated(alias)
     except (OperationalError, ProgrammingError):
         return  # the statement that follows says what is wrong with the database
-    if missing:
-        raise not_migrated(alias, missing)
     _migrated.add(alias)
 
 

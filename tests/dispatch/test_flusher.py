@@ -215,6 +215,21 @@ def test_the_next_start__carries_the_unflushed_end__one_round_trip(
     assert DispatchJob.objects.get(pk=third.pk).state != RUNNING
 
 
+def start_raising_once(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> list[list[int]]:
+    """``dispatch.start`` raises ``error`` at its first call; returns the ends each call
+    carried."""
+    real, calls = dispatch.start, list[list[int]]()
+
+    def raising_once(*args: Any, **kwargs: Any) -> dispatch.Started:
+        calls.append(list(kwargs.get("ended") or []))
+        if len(calls) == 1:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "start", raising_once)
+    return calls
+
+
 def test_a_start_that_fails_while_carrying_ends__the_flusher_ends_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -223,15 +238,7 @@ def test_a_start_that_fails_while_carrying_ends__the_flusher_ends_them(
     flusher.start()
     monkeypatch.setattr(ends, "own_thread", no_thread)
     assert deliver(first) == "ran"
-    real, calls = dispatch.start, []
-
-    def failing_once(*args: Any, **kwargs: Any) -> dispatch.Started:
-        calls.append(list(kwargs.get("ended") or []))
-        if len(calls) == 1:
-            raise OperationalError("the connection was cut")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(dispatch, "start", failing_once)
+    calls = start_raising_once(monkeypatch, OperationalError("the connection was cut"))
     assert deliver(second) == "ran"  # tried again alone
     assert calls == [[first.pk], []]
     # Given back to the flusher, before the end of the job that just ran.
@@ -287,6 +294,15 @@ def cut_after_commit(monkeypatch: pytest.MonkeyPatch, name: str) -> list[list[di
     return lost
 
 
+def one_running_one_waiting() -> tuple[DispatchJob, DispatchJob, uuid.UUID]:
+    """A queue with room for one: the first job running under a process, the next in line."""
+    set_capacity(1)
+    first, second = (job_of(tasks.dispatched.delay("acme").id) for _ in range(2))
+    process = uuid.uuid4()
+    assert dispatch.start(first.pk, process).status == "started"
+    return first, second, process
+
+
 def test_a_flush_whose_reply_is_lost__sent_again__publishes_what_its_room_went_to(
     monkeypatch: pytest.MonkeyPatch, celery_app: Any, collected: list[int]
 ) -> None:
@@ -294,10 +310,7 @@ def test_a_flush_whose_reply_is_lost__sent_again__publishes_what_its_room_went_t
     # its reply was lost: sent again at the heartbeat, it finds the job ended and answers
     # with the job the first try dispatched, instead of leaving it to the lost-message
     # repair (FAIR_JOBS_DISPATCH_LOST_AFTER, a minute by default).
-    set_capacity(1)
-    first, second = (job_of(tasks.dispatched.delay("acme").id) for _ in range(2))
-    process = uuid.uuid4()
-    assert dispatch.start(first.pk, process).status == "started"
+    first, second, process = one_running_one_waiting()
     lost = cut_after_commit(monkeypatch, "end_many")
     assert flusher.flush([(first.pk, process, celery_app)]) == 1
     assert [r.job_id for r in lost[0]] == [second.pk] and second.pk not in collected
@@ -324,10 +337,7 @@ def test_a_carrying_start_whose_reply_is_lost__the_flusher_publishes_what_the_en
 def test_an_end_whose_reply_is_lost__sent_again__publishes_what_its_room_went_to(
     monkeypatch: pytest.MonkeyPatch, celery_app: Any, collected: list[int]
 ) -> None:
-    set_capacity(1)
-    first, second = (job_of(tasks.dispatched.delay("acme").id) for _ in range(2))
-    process = uuid.uuid4()
-    assert dispatch.start(first.pk, process).status == "started"
+    first, second, process = one_running_one_waiting()
     lost = cut_after_commit(monkeypatch, "end")
     ends.end(tasks.dispatched, first.pk, process, outcome="later", delay=60.0)
     assert [r.job_id for r in lost[0]] == [second.pk] and second.pk not in collected
@@ -352,15 +362,7 @@ def test_a_carrying_start_that_raises_anything__the_ends_go_back_to_the_flusher(
     monkeypatch.setattr(ends, "own_thread", no_thread)
     monkeypatch.setattr(admission, "REPLY_RETRY_DELAYS", (0.0, 0.0))
     assert deliver(first) == "ran"
-    real, calls = dispatch.start, []
-
-    def raising_once(*args: Any, **kwargs: Any) -> dispatch.Started:
-        calls.append(1)
-        if len(calls) == 1:
-            raise error
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(dispatch, "start", raising_once)
+    start_raising_once(monkeypatch, error)
     if runs:
         assert deliver(second) == "ran"  # tried again on a new connection
     else:
