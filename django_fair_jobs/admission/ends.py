@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, InterfaceError
+from django.db import DatabaseError, InterfaceError, close_old_connections
 
 from django_fair_jobs import dispatch, identity, queue_limits, slots
 from django_fair_jobs.leases import store as lease_store
@@ -456,7 +456,8 @@ def retry_pending_ends(app: Any) -> int:
                 else:
                     ready = dispatch.end(ids[0], process, outcome=outcome, again=True)
                 settled(ids, process, outcome)
-        except DatabaseError:
+        except (DatabaseError, InterfaceError):  # a closed connection raises the latter
+            close_old_connections()  # the next pass asks on a new connection
             break
         with LEDGER.lock:
             for job_id in ids:

@@ -389,3 +389,22 @@ def test_an_end_whose_connection_is_closed__kept_for_the_heartbeat(
     monkeypatch.setattr(dispatch, "end", real)
     assert admission.retry_pending_ends(celery_app) == 1
     assert DispatchJob.objects.get(pk=job.pk).state != RUNNING
+
+
+def test_a_pending_end_whose_connection_is_closed__kept_for_the_next_heartbeat(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any, collected: list[int]
+) -> None:
+    first, second, process = one_running_one_waiting()
+    ends.end_later(first.pk, process, outcome="end")
+    collected.clear()  # the first job, published at its enqueue
+    real = dispatch.end_many
+
+    def closed(*args: Any, **kwargs: Any) -> list[dispatch.Ready]:
+        raise InterfaceError("connection already closed")
+
+    monkeypatch.setattr(dispatch, "end_many", closed)
+    assert admission.retry_pending_ends(celery_app) == 0  # the pass goes on
+    assert DispatchJob.objects.filter(pk=first.pk).exists() and not collected
+    monkeypatch.setattr(dispatch, "end_many", real)
+    assert admission.retry_pending_ends(celery_app) == 1
+    assert collected == [second.pk]
