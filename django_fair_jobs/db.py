@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from django.db import OperationalError, ProgrammingError, connections, models, transaction
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    ProgrammingError,
+    connections,
+    models,
+    transaction,
+)
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Now
 
@@ -21,6 +31,9 @@ try:
     import psycopg
 except ImportError:  # psycopg2 only: the named statements run unprepared
     psycopg = None  # type: ignore[assignment]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def after_commit(action: Callable[[], object], using: str) -> bool:
@@ -85,6 +98,23 @@ def run_on(
             if connection.in_atomic_block:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def sent_again(alias: str, step: Callable[[bool], T], *, pause: float = 0.25) -> T:
+    """``step(False)``; if its reply is lost (a database error or a closed connection: a
+    failover or a pooler restart, often after the statement committed), ``step(True)``
+    once more on a new connection after ``pause`` seconds: sent again, a step must answer
+    with what its first try did. Inside ``atomic()`` the error is raised (the caller's
+    transaction is gone with it)."""
+    try:
+        return step(False)
+    except (DatabaseError, InterfaceError):  # a closed connection raises the latter
+        if connections[alias].in_atomic_block:
+            raise
+        logger.warning("A statement's reply was lost; sending it again", exc_info=True)
+        connections[alias].close_if_unusable_or_obsolete()
+        time.sleep(pause)
+        return step(True)
 
 
 def _lock_timed_out(exc: Exception) -> bool:

@@ -324,7 +324,7 @@ class FairJobsCollector(Collector):
             out.add("fair_jobs_queue_deferrals_total", [name], q["deferred_total"])
 
     def _dispatch(self, out: _Families, rows: list[dict[str, Any]]) -> None:
-        # The snapshot's rows (dispatch.queue_status): read once for status and metrics.
+        # The snapshot's rows (status's dispatch rows): read once for status and metrics.
         for q in rows:
             out.add("fair_jobs_queue_depth", [q["queue"]], q["waiting"])
             out.add("fair_jobs_queue_in_flight", [q["queue"]], q["in_flight"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery.utils import uuid
-from django.db import DatabaseError, close_old_connections, connections
+from django.db import DatabaseError, InterfaceError, close_old_connections, connections
 from kombu.utils.json import dumps
 
 from django_fair_jobs import db, decisions, dispatch, planner, reroute, tenants, validation
@@ -43,6 +44,8 @@ PUBLISHER_THREADS = 4
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+logger = logging.getLogger("django_fair_jobs.publishing")
 
 
 def in_event_loop() -> bool:
@@ -160,7 +163,8 @@ def hold_many_for_dispatch(
 
 class _DispatchAfterCommit:
     """What runs once the caller's transaction commits: a dispatch of each queue its jobs
-    went to, once per queue however many jobs the transaction stored."""
+    went to, once per queue however many jobs the transaction stored. A dispatch that
+    fails leaves the jobs stored and due, for the maintenance pass."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -172,7 +176,10 @@ class _DispatchAfterCommit:
         # list: the jobs stored after that need one of their own.
         self.done = True
         for queue in sorted(self.queues):
-            dispatch.publish(self.app, dispatch.dispatch(queue))
+            try:
+                dispatch.publish(self.app, dispatch.dispatch(queue))
+            except (DatabaseError, InterfaceError):  # not the caller's: its data committed
+                logger.exception("Could not dispatch %s; the maintenance pass will", queue)
 
 
 def _store_until_commit(task: Task[Any, Any], jobs: list[dispatch.Job]) -> None:

@@ -399,18 +399,70 @@ def snapshot(first: int | None = None, rank: str = "name") -> dict[str, Any]:
 
 
 def _dispatch_queues(limits: dict[str, int | None]) -> list[dict[str, Any]]:
-    """Fair dispatch's queues (:func:`django_fair_jobs.dispatch.queue_status`), each with
+    """Fair dispatch's queues (:func:`_dispatch_rows`), each with
     what holds it back (``held_by``, :func:`django_fair_jobs.caps.queue_held_by`, under
     the queues' ``limits``)."""
-    from django_fair_jobs import caps, dispatch
+    from django_fair_jobs import caps
 
-    rows = dispatch.queue_status()
+    rows = _dispatch_rows()
     for d in rows:
         d["held_by"] = caps.queue_held_by(
             d["queue"], d["capacity"], d["slack"], d["in_flight"], d["room"],
             limits.get(d["queue"]),
         )  # fmt: skip
     return rows
+
+
+def _dispatch_rows() -> list[dict[str, Any]]:
+    """Per queue of fair dispatch: its capacity and slack, jobs in flight, room, jobs
+    waiting and scheduled, failed jobs, and lines blocked (at their cap or paused)."""
+    from django.db.models import Count, Q
+
+    from django_fair_jobs import dispatch
+    from django_fair_jobs.dispatch.models import (
+        FAILED,
+        SCHEDULED,
+        WAITING,
+        DispatchJob,
+        DispatchQueue,
+        DispatchTenant,
+    )
+
+    using = dispatch.alias()
+    flight, free = dispatch.in_flight(), dispatch.room()
+    jobs: dict[str, dict[str, Any]] = {
+        row["queue"]: dict(row)
+        for row in DispatchJob.objects.using(using)
+        .values("queue")
+        .annotate(
+            waiting=Count("pk", filter=Q(state=WAITING)),
+            scheduled=Count("pk", filter=Q(state=SCHEDULED)),
+            failed=Count("pk", filter=Q(state=FAILED)),
+        )
+    }
+    blocked = dict(
+        DispatchTenant.objects.using(using)
+        .filter(blocked=True, waiting__gt=0)
+        .values("queue")
+        .annotate(n=Count("pk"))
+        .values_list("queue", "n")
+    )
+    capacity = {q.queue: q for q in DispatchQueue.objects.using(using)}
+    out = []
+    for queue in sorted(set(capacity) | set(jobs)):
+        row, counts = capacity.get(queue), dict(jobs.get(queue) or {})
+        out.append({
+            "queue": queue,
+            "capacity": 0 if row is None else row.capacity,
+            "slack": 0 if row is None else row.slack,
+            "in_flight": flight.get(queue, 0),
+            "room": free.get(queue, 0),
+            "waiting": counts.get("waiting", 0),
+            "scheduled": counts.get("scheduled", 0),
+            "failed": counts.get("failed", 0),
+            "blocked_tenants": blocked.get(queue, 0),
+        })  # fmt: skip
+    return out
 
 
 def as_text(snap: dict[str, Any]) -> str:

@@ -34,8 +34,8 @@ the broker.
 publisher that dies in between leaves a row the maintenance pass publishes again. Every
 copy of a message names its row; only the first copy to start runs (one conditional
 UPDATE), later copies are acknowledged without running. A step whose reply was lost is
-sent again: a start answers "again" (the job runs), an end returns the jobs its first try
-dispatched. A job whose worker process died while running it goes back to its line as
+sent again: a start answers "again" (the job runs), an end or a dispatch returns the jobs
+its first try dispatched. A job whose worker process died while running it goes back to its line as
 Celery would redeliver it (``acks_late`` with ``reject_on_worker_lost``, or ``acks_late``
 when its whole node is gone); otherwise it is dropped, as Celery records the failure.
 """
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -341,8 +342,12 @@ def end_many(
 
 
 def dispatch(queue: str, limit: int = BATCH) -> list[Ready]:
-    """Dispatch into whatever room ``queue`` has; returns the jobs to publish."""
-    return _store().dispatch(queue, limit)  # type: ignore[no-any-return]
+    """Dispatch into whatever room ``queue`` has; returns the jobs to publish. Its jobs
+    keep a number it draws, so that sent again after a lost reply (:func:`db.sent_again`)
+    it answers with those its first try dispatched (negative: never a job's, as an end's)."""
+    by, store_ = -1 - secrets.randbits(62), _store()
+    ready: list[Ready] = db.sent_again(alias(), lambda a: store_.dispatch(queue, limit, by, a))
+    return ready
 
 
 def due_queues(queues: list[str]) -> list[str]:
@@ -469,57 +474,6 @@ def in_flight() -> dict[str, int]:
     return _store().in_flight()  # type: ignore[no-any-return]
 
 
-def queue_status() -> list[dict[str, Any]]:
-    """Per queue of fair dispatch: its capacity and slack, jobs in flight, room, jobs
-    waiting and scheduled, failed jobs, and lines blocked (at their cap or paused)."""
-    from django.db.models import Count, Q
-
-    from django_fair_jobs.dispatch.models import (
-        FAILED,
-        SCHEDULED,
-        WAITING,
-        DispatchJob,
-        DispatchQueue,
-        DispatchTenant,
-    )
-
-    using = alias()
-    flight, free = in_flight(), room()
-    jobs: dict[str, dict[str, Any]] = {
-        row["queue"]: dict(row)
-        for row in DispatchJob.objects.using(using)
-        .values("queue")
-        .annotate(
-            waiting=Count("pk", filter=Q(state=WAITING)),
-            scheduled=Count("pk", filter=Q(state=SCHEDULED)),
-            failed=Count("pk", filter=Q(state=FAILED)),
-        )
-    }
-    blocked = dict(
-        DispatchTenant.objects.using(using)
-        .filter(blocked=True, waiting__gt=0)
-        .values("queue")
-        .annotate(n=Count("pk"))
-        .values_list("queue", "n")
-    )
-    capacity = {q.queue: q for q in DispatchQueue.objects.using(using)}
-    out = []
-    for queue in sorted(set(capacity) | set(jobs)):
-        row, counts = capacity.get(queue), dict(jobs.get(queue) or {})
-        out.append({
-            "queue": queue,
-            "capacity": 0 if row is None else row.capacity,
-            "slack": 0 if row is None else row.slack,
-            "in_flight": flight.get(queue, 0),
-            "room": free.get(queue, 0),
-            "waiting": counts.get("waiting", 0),
-            "scheduled": counts.get("scheduled", 0),
-            "failed": counts.get("failed", 0),
-            "blocked_tenants": blocked.get(queue, 0),
-        })  # fmt: skip
-    return out
-
-
 def put_back_failed(app: Celery, job_ids: list[int]) -> int:
     """Put failed jobs (their publish failed too often) back in line, due now, their
     failures forgotten, and dispatch their queues; returns how many went back."""
@@ -595,5 +549,5 @@ def repair(app: Celery, *, timeout: float, lost_after: float, slack_per_node: in
     store_.unblock(None, None)
     dispatched = 0
     for queue in store_.queues_with_room():
-        dispatched += publish(app, store_.dispatch(queue, BATCH))
+        dispatched += publish(app, dispatch(queue, BATCH))
     return Repaired(requeued, dropped, republished, dispatched)

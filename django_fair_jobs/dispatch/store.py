@@ -157,11 +157,16 @@ class Store:
         rows = self._rows("dispatch_failures", {"job": job_id})
         return int(rows[0][0]) if rows else 0
 
-    def dispatch(self, queue: str, limit: int) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.dispatch`: the lines of new tenants' due
-        jobs first (``dispatch_make_lines``), then the dispatch."""
+    def dispatch(
+        self, queue: str, limit: int, by: int | None = None, again: bool = False
+    ) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.dispatch`: sent ``again``, what the first
+        try of dispatch ``by`` dispatched; the lines of new tenants' due jobs
+        (``dispatch_make_lines``); then the dispatch."""
+        ready = self._ready(self._rows("dispatch_sent_again", {"by": by})) if again else []
         self._rows("dispatch_make_lines", {"queue": queue})
-        return self._ready(self._rows("dispatch_next", {"queue": queue, "max": limit}))
+        params = {"queue": queue, "max": limit, "by": by}
+        return ready + self._ready(self._rows("dispatch_next", params))
 
     def running_rows(self, task_id: str, *, terminated: bool) -> list[tuple[int, Any]]:
         """``(job id, process id)`` of ``task_id``'s rows dispatched (and running, if

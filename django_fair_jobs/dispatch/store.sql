@@ -94,7 +94,17 @@ SELECT e.job_id, e.job_message
                                                 %(again)s) AS e ON true;
 
 -- name: dispatch_next
-SELECT job_id, job_message FROM fair_jobs_dispatch(%(queue)s, %(max)s);
+-- by: the negative number the dispatch drew (a job's id is positive), kept on each job
+-- it dispatches (dispatched_by) for dispatch_sent_again.
+SELECT job_id, job_message FROM fair_jobs_dispatch(%(queue)s, %(max)s, %(by)s);
+
+-- name: dispatch_sent_again
+-- A dispatch sent again after its reply was lost: the jobs its first try dispatched that
+-- have not started (never published), found by its number; a scan of the partial index
+-- of the jobs in flight.
+SELECT j.id, j.message FROM fair_jobs_dispatchjob AS j
+ WHERE j.state = 2 AND j.dispatched_by = %(by)s
+ ORDER BY j.id;
 
 -- name: dispatch_make_lines
 -- The lines of tenants whose due jobs have none yet (jobs stored inside their caller's

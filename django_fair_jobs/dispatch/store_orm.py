@@ -158,10 +158,13 @@ class Store(pg_store.Store):
             room -= 1
         return ready
 
-    def dispatch(self, queue: str, limit: int) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.dispatch`."""
+    def dispatch(
+        self, queue: str, limit: int, by: int | None = None, again: bool = False
+    ) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.store.Store.dispatch`."""
         with transaction.atomic(using=self.alias):
-            return self._dispatch(queue, limit)
+            ready = self._sent_again([by]) if again and by is not None else []
+            return ready + self._dispatch(queue, limit, by)
 
     def enqueue(self, job: Job) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue`."""
@@ -343,8 +346,8 @@ class Store(pg_store.Store):
             return ready
 
     def _sent_again(self, job_ids: list[int]) -> list[Ready]:
-        """An end sent again after a lost reply: the jobs its first try dispatched into
-        the room of ``job_ids`` that have not started (never published)."""
+        """An end (or a dispatch) sent again after a lost reply: the jobs its first try
+        dispatched into the room of ``job_ids`` (by its number) that have not started."""
         rows = self._jobs().filter(state=DISPATCHED, dispatched_by__in=job_ids)
         return [Ready(int(pk), message) for pk, message in rows.values_list("pk", "message")]
 
