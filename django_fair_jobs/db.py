@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from django.db import (
-    DatabaseError,
     InterfaceError,
     OperationalError,
     ProgrammingError,
@@ -101,18 +100,23 @@ def run_on(
 
 
 def sent_again(alias: str, step: Callable[[bool], T], *, pause: float = 0.25) -> T:
-    """``step(False)``; if its reply is lost (a database error or a closed connection: a
-    failover or a pooler restart, often after the statement committed), ``step(True)``
-    once more on a new connection after ``pause`` seconds: sent again, a step must answer
-    with what its first try did. Inside ``atomic()`` the error is raised (the caller's
-    transaction is gone with it)."""
+    """``step(False)``; if its reply is lost (an operational error or a closed connection:
+    a failover or a pooler restart, often after the statement committed), ``step(True)``
+    once more after ``pause`` seconds, on a new connection if the old one is unusable:
+    sent again, a step must answer with what its first try did. Inside ``atomic()`` the
+    error is raised (the caller's transaction is gone with it), as is any other error (a
+    statement that is wrong would be wrong again)."""
     try:
         return step(False)
-    except (DatabaseError, InterfaceError):  # a closed connection raises the latter
-        if connections[alias].in_atomic_block:
+    except (OperationalError, InterfaceError):  # a closed connection raises the latter
+        connection = connections[alias]
+        if connection.in_atomic_block:
             raise
         logger.warning("A statement's reply was lost; sending it again", exc_info=True)
-        connections[alias].close_if_unusable_or_obsolete()
+        # Only an unusable connection is closed: a healthy one may hold the caller's
+        # session state (a server-side cursor, a SET).
+        if connection.connection is not None and not connection.is_usable():
+            connection.close()
         time.sleep(pause)
         return step(True)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import logging
 import os
 import threading
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery.utils import uuid
-from django.db import DatabaseError, InterfaceError, close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
 from kombu.utils.json import dumps
 
 from django_fair_jobs import db, decisions, dispatch, planner, reroute, tenants, validation
@@ -44,8 +43,6 @@ PUBLISHER_THREADS = 4
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
-
-logger = logging.getLogger("django_fair_jobs.publishing")
 
 
 def in_event_loop() -> bool:
@@ -164,7 +161,7 @@ def hold_many_for_dispatch(
 class _DispatchAfterCommit:
     """What runs once the caller's transaction commits: a dispatch of each queue its jobs
     went to, once per queue however many jobs the transaction stored. A dispatch that
-    fails leaves the jobs stored and due, for the maintenance pass."""
+    fails is logged, not raised: the caller's data has committed, and the jobs with it."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -175,11 +172,7 @@ class _DispatchAfterCommit:
         # Django's captureOnCommitCallbacks runs it and leaves it in the transaction's
         # list: the jobs stored after that need one of their own.
         self.done = True
-        for queue in sorted(self.queues):
-            try:
-                dispatch.publish(self.app, dispatch.dispatch(queue))
-            except (DatabaseError, InterfaceError):  # not the caller's: its data committed
-                logger.exception("Could not dispatch %s; the maintenance pass will", queue)
+        dispatch.dispatch_queues(self.app, sorted(self.queues))  # logs, never raises
 
 
 def _store_until_commit(task: Task[Any, Any], jobs: list[dispatch.Job]) -> None:

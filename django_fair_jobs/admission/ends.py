@@ -457,7 +457,7 @@ def retry_pending_ends(app: Any) -> int:
                     ready = dispatch.end(ids[0], process, outcome=outcome, again=True)
                 settled(ids, process, outcome)
         except (DatabaseError, InterfaceError):  # a closed connection raises the latter
-            close_old_connections()  # the next pass asks on a new connection
+            close_old_connections()  # the rest of this pass asks on a new connection
             break
         with LEDGER.lock:
             for job_id in ids:

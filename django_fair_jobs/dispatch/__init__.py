@@ -35,9 +35,10 @@ publisher that dies in between leaves a row the maintenance pass publishes again
 copy of a message names its row; only the first copy to start runs (one conditional
 UPDATE), later copies are acknowledged without running. A step whose reply was lost is
 sent again: a start answers "again" (the job runs), an end or a dispatch returns the jobs
-its first try dispatched. A job whose worker process died while running it goes back to its line as
-Celery would redeliver it (``acks_late`` with ``reject_on_worker_lost``, or ``acks_late``
-when its whole node is gone); otherwise it is dropped, as Celery records the failure.
+its first try dispatched. A job whose worker process died while running it goes back to
+its line as Celery would redeliver it (``acks_late`` with ``reject_on_worker_lost``, or
+``acks_late`` when its whole node is gone); otherwise it is dropped, as Celery records the
+failure.
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
 
-from django.db import connections, router
+from django.db import InterfaceError, OperationalError, connections, router
 from django.utils import timezone
 
 from django_fair_jobs import db, validation
@@ -350,6 +351,20 @@ def dispatch(queue: str, limit: int = BATCH) -> list[Ready]:
     return ready
 
 
+def dispatch_queues(app: Celery, queues: Iterable[str]) -> int:
+    """Dispatch each of ``queues`` and publish what that dispatched; returns how many were
+    published. A dispatch that fails (its second try too) is logged, not raised: its jobs
+    stay in line for the due poll and the maintenance pass (those its first try dispatched,
+    for the lost-message repair)."""
+    published = 0
+    for queue in queues:
+        try:
+            published += publish(app, dispatch(queue))
+        except (OperationalError, InterfaceError):
+            logger.exception("Could not dispatch %s; the due poll or maintenance will", queue)
+    return published
+
+
 def due_queues(queues: list[str]) -> list[str]:
     """Those of ``queues`` that are due a dispatch: they hold countdowns or ETAs come due
     (their next dispatch puts them in line), or jobs waiting in line while they have room
@@ -450,10 +465,7 @@ def unblock(
     jobs that published. Called when a limit changes, and by maintenance."""
     from celery import current_app
 
-    published = 0
-    for name in _store().unblock(tenant, queue):
-        published += publish(app or current_app, dispatch(name))
-    return published
+    return dispatch_queues(app or current_app, _store().unblock(tenant, queue))
 
 
 def recount() -> int:
@@ -484,8 +496,7 @@ def put_back_failed(app: Celery, job_ids: list[int]) -> int:
     rows = DispatchJob.objects.using(alias()).filter(pk__in=job_ids, state=FAILED)
     queues = sorted(set(rows.values_list("queue", flat=True)))
     count = rows.update(state=SCHEDULED, not_before=Now(), publish_failures=0)
-    for queue in queues:
-        publish(app, dispatch(queue))
+    dispatch_queues(app, queues)
     return count
 
 

@@ -163,9 +163,10 @@ class Store:
         """See :func:`django_fair_jobs.dispatch.dispatch`: sent ``again``, what the first
         try of dispatch ``by`` dispatched; the lines of new tenants' due jobs
         (``dispatch_make_lines``); then the dispatch."""
-        ready = self._ready(self._rows("dispatch_sent_again", {"by": by})) if again else []
-        self._rows("dispatch_make_lines", {"queue": queue})
         params = {"queue": queue, "max": limit, "by": by}
+        sent = again and by is not None
+        ready = self._ready(self._rows("dispatch_sent_again", params)) if sent else []
+        self._rows("dispatch_make_lines", {"queue": queue})
         return ready + self._ready(self._rows("dispatch_next", params))
 
     def running_rows(self, task_id: str, *, terminated: bool) -> list[tuple[int, Any]]:

@@ -100,10 +100,10 @@ SELECT job_id, job_message FROM fair_jobs_dispatch(%(queue)s, %(max)s, %(by)s);
 
 -- name: dispatch_sent_again
 -- A dispatch sent again after its reply was lost: the jobs its first try dispatched that
--- have not started (never published), found by its number; a scan of the partial index
--- of the jobs in flight.
+-- have not started (never published), found by its number among the queue's jobs in
+-- flight (the partial index fair_jobs_dispatch_flight).
 SELECT j.id, j.message FROM fair_jobs_dispatchjob AS j
- WHERE j.state = 2 AND j.dispatched_by = %(by)s
+ WHERE j.queue = %(queue)s AND j.state = 2 AND j.dispatched_by = %(by)s
  ORDER BY j.id;
 
 -- name: dispatch_make_lines

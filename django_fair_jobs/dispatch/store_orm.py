@@ -163,7 +163,7 @@ class Store(pg_store.Store):
     ) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.store.Store.dispatch`."""
         with transaction.atomic(using=self.alias):
-            ready = self._sent_again([by]) if again and by is not None else []
+            ready = self._sent_again([by], queue) if again and by is not None else []
             return ready + self._dispatch(queue, limit, by)
 
     def enqueue(self, job: Job) -> list[Ready]:
@@ -345,10 +345,12 @@ class Store(pg_store.Store):
                 ready += self._dispatch(queue, limit, job_ids[0])
             return ready
 
-    def _sent_again(self, job_ids: list[int]) -> list[Ready]:
-        """An end (or a dispatch) sent again after a lost reply: the jobs its first try
-        dispatched into the room of ``job_ids`` (by its number) that have not started."""
-        rows = self._jobs().filter(state=DISPATCHED, dispatched_by__in=job_ids)
+    def _sent_again(self, job_ids: list[int], queue: str | None = None) -> list[Ready]:
+        """An end sent again after a lost reply: the jobs its first try dispatched into
+        the room of ``job_ids`` that have not started; a dispatch's, by its number (on
+        ``queue``)."""
+        rows = self._jobs().filter(state=DISPATCHED, dispatched_by__in=job_ids).order_by("pk")
+        rows = rows if queue is None else rows.filter(queue=queue)
         return [Ready(int(pk), message) for pk, message in rows.values_list("pk", "message")]
 
     def failures(self, job_id: int) -> int:

@@ -12,7 +12,10 @@ class Migration(migrations.Migration):
             name="dispatched_by",
             field=models.BigIntegerField(
                 blank=True,
-                help_text="The job whose end made the room this one was dispatched into (negative: the number drawn by a dispatch that was not an end's), so that the step, sent again after its reply was lost, publishes it.",
+                help_text="The job whose end made the room this one was dispatched into "
+                "(negative: the number drawn by a dispatch that was not an end's; empty for "
+                "an enqueue's), so that the step, sent again after its reply was lost, "
+                "publishes it.",
                 null=True,
             ),
         ),

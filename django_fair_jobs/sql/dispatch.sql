@@ -122,8 +122,9 @@ $$;
 -- takes it out of the selection's index until its room comes back (an end of its jobs, a
 -- limit changed, the maintenance pass), so the choice stays one index probe however many
 -- tenants cannot be chosen. Returns the jobs to publish. Due jobs join their lines first.
--- p_by: the job whose end made the room (an end's step), kept on each job dispatched
--- (dispatched_by), so that the step sent again after a lost reply finds them.
+-- p_by: the job whose end made the room (an end's step), or the negative number a
+-- dispatch that is not an end's drew; kept on each job dispatched (dispatched_by), so that
+-- the step sent again after a lost reply finds them. NULL for an enqueue's dispatch.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch(
     p_queue text, p_max integer, p_by bigint DEFAULT NULL
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 
 from django_fair_jobs import dispatch
 from django_fair_jobs.dispatch.models import DISPATCHED, WAITING, DispatchJob
@@ -17,13 +17,14 @@ from tests.testapp import tasks
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
-    pytest.mark.usefixtures("engine", "in_process_worker"),
+    pytest.mark.usefixtures("engine", "in_process_worker", "collected"),
 ]
 
 
 def cut_store_after_commit(monkeypatch: pytest.MonkeyPatch, error: Exception) -> list[list[int]]:
-    """The store's dispatch commits, then its reply is lost once (``error``); returns the
-    jobs each lost reply held."""
+    """The store's dispatch commits, then its reply is lost once; returns the jobs each
+    lost reply held. On PostgreSQL the connection is closed under Django (as a pooler's
+    restart leaves it) and Django's own error is raised; elsewhere ``error``."""
     store_class = type(dispatch._store())
     real, lost = store_class.dispatch, list[list[int]]()
 
@@ -31,6 +32,9 @@ def cut_store_after_commit(monkeypatch: pytest.MonkeyPatch, error: Exception) ->
         ready: list[dispatch.Ready] = real(self, *args, **kwargs)
         if not lost:
             lost.append([r.job_id for r in ready])
+            if connection.vendor == "postgresql":
+                connection.connection.close()
+                connection.cursor().execute("SELECT 1")  # raises InterfaceError
             raise error
         return ready
 
@@ -59,11 +63,32 @@ def test_a_dispatch_whose_reply_is_lost__sent_again__answers_with_its_jobs(
 
 
 def test_a_dispatch_sent_again__answers_with_its_own_jobs_only() -> None:
+    set_capacity(0)
+    job = job_of(tasks.dispatched.delay("acme").id)
     set_capacity(1)
-    ended_room = job_of(tasks.dispatched.delay("acme").id)  # dispatched by its enqueue
-    assert DispatchJob.objects.get(pk=ended_room.pk).state == DISPATCHED
-    # Another step's dispatch is not this one's: sent again, it finds none of its own.
-    assert dispatch._store().dispatch("fair", 10, -12345, True) == []
+    assert [r.job_id for r in dispatch.dispatch("fair")] == [job.pk]
+    number = DispatchJob.objects.get(pk=job.pk).dispatched_by
+    assert number is not None and number < 0  # never a job's id, as an end's is
+    store = dispatch._store()
+    assert store.dispatch("fair", 10, number - 1, True) == []  # another dispatch's number
+    assert [r.job_id for r in store.dispatch("fair", 10, number, True)] == [job.pk]
+
+
+def test_a_dispatch_inside_atomic__its_error_raised_and_not_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_capacity(1)
+    store_class = type(dispatch._store())
+    calls = list[bool]()
+
+    def failing(self: Any, queue: str, limit: int, by: int, again: bool) -> Any:
+        calls.append(again)
+        raise OperationalError("server closed the connection")
+
+    monkeypatch.setattr(store_class, "dispatch", failing)
+    with pytest.raises(OperationalError), transaction.atomic():
+        dispatch.dispatch("fair")
+    assert calls == [False]  # the caller's transaction is gone: nothing to send again
 
 
 def test_the_dispatch_after_the_callers_commit__its_reply_lost__publishes_at_once(
