@@ -106,10 +106,11 @@ def hold_for_dispatch(
     that dispatched at once (this job, while its queue has room); returns its
     ``AsyncResult``. See :mod:`django_fair_jobs.dispatch`.
 
-    In autocommit that is one round trip. Inside the caller's ``atomic()`` only the job's
-    row is written (it commits with the caller's data, and holds no line or queue row
-    while the caller's transaction lasts); it enters its line and is dispatched once the
-    transaction commits. A ``self.retry()`` of a dispatched job inside the job's own
+    In autocommit that is one round trip (sent again once if its reply is lost, when the
+    task id is drawn here: see :func:`dispatch.enqueue`). Inside the caller's ``atomic()``
+    only the job's row is written (it commits with the caller's data, and holds no line or
+    queue row while the caller's transaction lasts); it enters its line and is dispatched
+    once the transaction commits. A ``self.retry()`` of a dispatched job inside the job's own
     ``atomic()`` is stored when the job's run ends instead, as Celery's retry is published
     whether the job's transaction commits or not."""
     job = dispatch.prepare(task, _dispatch_options(task), tenant, args, kwargs, options)
@@ -121,7 +122,9 @@ def hold_for_dispatch(
     elif connections[alias].in_atomic_block:
         _store_until_commit(task, [job])
     else:
-        dispatch.publish(task.app, dispatch.enqueue(job))
+        # A task id drawn here is this job's alone: a lost reply is resolved by its row.
+        ready = dispatch.enqueue(job, drawn=not options.get("task_id"))
+        dispatch.publish(task.app, ready)
     result = task.AsyncResult(job.task_id)
     parent = task.app.current_worker_task
     if parent is not None and options.get("add_to_parent", True):

@@ -244,10 +244,17 @@ def _store() -> Any:
     return store_orm.Store(alias_)
 
 
-def enqueue(job: Job) -> list[Ready]:
+def enqueue(job: Job, *, drawn: bool = False) -> list[Ready]:
     """Store ``job`` in its line and dispatch at once while its queue has room (one round
-    trip, in autocommit); returns the jobs to publish now."""
-    return _store().enqueue(job)  # type: ignore[no-any-return]
+    trip, in autocommit); returns the jobs to publish now. ``drawn``: its task id was drawn
+    for it, so no other row holds it, and a lost reply (:func:`db.sent_again`) is resolved
+    by asking for its row: stored, it is published if its enqueue dispatched it; not
+    stored, it is stored now."""
+    store_ = _store()
+    if not drawn:
+        return store_.enqueue(job)  # type: ignore[no-any-return]
+    ready: list[Ready] = db.sent_again(alias(), lambda again: store_.enqueue(job, again))
+    return ready
 
 
 def stage(jobs: list[Job]) -> None:

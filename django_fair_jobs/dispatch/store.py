@@ -55,8 +55,11 @@ class Store:
             "on_loss": job.on_loss,
         }
 
-    def enqueue(self, job: Job) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.enqueue`."""
+    def enqueue(self, job: Job, again: bool = False) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.enqueue`: sent ``again``, the job's row
+        first (:func:`enqueued`)."""
+        if again and (rows := self._rows("dispatch_enqueued", {"task_id": job.task_id})):
+            return enqueued(rows)
         return self._ready(self._rows("dispatch_enqueue", self._job(job)))
 
     def _columns(self, jobs: list[Job]) -> dict[str, list[Any]]:
@@ -241,6 +244,12 @@ class Store:
     def room(self) -> dict[str, int]:
         """See :func:`django_fair_jobs.dispatch.room`."""
         return {str(queue): int(n or 0) for queue, n in self._rows("dispatch_room", {})}
+
+
+def enqueued(rows: list[tuple[Any, ...]]) -> list[Ready]:
+    """The rows ``(id, message, state, dispatched_by)`` of a job an enqueue sent again had
+    stored: to publish, if its own enqueue dispatched it (dispatched, by no step)."""
+    return [Ready(int(r[0]), r[1]) for r in rows if r[2] == DISPATCHED and r[3] is None]
 
 
 def live_capacity(alias: str, timeout: float) -> tuple[dict[str, int], dict[str, int]]:

@@ -8,6 +8,13 @@ SELECT job_id, job_message FROM fair_jobs_enqueue(
     %(queue)s, %(tenant)s, %(task_name)s, %(task_id)s, %(message)s, %(delay)s,
     %(not_before)s, %(weight)s, %(cap)s, %(on_loss)s::smallint, true);
 
+-- name: dispatch_enqueued
+-- An enqueue sent again after its reply was lost, for a task id drawn at its delay(): the
+-- job's row if the first try stored it (state, and who dispatched it: NULL for its own
+-- enqueue), by the index on task_id.
+SELECT j.id, j.message, j.state, j.dispatched_by FROM fair_jobs_dispatchjob AS j
+ WHERE j.task_id = %(task_id)s;
+
 -- name: dispatch_stage
 -- Fair dispatch inside the caller's transaction: the jobs' rows alone, aside (state 0) and
 -- due at once (or at their countdown or ETA), so that they commit with the caller's data

@@ -1,7 +1,9 @@
-"""A dispatch that is not an end's (after the caller's commit, a limit raised, the
-maintenance pass) whose reply is lost after it committed (a failover, a pooler restart):
-sent again with the number it drew, it answers with the jobs its first try dispatched,
-which are published at once instead of a minute later by the lost-message repair."""
+"""Lost replies outside a job's steps (a failover, a pooler restart). A dispatch of a
+queue (after the caller's commit, a limit raised, the maintenance pass), sent again with
+the number it drew, answers with the jobs its first try dispatched, which are published at
+once instead of a minute later by the lost-message repair. A ``delay()``'s enqueue, sent
+again by its drawn task id, finds the job stored or stores it: the job is stored once and
+``delay()`` returns."""
 
 from __future__ import annotations
 
@@ -121,3 +123,72 @@ def test_the_dispatch_after_the_callers_commit__the_database_gone__the_caller_go
     # Stored, it is the maintenance pass's to dispatch (a due job on a queue with room).
     assert dispatch.due_queues(["fair"]) == ["fair"]
     assert [r.job_id for r in dispatch.dispatch("fair")] == [job_of(task_id).pk]
+
+
+def cut_enqueue(monkeypatch: pytest.MonkeyPatch, *, after_commit: bool) -> list[int]:
+    """The store's enqueue loses its reply once, after it committed or before; returns
+    how often it was called."""
+    store_class = type(dispatch._store())
+    real, calls = store_class.enqueue, list[int]()
+
+    def cut(self: Any, *args: Any, **kwargs: Any) -> list[dispatch.Ready]:
+        calls.append(1)
+        if len(calls) > 1:
+            return real(self, *args, **kwargs)  # type: ignore[no-any-return]
+        if after_commit:
+            real(self, *args, **kwargs)
+            if connection.vendor == "postgresql":
+                connection.connection.close()
+                connection.cursor().execute("SELECT 1")  # raises InterfaceError
+        raise OperationalError("server closed the connection")
+
+    monkeypatch.setattr(store_class, "enqueue", cut)
+    return calls
+
+
+@pytest.mark.parametrize("capacity", [1, 0], ids=["dispatched", "waiting"])
+def test_an_enqueue_whose_reply_is_lost_after_its_commit__delay_returns__published_once(
+    monkeypatch: pytest.MonkeyPatch, collected: list[int], capacity: int
+) -> None:
+    set_capacity(capacity)
+    calls = cut_enqueue(monkeypatch, after_commit=True)
+    task_id = tasks.dispatched.delay("acme").id  # no error: the job is stored
+    (job,) = DispatchJob.objects.filter(task_id=task_id)
+    assert len(calls) == 2
+    # Dispatched by its own enqueue, it is published now; else it waits in its line.
+    assert collected == ([job.pk] if capacity else [])
+    assert job.state == (DISPATCHED if capacity else WAITING)
+
+
+def test_an_enqueue_cut_before_its_commit__sent_again__stored_once(
+    monkeypatch: pytest.MonkeyPatch, collected: list[int]
+) -> None:
+    set_capacity(1)
+    calls = cut_enqueue(monkeypatch, after_commit=False)
+    task_id = tasks.dispatched.delay("acme").id
+    (job,) = DispatchJob.objects.filter(task_id=task_id)
+    assert len(calls) == 2 and collected == [job.pk]
+
+
+def test_an_enqueue_with_a_task_id_given__its_error_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A given task id may be another row's too (a retry keeps its job's), so a row found
+    # by it does not say this enqueue stored it: the caller decides, as before.
+    set_capacity(1)
+    calls = cut_enqueue(monkeypatch, after_commit=False)
+    with pytest.raises(OperationalError):
+        tasks.dispatched.apply_async(("acme",), task_id="given-id")
+    assert len(calls) == 1 and not DispatchJob.objects.filter(task_id="given-id").exists()
+
+
+def test_an_enqueue_sent_again__a_job_another_step_dispatched__not_published_again() -> None:
+    # Stored by the first try, then dispatched (and published) by another step before the
+    # second try asked: that step published it, so the enqueue does not.
+    set_capacity(0)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    set_capacity(1)
+    assert [r.job_id for r in dispatch.dispatch("fair")] == [job.pk]
+    again = dispatch.Job("fair", "acme", job.task_name, job.task_id, "{}", None, None, None)
+    assert dispatch._store().enqueue(again, True) == []
+    assert DispatchJob.objects.filter(task_id=job.task_id).count() == 1
