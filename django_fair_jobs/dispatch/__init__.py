@@ -246,14 +246,15 @@ def _store() -> Any:
 
 def enqueue(job: Job, *, drawn: bool = False) -> list[Ready]:
     """Store ``job`` in its line and dispatch at once while its queue has room (one round
-    trip, in autocommit); returns the jobs to publish now. ``drawn``: its task id was drawn
-    for it, so no other row holds it, and a lost reply (:func:`db.sent_again`) is resolved
-    by asking for its row: stored, it is published if its enqueue dispatched it; not
-    stored, it is stored now."""
-    store_ = _store()
+    trip, in autocommit); returns the jobs to publish now. The jobs its dispatch takes keep
+    a number it draws, as :func:`dispatch`'s. ``drawn``: its task id was drawn for it, so
+    no other row holds it, and a lost reply (:func:`db.sent_again`) is resolved by asking
+    for its row: stored, the jobs the first try dispatched (by its number) are published;
+    not stored, it is stored now."""
+    by, store_ = -1 - secrets.randbits(62), _store()
     if not drawn:
-        return store_.enqueue(job)  # type: ignore[no-any-return]
-    ready: list[Ready] = db.sent_again(alias(), lambda again: store_.enqueue(job, again))
+        return store_.enqueue(job, by)  # type: ignore[no-any-return]
+    ready: list[Ready] = db.sent_again(alias(), lambda again: store_.enqueue(job, by, again))
     return ready
 
 
@@ -558,14 +559,13 @@ def repair(app: Celery, *, timeout: float, lost_after: float, slack_per_node: in
     processes back to line or dropped, as Celery would; dispatched jobs not started within
     ``lost_after`` seconds (doubling with each copy) published again while their queue has
     live capacity (a copy that arrives twice runs once); counts recounted; blocked lines
-    whose room came back unblocked; every queue with room and jobs waiting dispatched."""
+    whose room came back unblocked; every queue with room and jobs waiting dispatched (one
+    whose dispatch fails twice is logged, and the pass goes on to the others)."""
     store_ = _store()
     store_.refresh_capacity(slack_per_node, timeout)
     requeued, dropped = store_.reap(timeout)
     republished = publish(app, store_.lost(lost_after))
     recount()
     store_.unblock(None, None)
-    dispatched = 0
-    for queue in store_.queues_with_room():
-        dispatched += publish(app, dispatch(queue, BATCH))
+    dispatched = dispatch_queues(app, store_.queues_with_room())
     return Repaired(requeued, dropped, republished, dispatched)

@@ -141,9 +141,8 @@ class DispatchJob(models.Model):
         null=True,
         blank=True,
         help_text="The job whose end made the room this one was dispatched into "
-        "(negative: the number drawn by a dispatch that was not an end's; empty for "
-        "an enqueue's), so that the step, sent again after its reply was lost, "
-        "publishes it.",
+        "(negative: the number drawn by a dispatch or an enqueue; empty for a bulk "
+        "enqueue's), so that the step, sent again after its reply was lost, publishes it.",
     )
     publish_failures = models.PositiveIntegerField(default=0)
     republished = models.PositiveIntegerField(

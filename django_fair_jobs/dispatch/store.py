@@ -55,12 +55,15 @@ class Store:
             "on_loss": job.on_loss,
         }
 
-    def enqueue(self, job: Job, again: bool = False) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.enqueue`: sent ``again``, the job's row
-        first (:func:`enqueued`)."""
-        if again and (rows := self._rows("dispatch_enqueued", {"task_id": job.task_id})):
-            return enqueued(rows)
-        return self._ready(self._rows("dispatch_enqueue", self._job(job)))
+    def enqueue(self, job: Job, by: int | None = None, again: bool = False) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.enqueue`: sent ``again``, whether the first
+        try stored the job, and the jobs its dispatch took (:func:`enqueued`)."""
+        if again:
+            asked = {"task_id": job.task_id, "queue": job.queue, "by": by}
+            found = enqueued(self._rows("dispatch_enqueued", asked))
+            if found is not None:
+                return found
+        return self._ready(self._rows("dispatch_enqueue", {**self._job(job), "by": by}))
 
     def _columns(self, jobs: list[Job]) -> dict[str, list[Any]]:
         rows = [self._job(j) for j in jobs]
@@ -246,10 +249,13 @@ class Store:
         return {str(queue): int(n or 0) for queue, n in self._rows("dispatch_room", {})}
 
 
-def enqueued(rows: list[tuple[Any, ...]]) -> list[Ready]:
-    """The rows ``(id, message, state, dispatched_by)`` of a job an enqueue sent again had
-    stored: to publish, if its own enqueue dispatched it (dispatched, by no step)."""
-    return [Ready(int(r[0]), r[1]) for r in rows if r[2] == DISPATCHED and r[3] is None]
+def enqueued(rows: list[tuple[Any, ...]]) -> list[Ready] | None:
+    """What an enqueue sent again answers, from the rows ``(stored, id, message)``: None
+    if its first try did not store the job (store it now), else the jobs that try's
+    dispatch took and that have not started, to publish (the ids NULL: none)."""
+    if not rows or not rows[0][0]:
+        return None
+    return [Ready(int(r[1]), r[2]) for r in rows if r[1] is not None]
 
 
 def live_capacity(alias: str, timeout: float) -> tuple[dict[str, int], dict[str, int]]:

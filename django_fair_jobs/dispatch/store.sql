@@ -4,16 +4,22 @@
 -- name: dispatch_enqueue
 -- Fair dispatch: store a job in its tenant's line, dispatching while the queue has room
 -- (the functions are in dispatch.sql).
+-- by: the negative number the enqueue drew, kept on each job its dispatch takes.
 SELECT job_id, job_message FROM fair_jobs_enqueue(
     %(queue)s, %(tenant)s, %(task_name)s, %(task_id)s, %(message)s, %(delay)s,
-    %(not_before)s, %(weight)s, %(cap)s, %(on_loss)s::smallint, true);
+    %(not_before)s, %(weight)s, %(cap)s, %(on_loss)s::smallint, true, %(by)s);
 
 -- name: dispatch_enqueued
--- An enqueue sent again after its reply was lost, for a task id drawn at its delay(): the
--- job's row if the first try stored it (state, and who dispatched it: NULL for its own
--- enqueue), by the index on task_id.
-SELECT j.id, j.message, j.state, j.dispatched_by FROM fair_jobs_dispatchjob AS j
- WHERE j.task_id = %(task_id)s;
+-- An enqueue sent again after its reply was lost, for a task id drawn at its delay():
+-- whether the first try stored the job (the index on task_id), and the jobs that try's
+-- dispatch took and that have not started (its own or others', by its number among the
+-- queue's jobs in flight). One row at least: the job ids are NULL when it took none.
+SELECT EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS s WHERE s.task_id = %(task_id)s),
+       j.id, j.message
+  FROM (SELECT 1) AS one
+  LEFT JOIN fair_jobs_dispatchjob AS j
+    ON j.queue = %(queue)s AND j.state = 2 AND j.dispatched_by = %(by)s
+ ORDER BY j.id;
 
 -- name: dispatch_stage
 -- Fair dispatch inside the caller's transaction: the jobs' rows alone, aside (state 0) and

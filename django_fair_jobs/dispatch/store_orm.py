@@ -166,14 +166,13 @@ class Store(pg_store.Store):
             ready = self._sent_again([by], queue) if again and by is not None else []
             return ready + self._dispatch(queue, limit, by)
 
-    def enqueue(self, job: Job, again: bool = False) -> list[Ready]:
+    def enqueue(self, job: Job, by: int | None = None, again: bool = False) -> list[Ready]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.enqueue`."""
-        fields = ("pk", "message", "state", "dispatched_by")
-        if again and (rows := list(self._jobs().filter(task_id=job.task_id).values_list(*fields))):
-            return pg_store.enqueued(rows)
+        if again and self._jobs().filter(task_id=job.task_id).exists():
+            return self._sent_again([by], job.queue) if by is not None else []
         with transaction.atomic(using=self.alias):
             if self._put(job):
-                return self._dispatch(job.queue, BATCH)
+                return self._dispatch(job.queue, BATCH, by)
         return []
 
     def stage(self, jobs: list[Job]) -> None:

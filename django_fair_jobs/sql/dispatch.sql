@@ -123,8 +123,9 @@ $$;
 -- limit changed, the maintenance pass), so the choice stays one index probe however many
 -- tenants cannot be chosen. Returns the jobs to publish. Due jobs join their lines first.
 -- p_by: the job whose end made the room (an end's step), or the negative number a
--- dispatch that is not an end's drew; kept on each job dispatched (dispatched_by), so that
--- the step sent again after a lost reply finds them. NULL for an enqueue's dispatch.
+-- dispatch that is not an end's drew (an enqueue's too); kept on each job dispatched
+-- (dispatched_by), so that the step sent again after a lost reply finds them. NULL for a
+-- bulk enqueue's dispatch.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch(
     p_queue text, p_max integer, p_by bigint DEFAULT NULL
 )
@@ -203,11 +204,13 @@ $$;
 -- Store a job in its tenant's line (or aside, with a countdown or ETA not yet due: its due
 -- time is the database's now() plus p_delay seconds, or p_not_before) and, if p_dispatch,
 -- dispatch while the queue has room. Waits only for its own tenant's line. Returns the
--- jobs to publish (usually this one, or nothing while the queue is full).
+-- jobs to publish (usually this one, or nothing while the queue is full). p_by: the
+-- negative number the enqueue drew, kept on each job its dispatch takes (dispatched_by),
+-- so that the enqueue sent again after a lost reply finds them all, its own and others.
 CREATE OR REPLACE FUNCTION fair_jobs_enqueue(
     p_queue text, p_tenant text, p_task_name text, p_task_id text, p_message text,
     p_delay double precision, p_not_before timestamptz, p_weight double precision,
-    p_cap integer, p_on_loss smallint, p_dispatch boolean
+    p_cap integer, p_on_loss smallint, p_dispatch boolean, p_by bigint DEFAULT NULL
 )
 RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
@@ -244,7 +247,8 @@ BEGIN
                              THEN GREATEST(t.pass_value, v_vt) ELSE t.pass_value END,
            weight = COALESCE(p_weight, t.weight);
     IF p_dispatch AND v_due THEN
-        RETURN QUERY SELECT d.job_id, d.job_message FROM fair_jobs_dispatch(p_queue, 1000) AS d;
+        RETURN QUERY SELECT d.job_id, d.job_message
+                       FROM fair_jobs_dispatch(p_queue, 1000, p_by) AS d;
     END IF;
 END;
 $$;

@@ -190,5 +190,46 @@ def test_an_enqueue_sent_again__a_job_another_step_dispatched__not_published_aga
     set_capacity(1)
     assert [r.job_id for r in dispatch.dispatch("fair")] == [job.pk]
     again = dispatch.Job("fair", "acme", job.task_name, job.task_id, "{}", None, None, None)
-    assert dispatch._store().enqueue(again, True) == []
+    # Whatever number the enqueue drew, the job is not among its dispatch's.
+    assert dispatch._store().enqueue(again, -7, True) == []
     assert DispatchJob.objects.filter(task_id=job.task_id).count() == 1
+
+
+def test_an_enqueue_whose_reply_is_lost__the_other_jobs_its_dispatch_took__published_at_once(
+    monkeypatch: pytest.MonkeyPatch, collected: list[int]
+) -> None:
+    # The enqueue's dispatch takes every job the room allows, not only its own: sent
+    # again, it answers with all of them (its number), not leaving the others to the
+    # lost-message repair a minute later.
+    set_capacity(0)
+    other = job_of(tasks.dispatched.delay("globex").id)
+    set_capacity(2)
+    cut_enqueue(monkeypatch, after_commit=True)
+    own = job_of(tasks.dispatched.delay("acme").id)
+    assert {own.state, job_of(other.task_id).state} == {DISPATCHED}
+    assert sorted(collected) == sorted([own.pk, other.pk])
+
+
+def test_the_maintenance_pass__a_dispatch_that_fails_twice__the_other_queues_dispatched(
+    monkeypatch: pytest.MonkeyPatch, collected: list[int]
+) -> None:
+    # One queue's dispatch failing (its second try too) is logged; the pass goes on to
+    # the queues after it instead of ending there.
+    for queue in ("fair", "other"):
+        set_capacity(0, queue)
+    tasks.dispatched.delay("acme")
+    other = job_of(tasks.dispatched.apply_async(("acme",), queue="other").id)
+    for queue in ("fair", "other"):
+        set_capacity(1, queue)
+    store_class = type(dispatch._store())
+    real = store_class.dispatch
+
+    def fair_down(self: Any, queue: str, *args: Any, **kwargs: Any) -> list[dispatch.Ready]:
+        if queue == "fair":
+            raise OperationalError("could not connect to server")
+        return real(self, queue, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(store_class, "dispatch", fair_down)
+    monkeypatch.setattr(store_class, "refresh_capacity", lambda self, *args: {})
+    repaired = dispatch.repair(tasks.dispatched.app, timeout=30, lost_after=60, slack_per_node=0)
+    assert collected == [other.pk] and repaired.dispatched == 1
