@@ -121,6 +121,16 @@ def sent_again(alias: str, step: Callable[[bool], T], *, pause: float = 0.25) ->
         return step(True)
 
 
+def skip_health_check(alias: str) -> None:
+    """Let the caller's next statement on ``alias`` stand in for Django's health check
+    (``CONN_HEALTH_CHECKS``, re-armed before each job as before each request): a step that
+    is sent again on a new connection after an error needs no ``SELECT 1`` first, a round
+    trip a job would wait for. A new connection needs none either."""
+    connection = connections[alias]
+    if connection.connection is not None:
+        connection.health_check_done = True
+
+
 def _lock_timed_out(exc: Exception) -> bool:
     """Whether ``exc`` is a lock wait that ran past its ``lock_timeout``."""
     return psycopg is not None and isinstance(exc.__cause__, psycopg.errors.LockNotAvailable)

@@ -34,6 +34,7 @@ from celery.exceptions import Ignore, Reject
 from django.db import DatabaseError, DataError, InterfaceError, close_old_connections
 
 from django_fair_jobs import (
+    db,
     decisions,
     dispatch,
     identity,
@@ -221,18 +222,19 @@ def dispatched_run(
 
 
 def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> dispatch.Started:
-    """Mark a dispatched job's row running under ``process``, tried again on a new
-    connection after a database error (a failover or a pooler restart cuts the reply,
-    often after the start committed: the next try answers "again"). Raises ``Ignore`` for
-    a copy that must not run, or when the database does not answer. The first try carries
-    the ends of this process's earlier jobs that its flusher has not flushed yet; after an
-    error the flusher ends them itself."""
+    """Mark a dispatched job's row running under ``process``; the first try carries the ends
+    of this process's jobs its flusher has not flushed yet and is the connection's health
+    check. After a database error (a failover or a pooler restart cuts the reply, often
+    after the start committed: the next try answers "again") the flusher ends them itself
+    and the start is sent again, at once on a new connection, then after each delay of
+    ``REPLY_RETRY_DELAYS``. Raises ``Ignore`` for a copy that must not run, or when the
+    database does not answer."""
     carrying = flusher.take(process)
+    db.skip_health_check(dispatch.alias())
     try:
-        for delay in (*REPLY_RETRY_DELAYS, None):
+        for delay in (0.0, *REPLY_RETRY_DELAYS, None):
             try:
-                asynchronous = dispatch.commits_async()
-                ended = [item[0] for item in carrying]
+                asynchronous, ended = dispatch.commits_async(), [item[0] for item in carrying]
                 started = dispatch.start(job_id, process, ended=ended, async_commit=asynchronous)
                 break
             except (DatabaseError, InterfaceError):  # a closed connection raises the latter
@@ -249,8 +251,7 @@ def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> 
         raise
     if carrying:
         flusher.carried(carrying, started.ready, asynchronous)
-    # "again": this process's own start, whose reply was lost (a second copy here was
-    # refused by dispatched_run before it asked).
+    # "again": its own start whose reply was lost (a copy here was refused before it asked).
     if started.status not in ("started", "again"):
         logger.info("Job %s (%s) already ran or runs: this copy is dropped", job_id, task.name)
         raise Ignore()
@@ -308,7 +309,6 @@ _PARK_ATTEMPTS = 20
 leave the job to the sweep. Each "room" means the slot changed hands, so this is only
 reached under extreme churn."""
 
-
 REPLY_RETRY_DELAYS = (0.25, 1.0)
 """Seconds to wait before each new try of a job's admission after a database error (a
 restart of the database or of PgBouncer cuts the statement's reply, often after it
@@ -339,7 +339,7 @@ def enter(
     unreachable), or dropped (a stale copy of a woken job). No path loses the job.
     """
     woken = fair_headers.is_woken(task.request)
-    for delay in (*REPLY_RETRY_DELAYS, None):
+    for delay in (0.0, *REPLY_RETRY_DELAYS, None):
         try:
             # A lease this job took from an acquire whose reply was cut is released
             # first; a woken copy whose claim it was took its parked row with it, so it

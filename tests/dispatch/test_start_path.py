@@ -1,0 +1,99 @@
+"""A dispatched job's path in the worker: its start is the one round trip the process makes
+before the job runs. With ``CONN_HEALTH_CHECKS`` (which the library's prerun re-arms before
+each job, as Django does before each request), the start stands in for Django's health
+check instead of following a ``SELECT 1`` of its own: a broken connection fails the start,
+which is sent again at once on a new connection."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import connection, connections
+
+from django_fair_jobs import admission
+from django_fair_jobs.admission import flusher
+from django_fair_jobs.admission.ends import LEDGER
+from tests.dispatch.conftest import deliver, job_of, set_capacity
+from tests.testapp import tasks
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("engine", "in_process_worker", "collected"),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_ledger() -> Iterator[None]:
+    """A ledger of its own for each test, and its flusher stopped after it."""
+    LEDGER.__init__()  # type: ignore[misc]
+    yield
+    flusher.stop()
+    LEDGER.__init__()  # type: ignore[misc]
+
+
+@pytest.fixture
+def health_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``CONN_HEALTH_CHECKS`` on, re-armed as after the prerun's ``close_old_connections``
+    on a connection kept between jobs; returns the health checks made (``is_usable``)."""
+    wrapper = connections["default"]  # the connection itself, not its thread's proxy
+    wrapper.ensure_connection()
+    monkeypatch.setitem(wrapper.settings_dict, "CONN_HEALTH_CHECKS", True)
+    monkeypatch.setattr(wrapper, "health_check_enabled", True)
+    monkeypatch.setattr(wrapper, "health_check_done", False)
+    checks: list[int] = []
+    real = wrapper.is_usable
+
+    def counted() -> bool:
+        checks.append(1)
+        return real()
+
+    monkeypatch.setattr(wrapper, "is_usable", counted)
+    return checks
+
+
+def test_a_dispatched_job__its_start_stands_in_for_the_health_check(
+    health_checks: list[int],
+) -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    connection.health_check_done = False  # the setup above used the connection
+    health_checks.clear()
+    assert deliver(job) == "ran"
+    assert health_checks == []  # no SELECT 1 before the start, nor in the job
+    assert connection.health_check_done  # the start proved the connection
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="a server connection to cut")
+def test_a_connection_cut_while_kept__the_start_sent_again_at_once_on_a_new_one(
+    health_checks: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    finally:
+        other.close()
+    connection.health_check_done = False
+    waited: list[float] = []
+    monkeypatch.setattr(admission.time, "sleep", waited.append)
+    ran: list[int] = []
+    real_start = admission.dispatch.start
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        ran.append(1)
+        return real_start(*args, **kwargs)
+
+    monkeypatch.setattr(admission.dispatch, "start", counted)
+    assert deliver(job) == "ran"
+    # The first try met the cut connection; the second, at once, a new one.
+    assert len(ran) == 2 and max(waited, default=0) < min(admission.REPLY_RETRY_DELAYS)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        assert cursor.fetchone()[0] != pid
