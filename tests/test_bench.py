@@ -170,6 +170,8 @@ def test_shares__counted_while_every_weighted_tenant_is_backlogged() -> None:
 def test_ratio_and_progress() -> None:
     assert ratio(3.0, 2.0) == 1.5
     assert ratio(None, 2.0) is None and ratio(1.0, 0.0) is None
+    # A wait of the ideal below a millisecond (one tenant that never waits) is no basis.
+    assert ratio(0.5, 0.0002) is None and ratio(0.5, 0.002) == 250.0
     records = [Record(1, "a", 0, 0, 2), Record(2, "a", 0, 1, 1.5), Record(2, "a", 0, 3, 4)]
     assert progress(records, origin=0.5) == {"a": [1.0, 1.5]}
 

@@ -206,9 +206,15 @@ def summarize(
     )
 
 
+RATIO_FLOOR = 0.001
+"""A reference below this (a millisecond, a job a second) makes no ratio: the ideal's wait
+on a scenario where no tenant waits is a rounding of zero, and a ratio to it says nothing."""
+
+
 def ratio(value: float | None, reference: float | None) -> float | None:
-    """``value / reference``, or None when either is missing or the reference is 0."""
-    if value is None or reference is None or reference == 0:
+    """``value / reference``, or None when either is missing or the reference is below
+    :data:`RATIO_FLOOR`."""
+    if value is None or reference is None or reference < RATIO_FLOOR:
         return None
     return value / reference
 
