@@ -6,13 +6,14 @@ which is sent again at once on a new connection."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from django.db import connection, connections
 
-from django_fair_jobs import admission
+from django_fair_jobs import admission, dispatch
 from django_fair_jobs.admission import flusher
 from django_fair_jobs.admission.ends import LEDGER
 from tests.dispatch.conftest import deliver, job_of, set_capacity
@@ -58,11 +59,11 @@ def test_a_dispatched_job__its_start_stands_in_for_the_health_check(
 ) -> None:
     set_capacity(1)
     job = job_of(tasks.dispatched.delay("acme").id)
-    connection.health_check_done = False  # the setup above used the connection
+    connection.health_check_done = False  # type: ignore[attr-defined]  # the setup used it
     health_checks.clear()
     assert deliver(job) == "ran"
     assert health_checks == []  # no SELECT 1 before the start, nor in the job
-    assert connection.health_check_done  # the start proved the connection
+    assert connection.health_check_done  # type: ignore[attr-defined]  # the start proved it
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="a server connection to cut")
@@ -80,17 +81,17 @@ def test_a_connection_cut_while_kept__the_start_sent_again_at_once_on_a_new_one(
             cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
     finally:
         other.close()
-    connection.health_check_done = False
+    connection.health_check_done = False  # type: ignore[attr-defined]
     waited: list[float] = []
-    monkeypatch.setattr(admission.time, "sleep", waited.append)
+    monkeypatch.setattr(time, "sleep", waited.append)
     ran: list[int] = []
-    real_start = admission.dispatch.start
+    real_start = dispatch.start
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         ran.append(1)
         return real_start(*args, **kwargs)
 
-    monkeypatch.setattr(admission.dispatch, "start", counted)
+    monkeypatch.setattr(dispatch, "start", counted)
     assert deliver(job) == "ran"
     # The first try met the cut connection; the second, at once, a new one.
     assert len(ran) == 2 and max(waited, default=0) < min(admission.REPLY_RETRY_DELAYS)
