@@ -339,7 +339,7 @@ def enter(
     unreachable), or dropped (a stale copy of a woken job). No path loses the job.
     """
     woken = fair_headers.is_woken(task.request)
-    for delay in (0.0, *REPLY_RETRY_DELAYS, None):
+    for delay in (*REPLY_RETRY_DELAYS, None):
         try:
             # A lease this job took from an acquire whose reply was cut is released
             # first; a woken copy whose claim it was took its parked row with it, so it
