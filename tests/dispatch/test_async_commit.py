@@ -27,7 +27,7 @@ from tests.testapp import tasks
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
-    pytest.mark.usefixtures("engine", "in_process_worker", "collected"),
+    pytest.mark.usefixtures("fresh_ledger", "engine", "in_process_worker", "collected"),
 ]
 
 
@@ -35,14 +35,6 @@ pytestmark = [
 def asynchronous(settings: Any) -> None:
     """The setting on (it is off by default); a test that turns it off overrides it."""
     settings.FAIR_JOBS_DISPATCH_ASYNC_COMMIT = True
-
-
-@pytest.fixture(autouse=True)
-def fresh_ledger() -> Iterator[None]:
-    LEDGER.__init__()  # type: ignore[misc]
-    yield
-    flusher.stop()
-    LEDGER.__init__()  # type: ignore[misc]
 
 
 def needs_sql() -> None:

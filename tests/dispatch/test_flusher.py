@@ -8,7 +8,6 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,18 +25,8 @@ from tests.testapp import tasks
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
-    pytest.mark.usefixtures("engine", "in_process_worker", "collected"),
+    pytest.mark.usefixtures("fresh_ledger", "engine", "in_process_worker", "collected"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def fresh_ledger() -> Iterator[None]:
-    """Each test starts with a ledger of its own, as a new worker process does, and its
-    flusher thread is stopped after it."""
-    LEDGER.__init__()  # type: ignore[misc]
-    yield
-    flusher.stop()
-    LEDGER.__init__()  # type: ignore[misc]
 
 
 @pytest.fixture

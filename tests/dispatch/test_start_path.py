@@ -7,31 +7,19 @@ which is sent again at once on a new connection."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from django.db import connection, connections
 
 from django_fair_jobs import admission, dispatch
-from django_fair_jobs.admission import flusher
-from django_fair_jobs.admission.ends import LEDGER
 from tests.dispatch.conftest import deliver, job_of, set_capacity
 from tests.testapp import tasks
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
-    pytest.mark.usefixtures("engine", "in_process_worker", "collected"),
+    pytest.mark.usefixtures("fresh_ledger", "engine", "in_process_worker", "collected"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def fresh_ledger() -> Iterator[None]:
-    """A ledger of its own for each test, and its flusher stopped after it."""
-    LEDGER.__init__()  # type: ignore[misc]
-    yield
-    flusher.stop()
-    LEDGER.__init__()  # type: ignore[misc]
 
 
 @pytest.fixture
