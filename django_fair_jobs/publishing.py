@@ -106,8 +106,8 @@ def hold_for_dispatch(
     that dispatched at once (this job, while its queue has room); returns its
     ``AsyncResult``. See :mod:`django_fair_jobs.dispatch`.
 
-    In autocommit that is one round trip (sent again once if its reply is lost, when the
-    task id is drawn here: see :func:`dispatch.enqueue`). Inside the caller's ``atomic()``
+    In autocommit that is one round trip (sent again once if its reply is lost: see
+    :func:`dispatch.enqueue`). Inside the caller's ``atomic()``
     only the job's row is written (it commits with the caller's data, and holds no line or
     queue row while the caller's transaction lasts); it enters its line and is dispatched
     once the transaction commits. A ``self.retry()`` of a dispatched job inside the job's own
@@ -122,8 +122,7 @@ def hold_for_dispatch(
     elif connections[alias].in_atomic_block:
         _store_until_commit(task, [job])
     else:
-        # A task id drawn here is this job's alone: a lost reply is resolved by its row.
-        ready = dispatch.enqueue(job, drawn=not options.get("task_id"))
+        ready = dispatch.enqueue(job)
         dispatch.publish(task.app, ready)
     result = task.AsyncResult(job.task_id)
     parent = task.app.current_worker_task

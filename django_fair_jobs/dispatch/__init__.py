@@ -244,16 +244,14 @@ def _store() -> Any:
     return store_orm.Store(alias_)
 
 
-def enqueue(job: Job, *, drawn: bool = False) -> list[Ready]:
+def enqueue(job: Job) -> list[Ready]:
     """Store ``job`` in its line and dispatch at once while its queue has room (one round
-    trip, in autocommit); returns the jobs to publish now. The jobs its dispatch takes keep
-    a number it draws, as :func:`dispatch`'s. ``drawn``: its task id was drawn for it, so
-    no other row holds it, and a lost reply (:func:`db.sent_again`) is resolved by asking
-    for its row: stored, the jobs the first try dispatched (by its number) are published;
-    not stored, it is stored now."""
+    trip, in autocommit); returns the jobs to publish now. The job and the jobs its
+    dispatch takes keep a number it draws, as :func:`dispatch`'s, so that a lost reply
+    (:func:`db.sent_again`) is resolved by asking for its row (by its task id and that
+    number: a given task id may be another row's too): stored, the jobs the first try
+    dispatched are published; not stored, it is stored now."""
     by, store_ = -1 - secrets.randbits(62), _store()
-    if not drawn:
-        return store_.enqueue(job, by)  # type: ignore[no-any-return]
     ready: list[Ready] = db.sent_again(alias(), lambda again: store_.enqueue(job, by, again))
     return ready
 

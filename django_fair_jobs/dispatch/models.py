@@ -144,6 +144,13 @@ class DispatchJob(models.Model):
         "(negative: the number drawn by a dispatch or an enqueue; empty for a bulk "
         "enqueue's), so that the step, sent again after its reply was lost, publishes it.",
     )
+    enqueued_by = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="The negative number drawn by the delay() that stored this job (empty "
+        "for a bulk enqueue's or a job stored inside the caller's transaction), so that "
+        "its enqueue, sent again after its reply was lost, finds it whatever its task id.",
+    )
     publish_failures = models.PositiveIntegerField(default=0)
     republished = models.PositiveIntegerField(
         default=0, help_text="Copies published by the lost-message repair (each doubles its wait)."

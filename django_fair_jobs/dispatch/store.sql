@@ -10,11 +10,13 @@ SELECT job_id, job_message FROM fair_jobs_enqueue(
     %(not_before)s, %(weight)s, %(cap)s, %(on_loss)s::smallint, true, %(by)s);
 
 -- name: dispatch_enqueued
--- An enqueue sent again after its reply was lost, for a task id drawn at its delay():
--- whether the first try stored the job (the index on task_id), and the jobs that try's
--- dispatch took and that have not started (its own or others', by its number among the
--- queue's jobs in flight). One row at least: the job ids are NULL when it took none.
-SELECT EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS s WHERE s.task_id = %(task_id)s),
+-- An enqueue sent again after its reply was lost: whether the first try stored the job
+-- (the index on task_id, then its number: a given task id may be another row's too, as a
+-- retry keeps its job's), and the jobs that try's dispatch took and that have not started
+-- (its own or others', by its number among the queue's jobs in flight). One row at least:
+-- the job ids are NULL when it took none.
+SELECT EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS s
+                WHERE s.task_id = %(task_id)s AND s.enqueued_by = %(by)s),
        j.id, j.message
   FROM (SELECT 1) AS one
   LEFT JOIN fair_jobs_dispatchjob AS j

@@ -168,10 +168,10 @@ class Store(pg_store.Store):
 
     def enqueue(self, job: Job, by: int | None = None, again: bool = False) -> list[Ready]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.enqueue`."""
-        if again and self._jobs().filter(task_id=job.task_id).exists():
+        if again and self._jobs().filter(task_id=job.task_id, enqueued_by=by).exists():
             return self._sent_again([by], job.queue) if by is not None else []
         with transaction.atomic(using=self.alias):
-            if self._put(job):
+            if self._put(job, by):
                 return self._dispatch(job.queue, BATCH, by)
         return []
 
@@ -181,21 +181,23 @@ class Store(pg_store.Store):
         for job in jobs:
             self._create(job, SCHEDULED, job.not_before or now + timedelta(seconds=job.delay))
 
-    def _create(self, job: Job, state: int, not_before: Any) -> DispatchJob:
+    def _create(self, job: Job, state: int, not_before: Any, by: int | None = None) -> DispatchJob:
         return self._jobs().create(  # type: ignore[no-any-return]
             queue=job.queue, tenant=job.tenant, task_name=job.task_name,
             task_id=job.task_id, message=job.message, state=state,
             not_before=not_before, cap=job.cap, weight=job.weight, on_loss=job.on_loss,
+            enqueued_by=by,
         )  # fmt: skip
 
-    def _put(self, job: Job) -> bool:
+    def _put(self, job: Job, by: int | None = None) -> bool:
         """Store ``job`` in its line (aside, if not due yet); True if it is due. A
-        countdown counts by the database's clock, as on PostgreSQL."""
+        countdown counts by the database's clock, as on PostgreSQL. ``by``: the number
+        its enqueue drew."""
         not_before = job.not_before
         if not_before is None and job.delay > 0:
             not_before = db.database_now(self.alias) + timedelta(seconds=job.delay)
         due = not_before is None or not_before <= db.database_now(self.alias)
-        row = self._create(job, WAITING if due else SCHEDULED, not_before)
+        row = self._create(job, WAITING if due else SCHEDULED, not_before, by)
         vt = self._vt(job.queue) if due else 0.0
         line, created = self._tenants().get_or_create(
             queue=job.queue,

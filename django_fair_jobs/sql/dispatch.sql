@@ -205,8 +205,9 @@ $$;
 -- time is the database's now() plus p_delay seconds, or p_not_before) and, if p_dispatch,
 -- dispatch while the queue has room. Waits only for its own tenant's line. Returns the
 -- jobs to publish (usually this one, or nothing while the queue is full). p_by: the
--- negative number the enqueue drew, kept on each job its dispatch takes (dispatched_by),
--- so that the enqueue sent again after a lost reply finds them all, its own and others.
+-- negative number the enqueue drew, kept on the job (enqueued_by) and on each job its
+-- dispatch takes (dispatched_by), so that the enqueue sent again after a lost reply finds
+-- them all, its own and others.
 CREATE OR REPLACE FUNCTION fair_jobs_enqueue(
     p_queue text, p_tenant text, p_task_name text, p_task_id text, p_message text,
     p_delay double precision, p_not_before timestamptz, p_weight double precision,
@@ -224,10 +225,10 @@ DECLARE
 BEGIN
     INSERT INTO fair_jobs_dispatchjob
            (queue, tenant, task_name, task_id, message, state, not_before, enqueued_at,
-            publish_failures, republished, cap, weight, on_loss)
+            enqueued_by, publish_failures, republished, cap, weight, on_loss)
     VALUES (p_queue, p_tenant, p_task_name, p_task_id, p_message,
-            CASE WHEN v_due THEN 1 ELSE 0 END, v_not_before, now(), 0, 0, p_cap, p_weight,
-            p_on_loss)
+            CASE WHEN v_due THEN 1 ELSE 0 END, v_not_before, now(), p_by, 0, 0, p_cap,
+            p_weight, p_on_loss)
     RETURNING id INTO v_id;
     IF v_due THEN
         v_vt := fair_jobs_dispatch_vt(p_queue);

@@ -2,8 +2,8 @@
 queue (after the caller's commit, a limit raised, the maintenance pass), sent again with
 the number it drew, answers with the jobs its first try dispatched, which are published at
 once instead of a minute later by the lost-message repair. A ``delay()``'s enqueue, sent
-again by its drawn task id, finds the job stored or stores it: the job is stored once and
-``delay()`` returns."""
+again with the number it drew, finds the job stored or stores it: the job is stored once
+and ``delay()`` returns."""
 
 from __future__ import annotations
 
@@ -170,29 +170,50 @@ def test_an_enqueue_cut_before_its_commit__sent_again__stored_once(
     assert len(calls) == 2 and collected == [job.pk]
 
 
-def test_an_enqueue_with_a_task_id_given__its_error_raised(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("after_commit", [True, False], ids=["after-commit", "before-commit"])
+def test_an_enqueue_with_a_task_id_given__its_reply_lost__stored_once(
+    monkeypatch: pytest.MonkeyPatch, collected: list[int], after_commit: bool
 ) -> None:
-    # A given task id may be another row's too (a retry keeps its job's), so a row found
-    # by it does not say this enqueue stored it: the caller decides, as before.
+    # A given task id may be another row's too (a retry keeps its job's): the first try's
+    # row is found by the number the enqueue drew, not by the task id alone.
     set_capacity(1)
+    calls = cut_enqueue(monkeypatch, after_commit=after_commit)
+    tasks.dispatched.apply_async(("acme",), task_id="given-id")  # no error
+    (job,) = DispatchJob.objects.filter(task_id="given-id")
+    assert len(calls) == 2 and collected == [job.pk]
+
+
+def test_an_enqueue_with_the_task_id_of_another_row__cut_before_its_commit__stored(
+    monkeypatch: pytest.MonkeyPatch, collected: list[int]
+) -> None:
+    # A retry's enqueue carries the task id of its job, whose row is still there: sent
+    # again, the enqueue does not take that row for its own, and the retry is stored.
+    set_capacity(0)
+    first = job_of(tasks.dispatched.delay("acme").id)
+    set_capacity(2)
     calls = cut_enqueue(monkeypatch, after_commit=False)
-    with pytest.raises(OperationalError):
-        tasks.dispatched.apply_async(("acme",), task_id="given-id")
-    assert len(calls) == 1 and not DispatchJob.objects.filter(task_id="given-id").exists()
+    tasks.dispatched.apply_async(("acme",), task_id=first.task_id)
+    ids = list(
+        DispatchJob.objects.filter(task_id=first.task_id)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+    assert len(calls) == 2 and len(ids) == 2 and ids[0] == first.pk
+    assert sorted(collected) == ids
 
 
 def test_an_enqueue_sent_again__a_job_another_step_dispatched__not_published_again() -> None:
     # Stored by the first try, then dispatched (and published) by another step before the
     # second try asked: that step published it, so the enqueue does not.
     set_capacity(0)
-    job = job_of(tasks.dispatched.delay("acme").id)
+    store = dispatch._store()
+    job = dispatch.Job("fair", "acme", tasks.dispatched.name, "an-id", "{}", None, None, None)
+    assert store.enqueue(job, -7) == []
     set_capacity(1)
-    assert [r.job_id for r in dispatch.dispatch("fair")] == [job.pk]
-    again = dispatch.Job("fair", "acme", job.task_name, job.task_id, "{}", None, None, None)
-    # Whatever number the enqueue drew, the job is not among its dispatch's.
-    assert dispatch._store().enqueue(again, -7, True) == []
-    assert DispatchJob.objects.filter(task_id=job.task_id).count() == 1
+    (row,) = DispatchJob.objects.filter(task_id="an-id")
+    assert [r.job_id for r in dispatch.dispatch("fair")] == [row.pk]
+    assert store.enqueue(job, -7, True) == []
+    assert DispatchJob.objects.filter(task_id="an-id").count() == 1
 
 
 def test_an_enqueue_whose_reply_is_lost__the_other_jobs_its_dispatch_took__published_at_once(

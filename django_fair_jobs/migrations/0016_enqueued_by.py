@@ -1,0 +1,40 @@
+from typing import Any
+
+from django.db import migrations, models
+
+from django_fair_jobs.sql import queries
+
+FUNCTIONS_DIGEST = "c48a191ec7fe77d85770b2247d250312903acd48865cbeee6c101f8b894ff6e4"
+"""The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
+tests/dispatch/test_functions.py fails when the file changes without a migration that
+installs it again (and records its new digest)."""
+
+
+def install_functions(apps: Any, schema_editor: Any) -> None:
+    # An enqueue keeps the number it drew on its job's row (enqueued_by), so that, sent
+    # again after a lost reply, it tells its own row from another with the same task id.
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(queries("dispatch")["functions"], params=None)
+
+
+class Migration(migrations.Migration):
+    dependencies = [
+        ("fair_jobs", "0015_enqueue_sent_again"),
+    ]
+
+    operations = [
+        migrations.AddField(
+            model_name="dispatchjob",
+            name="enqueued_by",
+            field=models.BigIntegerField(
+                blank=True,
+                help_text="The negative number drawn by the delay() that stored this job "
+                "(empty for a bulk enqueue's or a job stored inside the caller's "
+                "transaction), so that its enqueue, sent again after its reply was lost, "
+                "finds it whatever its task id.",
+                null=True,
+            ),
+        ),
+        migrations.RunPython(install_functions, migrations.RunPython.noop),
+    ]
