@@ -150,6 +150,15 @@ def test_summarize__no_small_tenants_and_no_records() -> None:
     assert s.small_wait_p95 is None and s.peak_tenant is None and s.statements_per_job is None
 
 
+def test_summarize__no_greedy_tenant__no_small_tenants_either() -> None:
+    # "Small" says a tenant is not the greedy one: where no tenant floods (`overhead`,
+    # `weighted`) no wait is a small tenant's, so no p95 of theirs makes a ratio.
+    records = [Record(1, "only", 0.0, 0.5, 1.0), Record(2, "only", 0.0, 1.0, 1.5)]
+    s = summarize(records, [1, 2], frozenset(), origin=0.0)
+    assert (s.small_wait_p50, s.small_wait_p95, s.small_wait_max) == (None, None, None)
+    assert s.completed == 2 and s.makespan == 1.5
+
+
 def test_shares__counted_while_every_weighted_tenant_is_backlogged() -> None:
     # "a" starts its last job at t=4: from then on it has nothing left to take its share,
     # so only the starts before t=4 count: a 1 (t=0), b 3 (t=1, 2, 3).

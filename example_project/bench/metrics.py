@@ -153,7 +153,8 @@ def summarize(
     """Summarize one mode.
 
     ``expected`` are the job ids that were enqueued; ``greedy`` the greedy tenants (every
-    other tenant is small); ``origin`` the time the mode's first job was enqueued;
+    other tenant is small; with none, none is); ``origin`` the time the mode's first job
+    was enqueued;
     ``statements`` the statements on the library's tables during the mode, if counted;
     ``weights`` the tenants' weights, if the scenario weighs them; ``on_path`` the
     statements the worker processes sent from the thread that runs the jobs, if counted;
@@ -165,7 +166,10 @@ def summarize(
     counts: dict[int, int] = {}
     for r in records:
         counts[r.job] = counts.get(r.job, 0) + 1
-    small_waits = [r.started_at - r.enqueued_at for r in first.values() if r.tenant not in greedy]
+    # Small means "not greedy": where no tenant floods, no tenant is small either.
+    small_waits = [
+        r.started_at - r.enqueued_at for r in first.values() if greedy and r.tenant not in greedy
+    ]
     greedy_ends = [r.finished_at for r in records if r.tenant in greedy]
     ends = [r.finished_at for r in records]
     makespan = (max(ends) - origin) if ends else 0.0
