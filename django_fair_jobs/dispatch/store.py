@@ -55,7 +55,7 @@ class Store:
             "on_loss": job.on_loss,
         }
 
-    def enqueue(self, job: Job, by: int | None = None, again: bool = False) -> list[Ready]:
+    def enqueue(self, job: Job, by: int, again: bool = False) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.enqueue`: sent ``again``, whether the first
         try stored the job, and the jobs its dispatch took (:func:`enqueued`)."""
         if again:

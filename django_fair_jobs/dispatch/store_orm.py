@@ -166,10 +166,10 @@ class Store(pg_store.Store):
             ready = self._sent_again([by], queue) if again and by is not None else []
             return ready + self._dispatch(queue, limit, by)
 
-    def enqueue(self, job: Job, by: int | None = None, again: bool = False) -> list[Ready]:
+    def enqueue(self, job: Job, by: int, again: bool = False) -> list[Ready]:
         """See :meth:`django_fair_jobs.dispatch.store.Store.enqueue`."""
         if again and self._jobs().filter(task_id=job.task_id, enqueued_by=by).exists():
-            return self._sent_again([by], job.queue) if by is not None else []
+            return self._sent_again([by], job.queue)
         with transaction.atomic(using=self.alias):
             if self._put(job, by):
                 return self._dispatch(job.queue, BATCH, by)
