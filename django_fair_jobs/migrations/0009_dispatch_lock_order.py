@@ -6,7 +6,7 @@ from typing import Any
 
 from django.db import migrations, models
 
-from django_fair_jobs import sql
+from django_fair_jobs.sql import queries
 
 FUNCTIONS_DIGEST = "03ca689d3522b92b0ea868bfe3c69e31f5a40be9ec2988c38cd631f4cacb5439"
 """The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
@@ -17,16 +17,17 @@ installs it again (and records its new digest)."""
 def install_functions(apps: Any, schema_editor: Any) -> None:
     # The functions of the protocol without a queue-wide row (sql/dispatch.sql), in place
     # of those migration 0006 installed; other databases use the ORM store.
-    sql.install_functions(
-        schema_editor,
-        "fair_jobs_enqueue(text, text, text, text, text, timestamptz, double precision, "
-        "integer, boolean)",
-        "fair_jobs_enqueue_many(text[], text[], text[], text[], text[], timestamptz[], double"
-        " precision[], integer[])",
-        "fair_jobs_dispatch_start(bigint, uuid)",
-        "fair_jobs_dispatch_end(bigint, uuid, boolean, double precision, integer)",
-        "fair_jobs_dispatch(text, integer)",
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS fair_jobs_enqueue(text, text, text, text, text, timestamptz, "
+        "double precision, integer, boolean), fair_jobs_enqueue_many(text[], text[], text[], "
+        "text[], text[], timestamptz[], double precision[], integer[]), "
+        "fair_jobs_dispatch_start(bigint, uuid), fair_jobs_dispatch_end(bigint, uuid, boolean, "
+        "double precision, integer), fair_jobs_dispatch(text, integer)",
+        params=None,
     )
+    schema_editor.execute(queries("dispatch")["functions"], params=None)
 
 
 def drop_functions(apps: Any, schema_editor: Any) -> None:

@@ -2,7 +2,7 @@ from typing import Any
 
 from django.db import migrations
 
-from django_fair_jobs import sql
+from django_fair_jobs.sql import queries
 
 FUNCTIONS_DIGEST = "db981863becfcb7114dea8f462ca4382507a7ae76432d6535ec3254537d20e01"
 """The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
@@ -14,7 +14,9 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
     # The room and the virtual time in PL/pgSQL (their plans kept for the session), and a
     # dispatch that moves a line on in one statement; the signatures are unchanged, so
     # CREATE OR REPLACE installs them over 0009's. Other databases use the ORM store.
-    sql.install_functions(schema_editor)
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(queries("dispatch")["functions"], params=None)
 
 
 class Migration(migrations.Migration):

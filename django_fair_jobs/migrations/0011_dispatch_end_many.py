@@ -2,7 +2,7 @@ from typing import Any
 
 from django.db import migrations
 
-from django_fair_jobs import sql
+from django_fair_jobs.sql import queries
 
 FUNCTIONS_DIGEST = "0edc10339b19b0f0debf5ffa72ec75a23673a11705a881f5b647b67359bf66f7"
 """The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
@@ -13,7 +13,9 @@ installs it again (and records its new digest)."""
 def install_functions(apps: Any, schema_editor: Any) -> None:
     # Adds fair_jobs_dispatch_end_many (a process's ends flushed in one statement); the
     # other functions are installed again unchanged. Other databases use the ORM store.
-    sql.install_functions(schema_editor)
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(queries("dispatch")["functions"], params=None)
 
 
 def drop_end_many(apps: Any, schema_editor: Any) -> None:

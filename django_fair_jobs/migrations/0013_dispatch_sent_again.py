@@ -2,7 +2,7 @@ from typing import Any
 
 from django.db import migrations, models
 
-from django_fair_jobs import sql
+from django_fair_jobs.sql import queries
 
 FUNCTIONS_DIGEST = "98151763deac7826be9210ae3e6cfce89231286e17a9e6135082a934674cbbcf"
 """The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
@@ -14,12 +14,14 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
     # An end sent again after a lost reply returns what its first try dispatched: the
     # dispatch keeps the job whose end made the room (dispatched_by), and the ends take
     # p_again. New arguments make new signatures, so the old ones are dropped first.
-    sql.install_functions(
-        schema_editor,
-        "fair_jobs_dispatch(text, integer)",
-        "fair_jobs_dispatch_end(bigint, uuid, text, double precision, boolean, integer)",
-        "fair_jobs_dispatch_end_many(bigint[], uuid, integer)",
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS fair_jobs_dispatch(text, integer),"
+        " fair_jobs_dispatch_end(bigint, uuid, text, double precision, boolean, integer),"
+        " fair_jobs_dispatch_end_many(bigint[], uuid, integer)"
     )
+    schema_editor.execute(queries("dispatch")["functions"], params=None)
 
 
 class Migration(migrations.Migration):

@@ -2,7 +2,7 @@ from typing import Any
 
 from django.db import migrations, models
 
-from django_fair_jobs import sql
+from django_fair_jobs.sql import queries
 
 FUNCTIONS_DIGEST = "3f1f20f6de806b69352282484e4339b897b693446c76595cd8640c0dfa626406"
 """The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
@@ -14,11 +14,13 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
     # An enqueue's dispatch keeps the number the enqueue drew (p_by), so that the enqueue
     # sent again after a lost reply finds every job that dispatch took. A new argument
     # makes a new signature, so the old one is dropped first.
-    sql.install_functions(
-        schema_editor,
-        "fair_jobs_enqueue(text, text, text, text, text, double precision, timestamptz, "
-        "double precision, integer, smallint, boolean)",
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS fair_jobs_enqueue(text, text, text, text, text,"
+        " double precision, timestamptz, double precision, integer, smallint, boolean)"
     )
+    schema_editor.execute(queries("dispatch")["functions"], params=None)
 
 
 class Migration(migrations.Migration):

@@ -2,7 +2,7 @@ from typing import Any
 
 from django.db import migrations, models
 
-from django_fair_jobs import sql
+from django_fair_jobs.sql import queries
 
 FUNCTIONS_DIGEST = "c48a191ec7fe77d85770b2247d250312903acd48865cbeee6c101f8b894ff6e4"
 """The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
@@ -13,7 +13,9 @@ installs it again (and records its new digest)."""
 def install_functions(apps: Any, schema_editor: Any) -> None:
     # An enqueue keeps the number it drew on its job's row (enqueued_by), so that, sent
     # again after a lost reply, it tells its own row from another with the same task id.
-    sql.install_functions(schema_editor)
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(queries("dispatch")["functions"], params=None)
 
 
 class Migration(migrations.Migration):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 from functools import cache
 from importlib.resources import files
-from typing import Any
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
@@ -66,15 +65,3 @@ def queries(dialect: str = "postgresql") -> dict[str, str]:
             raise ValueError(f"the SQL blocks {twice} are defined twice ({path})")
         merged.update(found)
     return merged
-
-
-def install_functions(schema_editor: Any, *replaced: str) -> None:
-    """Install the functions of ``sql/dispatch.sql`` (a migration's step; PostgreSQL only,
-    other databases use the ORM stores), first dropping each of ``replaced`` ("name(argument
-    types)"): PostgreSQL changes a function's arguments or result columns only by dropping
-    it."""
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    if replaced:
-        schema_editor.execute(f"DROP FUNCTION IF EXISTS {', '.join(replaced)}", params=None)
-    schema_editor.execute(queries("dispatch")["functions"], params=None)
