@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import connection, connections
 
 from django_fair_jobs import db, identity
 
@@ -262,6 +262,26 @@ def in_process_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(identity, "current_process_id", lambda node=None: pid)
     monkeypatch.setattr(identity, "registered_process_id", lambda: pid)
     return pid
+
+
+@pytest.fixture
+def health_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``CONN_HEALTH_CHECKS`` on, re-armed as after the prerun's ``close_old_connections``
+    on a connection kept between jobs; returns the health checks made (``is_usable``)."""
+    wrapper = connections["default"]  # the connection itself, not its thread's proxy
+    wrapper.ensure_connection()
+    monkeypatch.setitem(wrapper.settings_dict, "CONN_HEALTH_CHECKS", True)
+    monkeypatch.setattr(wrapper, "health_check_enabled", True)
+    monkeypatch.setattr(wrapper, "health_check_done", False)
+    checks: list[int] = []
+    real = wrapper.is_usable
+
+    def counted() -> bool:
+        checks.append(1)
+        return real()
+
+    monkeypatch.setattr(wrapper, "is_usable", counted)
+    return checks
 
 
 def run_as_worker(

@@ -310,10 +310,10 @@ leave the job to the sweep. Each "room" means the slot changed hands, so this is
 reached under extreme churn."""
 
 REPLY_RETRY_DELAYS = (0.25, 1.0)
-"""Seconds to wait before each new try of a job's admission after a database error (a
-restart of the database or of PgBouncer cuts the statement's reply, often after it
-committed). While the database answers again within these, the rows say what happened and
-the job is admitted as if nothing was cut; past them it goes back through the broker."""
+"""Seconds to wait before each try of a job's admission after the first retry (at once,
+on a new connection) after a database error (a restart of the database or of PgBouncer
+cuts the reply, often after the statement committed). While the database answers within
+these, the rows say what happened; past them the job goes back through the broker."""
 
 
 def enter(
@@ -327,11 +327,10 @@ def enter(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Grant | None:
-    """Take a slot for the current job of ``task``, or deal with the delivery.
-
-    On a limited queue (:mod:`django_fair_jobs.queue_limits`) the job takes its place in the
-    queue and, with a ``tenant``, its tenant slot, both or neither; elsewhere its tenant
-    slot alone (a job without a tenant on an unlimited queue gets an empty grant).
+    """Take a slot for the current job of ``task``, or deal with the delivery. On a limited
+    queue (:mod:`django_fair_jobs.queue_limits`) the job takes its place in the queue and,
+    with a ``tenant``, its tenant slot, both or neither; elsewhere its tenant slot alone (a
+    job without a tenant on an unlimited queue gets an empty grant).
 
     Returns a :class:`Grant` when the job may run. None means the message must be
     acknowledged without running: the job was parked or rescheduled (its tenant or its
@@ -339,7 +338,8 @@ def enter(
     unreachable), or dropped (a stale copy of a woken job). No path loses the job.
     """
     woken = fair_headers.is_woken(task.request)
-    for delay in (*REPLY_RETRY_DELAYS, None):
+    for delay in (0.0, *REPLY_RETRY_DELAYS, None):  # a cut connection: at once, a new one
+        db.skip_health_check(slot_store.alias())  # the acquire is the health check
         try:
             # A lease this job took from an acquire whose reply was cut is released
             # first; a woken copy whose claim it was took its parked row with it, so it
@@ -356,7 +356,7 @@ def enter(
             logger.exception("%s[%s]: the database refused the job's slot", task.name,
                              task.request.id)  # fmt: skip
             raise
-        except DatabaseError as exc:
+        except (DatabaseError, InterfaceError) as exc:  # a closed connection: the latter
             _uncertain_acquire(task, woken=woken)
             if delay is not None:
                 close_old_connections()  # the cut connection; the next try opens another

@@ -21,6 +21,13 @@ from django_fair_jobs.leases.types import AcquireStatus, Acquisition, Grant, Par
 from django_fair_jobs.slots import store_orm
 
 
+def alias() -> str:
+    """The database alias of the tenant slots' rows."""
+    from django_fair_jobs.models import TenantQueueSlot
+
+    return router.db_for_write(TenantQueueSlot)
+
+
 def try_acquire(
     *,
     tenant: str,

@@ -22,26 +22,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def health_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``CONN_HEALTH_CHECKS`` on, re-armed as after the prerun's ``close_old_connections``
-    on a connection kept between jobs; returns the health checks made (``is_usable``)."""
-    wrapper = connections["default"]  # the connection itself, not its thread's proxy
-    wrapper.ensure_connection()
-    monkeypatch.setitem(wrapper.settings_dict, "CONN_HEALTH_CHECKS", True)
-    monkeypatch.setattr(wrapper, "health_check_enabled", True)
-    monkeypatch.setattr(wrapper, "health_check_done", False)
-    checks: list[int] = []
-    real = wrapper.is_usable
-
-    def counted() -> bool:
-        checks.append(1)
-        return real()
-
-    monkeypatch.setattr(wrapper, "is_usable", counted)
-    return checks
-
-
 def test_a_dispatched_job__its_start_stands_in_for_the_health_check(
     health_checks: list[int],
 ) -> None:
