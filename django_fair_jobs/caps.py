@@ -120,8 +120,18 @@ def of(tenant: str, queue: str) -> Cap:
     return of_many([(tenant, queue)])[(tenant, queue)]
 
 
-def of_many(pairs: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Cap]:
-    """The :class:`Cap` of each ``(tenant, queue)`` pair: three reads in all."""
+def of_line(tenant: str, queue: str, line: Line | None) -> Cap:
+    """The :class:`Cap` of one tenant on one queue whose line the caller has read already
+    (two reads by key: its slot and its queue's limit)."""
+    return of_many([(tenant, queue)], lines={(tenant, queue): line})[(tenant, queue)]
+
+
+def of_many(
+    pairs: Iterable[tuple[str, str]],
+    lines: dict[tuple[str, str], Line | None] | None = None,
+) -> dict[tuple[str, str], Cap]:
+    """The :class:`Cap` of each ``(tenant, queue)`` pair: three reads in all, two when the
+    caller gives the pairs' ``lines`` (None for a pair without one)."""
     from django_fair_jobs.dispatch.models import DispatchTenant
     from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
@@ -132,12 +142,13 @@ def of_many(pairs: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Cap]:
     # A superset of the pairs (every tenant on every queue named), read by the tables'
     # (tenant, queue) keys; the pairs not asked for are dropped below.
     match = {"tenant__in": {t for t, _ in wanted}, "queue__in": queues}
-    lines = {
-        (t, q): Line(cap, n)
-        for t, q, cap, n in DispatchTenant.objects.filter(**match).values_list(
-            "tenant", "queue", "cap", "in_flight"
-        )
-    }
+    if lines is None:
+        lines = {
+            (t, q): Line(cap, n)
+            for t, q, cap, n in DispatchTenant.objects.filter(**match).values_list(
+                "tenant", "queue", "cap", "in_flight"
+            )
+        }
     slots = {
         (t, q): Slot(m, b, d, c)
         for t, q, m, b, d, c in TenantQueueSlot.objects.filter(**match).values_list(

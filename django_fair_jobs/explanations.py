@@ -334,7 +334,8 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
     line = DispatchTenant.objects.filter(queue=job.queue, tenant=job.tenant).first()
     queue = DispatchQueue.objects.filter(queue=job.queue).first()
     flight = DispatchJob.objects.filter(queue=job.queue, state__in=[DISPATCHED, RUNNING])
-    cap = caps.of(job.tenant, job.queue)
+    read = None if line is None else caps.Line(line.cap, line.in_flight)
+    cap = caps.of_line(job.tenant, job.queue, read)
     details: dict[str, Any] = {
         "queue": job.queue,
         "tenant": job.tenant,

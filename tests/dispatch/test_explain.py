@@ -81,3 +81,12 @@ def test_place_in_line__same_queries_wherever_the_job_is(
     assert counts[0] == counts[1]
     assert explain(ids[11]).details["ahead_in_its_line"] == "more than 5"
     assert explain(ids[3]).details["ahead_in_its_line"] == 3
+
+
+def test_waiting__its_line_read_once(published: list[int]) -> None:  # noqa: F811
+    job = tasks.dispatched.delay("acme")
+    with CaptureQueriesContext(connection) as queries:
+        found = explain(job.id)
+    assert found.state == "waiting" and found.details["tenant_cap"] is None
+    reads = [q["sql"] for q in queries.captured_queries if "fair_jobs_dispatchtenant" in q["sql"]]
+    assert len(reads) == 1, reads  # the line and its cap, one read
