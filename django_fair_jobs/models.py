@@ -9,8 +9,9 @@
 * :class:`QueueLimit`: one row per limited queue: its limits and counters.
 * :class:`PlannedJob`, :class:`PlannerTenant`, :class:`PlannerRun`: the fair planner's
   virtual queues, tenants' standing and runs.
-* :class:`DispatchQueue`, :class:`DispatchTenant`, :class:`DispatchJob`: fair dispatch's
-  capacities, tenants' lines and jobs (defined in :mod:`django_fair_jobs.dispatch.models`).
+* :class:`DispatchQueue`, :class:`DispatchTenant`, :class:`DispatchJob`,
+  :class:`DispatchReceipt`: fair dispatch's capacities, tenants' lines, jobs and enqueue
+  receipts (defined in :mod:`django_fair_jobs.dispatch.models`).
 * :class:`JobDecision`: what a rule did, or in shadow mode would have done, to one job.
 * :class:`LimitChange`: the history of limit changes (who, what, when).
 * :class:`WaitBucket`: the wait histogram's counts (enqueue to start), per queue and
@@ -35,6 +36,7 @@ from django.db.models.functions import Now
 from django_fair_jobs.dispatch.models import (  # noqa: F401  (registered with the app)
     DispatchJob,
     DispatchQueue,
+    DispatchReceipt,
     DispatchTenant,
 )
 

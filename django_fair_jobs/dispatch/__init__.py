@@ -246,13 +246,14 @@ def _store() -> Any:
 
 def enqueue(job: Job) -> list[Ready]:
     """Store ``job`` in its line and dispatch at once while its queue has room (one round
-    trip, in autocommit); returns the jobs to publish now. The job and the jobs its
-    dispatch takes keep a number it draws, as :func:`dispatch`'s, so that a lost reply
-    (:func:`db.sent_again`) is resolved by asking for its row (by its task id and that
-    number: a given task id may be another row's too): stored, the jobs the first try
-    dispatched are published; not stored, it is stored now."""
+    trip, in autocommit); returns the jobs to publish now. It draws a number, stored as
+    its receipt and kept on the jobs its dispatch takes, as :func:`dispatch`'s: after a
+    lost reply (:func:`db.sent_again`) the same enqueue, sent again, finds the receipt
+    (whatever became of the job since) and answers with the jobs its first try dispatched
+    that have not started, or, if the first try did not commit, stores the job now; while
+    the first try is still under way, the receipt's key makes the second wait for it."""
     by, store_ = -1 - secrets.randbits(62), _store()
-    ready: list[Ready] = db.sent_again(alias(), lambda again: store_.enqueue(job, by, again))
+    ready: list[Ready] = db.sent_again(alias(), lambda _again: store_.enqueue(job, by))
     return ready
 
 
@@ -550,6 +551,14 @@ def refresh_capacity(slack_per_node: int, timeout: float) -> dict[str, int]:
     concurrency, heartbeat within ``timeout``) and its slack from their nodes; returns
     ``{queue: capacity}`` of the queues whose room grew."""
     return _store().refresh_capacity(slack_per_node, timeout)  # type: ignore[no-any-return]
+
+
+def prune_receipts() -> int:
+    """Delete the enqueue receipts older than ``RECEIPT_SECONDS``: an enqueue is sent
+    again within seconds, or not at all. Returns how many."""
+    from django_fair_jobs.dispatch.models import RECEIPT_SECONDS
+
+    return _store().prune_receipts(RECEIPT_SECONDS)  # type: ignore[no-any-return]
 
 
 def repair(app: Celery, *, timeout: float, lost_after: float, slack_per_node: int) -> Repaired:

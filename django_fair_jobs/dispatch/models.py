@@ -144,13 +144,6 @@ class DispatchJob(models.Model):
         "(negative: the number drawn by a dispatch or an enqueue; empty for a bulk "
         "enqueue's), so that the step, sent again after its reply was lost, publishes it.",
     )
-    enqueued_by = models.BigIntegerField(
-        null=True,
-        blank=True,
-        help_text="The negative number drawn by the delay() that stored this job (empty "
-        "for a bulk enqueue's or a job stored inside the caller's transaction), so that "
-        "its enqueue, sent again after its reply was lost, finds it whatever its task id.",
-    )
     publish_failures = models.PositiveIntegerField(default=0)
     republished = models.PositiveIntegerField(
         default=0, help_text="Copies published by the lost-message repair (each doubles its wait)."
@@ -195,3 +188,25 @@ class DispatchJob(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_name}[{self.task_id}] for {self.tenant}"
+
+
+class DispatchReceipt(models.Model):
+    """The number an enqueue drew, stored in the enqueue's own transaction and kept for
+    ``RECEIPT_SECONDS``: the enqueue, sent again after its reply was lost, finds it
+    whatever became of its job since (dispatched, run and ended, cancelled), and waits for
+    its first try to end while that try has not committed (the key)."""
+
+    drawn = models.BigIntegerField(primary_key=True)
+    stored_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "fair_jobs_dispatchreceipt"
+        verbose_name = "enqueue receipt"
+
+    def __str__(self) -> str:
+        return str(self.drawn)
+
+
+#: How long an enqueue's receipt is kept: far longer than the pause before an enqueue is
+#: sent again (0.25 s) and its lock timeout (2 s); the maintenance pass deletes older ones.
+RECEIPT_SECONDS = 600

@@ -55,14 +55,9 @@ class Store:
             "on_loss": job.on_loss,
         }
 
-    def enqueue(self, job: Job, by: int, again: bool = False) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.enqueue`: sent ``again``, whether the first
-        try stored the job, and the jobs its dispatch took (:func:`enqueued`)."""
-        if again:
-            asked = {"task_id": job.task_id, "queue": job.queue, "by": by}
-            found = enqueued(self._rows("dispatch_enqueued", asked))
-            if found is not None:
-                return found
+    def enqueue(self, job: Job, by: int) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.enqueue`: sent again with the same ``by``
+        after a lost reply, it answers with what its first try did (its receipt)."""
         return self._ready(self._rows("dispatch_enqueue", {**self._job(job), "by": by}))
 
     def _columns(self, jobs: list[Job]) -> dict[str, list[Any]]:
@@ -244,18 +239,21 @@ class Store:
         """See :func:`django_fair_jobs.dispatch.in_flight`."""
         return {str(queue): int(n) for queue, n in self._rows("dispatch_in_flight", {})}
 
+    def prune_receipts(self, seconds: float) -> int:
+        """Delete the enqueue receipts older than ``seconds`` (the database's clock);
+        returns how many."""
+        from django.db.models.functions import Now
+
+        from django_fair_jobs.dispatch.models import DispatchReceipt
+
+        old = DispatchReceipt.objects.using(self.alias).filter(
+            stored_at__lt=Now() - _interval(seconds)
+        )
+        return int(old.delete()[0])
+
     def room(self) -> dict[str, int]:
         """See :func:`django_fair_jobs.dispatch.room`."""
         return {str(queue): int(n or 0) for queue, n in self._rows("dispatch_room", {})}
-
-
-def enqueued(rows: list[tuple[Any, ...]]) -> list[Ready] | None:
-    """What an enqueue sent again answers, from the rows ``(stored, id, message)``: None
-    if its first try did not store the job (store it now), else the jobs that try's
-    dispatch took and that have not started, to publish (the ids NULL: none)."""
-    if not rows or not rows[0][0]:
-        return None
-    return [Ready(int(r[1]), r[2]) for r in rows if r[1] is not None]
 
 
 def live_capacity(alias: str, timeout: float) -> tuple[dict[str, int], dict[str, int]]:

@@ -4,24 +4,11 @@
 -- name: dispatch_enqueue
 -- Fair dispatch: store a job in its tenant's line, dispatching while the queue has room
 -- (the functions are in dispatch.sql).
--- by: the negative number the enqueue drew, kept on each job its dispatch takes.
+-- by: the negative number the enqueue drew (its receipt): sent again after a lost reply,
+-- the same statement answers with what its first try did.
 SELECT job_id, job_message FROM fair_jobs_enqueue(
     %(queue)s, %(tenant)s, %(task_name)s, %(task_id)s, %(message)s, %(delay)s,
     %(not_before)s, %(weight)s, %(cap)s, %(on_loss)s::smallint, true, %(by)s);
-
--- name: dispatch_enqueued
--- An enqueue sent again after its reply was lost: whether the first try stored the job
--- (the index on task_id, then its number: a given task id may be another row's too, as a
--- retry keeps its job's), and the jobs that try's dispatch took and that have not started
--- (its own or others', by its number among the queue's jobs in flight). One row at least:
--- the job ids are NULL when it took none.
-SELECT EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS s
-                WHERE s.task_id = %(task_id)s AND s.enqueued_by = %(by)s),
-       j.id, j.message
-  FROM (SELECT 1) AS one
-  LEFT JOIN fair_jobs_dispatchjob AS j
-    ON j.queue = %(queue)s AND j.state = 2 AND j.dispatched_by = %(by)s
- ORDER BY j.id;
 
 -- name: dispatch_stage
 -- Fair dispatch inside the caller's transaction: the jobs' rows alone, aside (state 0) and

@@ -9,7 +9,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F, Max, Q
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -27,6 +27,7 @@ from django_fair_jobs.dispatch.models import (
     WAITING,
     DispatchJob,
     DispatchQueue,
+    DispatchReceipt,
     DispatchTenant,
 )
 from django_fair_jobs.dispatch.types import BATCH, Job, Outcome, Ready, Started
@@ -166,12 +167,16 @@ class Store(pg_store.Store):
             ready = self._sent_again([by], queue) if again and by is not None else []
             return ready + self._dispatch(queue, limit, by)
 
-    def enqueue(self, job: Job, by: int, again: bool = False) -> list[Ready]:
-        """See :meth:`django_fair_jobs.dispatch.store.Store.enqueue`."""
-        if again and self._jobs().filter(task_id=job.task_id, enqueued_by=by).exists():
-            return self._sent_again([by], job.queue)
+    def enqueue(self, job: Job, by: int) -> list[Ready]:
+        """See :meth:`django_fair_jobs.dispatch.store.Store.enqueue`: the receipt first, in
+        a savepoint, so that one already stored (the first try's, committed) answers."""
         with transaction.atomic(using=self.alias):
-            if self._put(job, by):
+            try:
+                with transaction.atomic(using=self.alias):
+                    DispatchReceipt.objects.using(self.alias).create(drawn=by)
+            except IntegrityError:
+                return self._sent_again([by], job.queue)
+            if self._put(job):
                 return self._dispatch(job.queue, BATCH, by)
         return []
 
@@ -181,23 +186,21 @@ class Store(pg_store.Store):
         for job in jobs:
             self._create(job, SCHEDULED, job.not_before or now + timedelta(seconds=job.delay))
 
-    def _create(self, job: Job, state: int, not_before: Any, by: int | None = None) -> DispatchJob:
+    def _create(self, job: Job, state: int, not_before: Any) -> DispatchJob:
         return self._jobs().create(  # type: ignore[no-any-return]
             queue=job.queue, tenant=job.tenant, task_name=job.task_name,
             task_id=job.task_id, message=job.message, state=state,
             not_before=not_before, cap=job.cap, weight=job.weight, on_loss=job.on_loss,
-            enqueued_by=by,
         )  # fmt: skip
 
-    def _put(self, job: Job, by: int | None = None) -> bool:
+    def _put(self, job: Job) -> bool:
         """Store ``job`` in its line (aside, if not due yet); True if it is due. A
-        countdown counts by the database's clock, as on PostgreSQL. ``by``: the number
-        its enqueue drew."""
+        countdown counts by the database's clock, as on PostgreSQL."""
         not_before = job.not_before
         if not_before is None and job.delay > 0:
             not_before = db.database_now(self.alias) + timedelta(seconds=job.delay)
         due = not_before is None or not_before <= db.database_now(self.alias)
-        row = self._create(job, WAITING if due else SCHEDULED, not_before, by)
+        row = self._create(job, WAITING if due else SCHEDULED, not_before)
         vt = self._vt(job.queue) if due else 0.0
         line, created = self._tenants().get_or_create(
             queue=job.queue,

@@ -21,7 +21,8 @@ logger = logging.getLogger("django_fair_jobs.maintenance")
 
 
 _WINDOW_PRUNE_INTERVAL = 60.0
-"""Seconds between two prunes of idle rerouting windows, cluster-wide."""
+"""Seconds between two prunes of idle rerouting windows, old decisions and enqueue
+receipts, cluster-wide."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
     if claim_maintenance("windows", interval=_WINDOW_PRUNE_INTERVAL):
         pruned = reroute.prune()
         decisions_pruned = decisions.prune()
+        dispatch.prune_receipts()
     else:
         decisions_pruned = 0
     repaired = _repair_dispatch()

@@ -6,6 +6,8 @@
 --
 -- Lock order. No step locks or writes a row shared by a whole queue: a queue's room is
 -- read (its capacity, written by maintenance only, less the jobs in flight, counted).
+--   0. An enqueue's receipt, before anything else: its key is new, and only a second try
+--      of the same enqueue (after a lost reply) waits for it.
 --   1. A dispatched or running job's row, then its tenant's line (start, end).
 --   2. A tenant's line, then its scheduled or waiting jobs (enqueue, the due step, the
 --      selection, cancel, the start of a job that went back to its line).
@@ -205,9 +207,11 @@ $$;
 -- time is the database's now() plus p_delay seconds, or p_not_before) and, if p_dispatch,
 -- dispatch while the queue has room. Waits only for its own tenant's line. Returns the
 -- jobs to publish (usually this one, or nothing while the queue is full). p_by: the
--- negative number the enqueue drew, kept on the job (enqueued_by) and on each job its
--- dispatch takes (dispatched_by), so that the enqueue sent again after a lost reply finds
--- them all, its own and others.
+-- negative number the enqueue drew, stored as its receipt and kept on each job its
+-- dispatch takes (dispatched_by). Sent again after a lost reply, the enqueue finds its
+-- receipt, whatever became of its job since, and answers with the jobs its first try
+-- dispatched that have not started; while that try has not committed, the receipt's key
+-- makes it wait for it. NULL: no receipt (bulk_enqueue, never sent again).
 CREATE OR REPLACE FUNCTION fair_jobs_enqueue(
     p_queue text, p_tenant text, p_task_name text, p_task_id text, p_message text,
     p_delay double precision, p_not_before timestamptz, p_weight double precision,
@@ -223,11 +227,21 @@ DECLARE
     v_due boolean := v_not_before IS NULL OR v_not_before <= now();
     v_vt double precision := 0;
 BEGIN
+    IF p_by IS NOT NULL THEN
+        INSERT INTO fair_jobs_dispatchreceipt (drawn, stored_at) VALUES (p_by, now())
+        ON CONFLICT (drawn) DO NOTHING;
+        IF NOT FOUND THEN
+            RETURN QUERY SELECT j.id, j.message FROM fair_jobs_dispatchjob AS j
+                          WHERE j.queue = p_queue AND j.state = 2 AND j.dispatched_by = p_by
+                          ORDER BY j.id;
+            RETURN;
+        END IF;
+    END IF;
     INSERT INTO fair_jobs_dispatchjob
            (queue, tenant, task_name, task_id, message, state, not_before, enqueued_at,
-            enqueued_by, publish_failures, republished, cap, weight, on_loss)
+            publish_failures, republished, cap, weight, on_loss)
     VALUES (p_queue, p_tenant, p_task_name, p_task_id, p_message,
-            CASE WHEN v_due THEN 1 ELSE 0 END, v_not_before, now(), p_by, 0, 0, p_cap,
+            CASE WHEN v_due THEN 1 ELSE 0 END, v_not_before, now(), 0, 0, p_cap,
             p_weight, p_on_loss)
     RETURNING id INTO v_id;
     IF v_due THEN

@@ -7,10 +7,13 @@ and ``delay()`` returns."""
 
 from __future__ import annotations
 
+import threading
+import time
+import uuid
 from typing import Any
 
 import pytest
-from django.db import InterfaceError, OperationalError, connection, transaction
+from django.db import InterfaceError, OperationalError, connection, connections, transaction
 
 from django_fair_jobs import dispatch
 from django_fair_jobs.dispatch.models import DISPATCHED, WAITING, DispatchJob
@@ -212,7 +215,58 @@ def test_an_enqueue_sent_again__a_job_another_step_dispatched__not_published_aga
     set_capacity(1)
     (row,) = DispatchJob.objects.filter(task_id="an-id")
     assert [r.job_id for r in dispatch.dispatch("fair")] == [row.pk]
-    assert store.enqueue(job, -7, True) == []
+    assert store.enqueue(job, -7) == []
+    assert DispatchJob.objects.filter(task_id="an-id").count() == 1
+
+
+def test_an_enqueue_sent_again__its_job_ran_and_ended_meanwhile__not_stored_again() -> None:
+    # The first try stored the job (its reply lost); before the second try asked, another
+    # step dispatched it and its worker ran and ended it, which deleted its row: the
+    # second try must still know the first one stored it.
+    set_capacity(0)
+    store = dispatch._store()
+    job = dispatch.Job("fair", "acme", tasks.dispatched.name, "an-id", "{}", None, None, None)
+    assert store.enqueue(job, -7) == []
+    set_capacity(1)
+    (ready,) = dispatch.dispatch("fair")
+    process = uuid.uuid4()
+    assert dispatch.start(ready.job_id, process).status == "started"
+    dispatch.end(ready.job_id, process)
+    assert store.enqueue(job, -7) == []  # sent again
+    assert not DispatchJob.objects.filter(task_id="an-id").exists()
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="two sessions at once")
+def test_an_enqueue_sent_again_while_its_first_try_waits__stored_once() -> None:
+    # The first try's reply is lost while it still runs on the server (it waits for its
+    # line, which another step holds): the second try, sent on a new connection, must
+    # wait for it rather than store the job a second time.
+    set_capacity(0)
+    tasks.dispatched.delay("acme")  # the line exists
+    store = dispatch._store()
+    job = dispatch.Job("fair", "acme", tasks.dispatched.name, "an-id", "{}", None, None, None)
+    holder = connections.create_connection("default")
+    holder.set_autocommit(False)
+    with holder.cursor() as cursor:
+        cursor.execute(
+            "SELECT 1 FROM fair_jobs_dispatchtenant WHERE queue = 'fair' AND tenant = 'acme' "
+            "FOR UPDATE"
+        )
+
+    def one_try() -> None:
+        try:
+            store.enqueue(job, -7)
+        finally:
+            connections.close_all()
+
+    tries = [threading.Thread(target=one_try) for _ in range(2)]
+    for each in tries:
+        each.start()
+        time.sleep(0.3)  # the first is on the server, waiting for the line
+    holder.commit()
+    holder.close()
+    for each in tries:
+        each.join(10)
     assert DispatchJob.objects.filter(task_id="an-id").count() == 1
 
 
@@ -254,3 +308,21 @@ def test_the_maintenance_pass__a_dispatch_that_fails_twice__the_other_queues_dis
     monkeypatch.setattr(store_class, "refresh_capacity", lambda self, *args: {})
     repaired = dispatch.repair(tasks.dispatched.app, timeout=30, lost_after=60, slack_per_node=0)
     assert collected == [other.pk] and repaired.dispatched == 1
+
+
+def test_enqueue_receipts__kept_ten_minutes__then_pruned_by_the_maintenance_pass() -> None:
+    from datetime import timedelta
+
+    from django.db.models.functions import Now
+
+    from django_fair_jobs.dispatch.models import RECEIPT_SECONDS, DispatchReceipt
+    from django_fair_jobs.maintenance import run_maintenance
+
+    tasks.dispatched.delay("acme")
+    (fresh,) = DispatchReceipt.objects.all()  # the delay()'s own
+    DispatchReceipt.objects.create(drawn=-5)
+    DispatchReceipt.objects.filter(drawn=-5).update(
+        stored_at=Now() - timedelta(seconds=RECEIPT_SECONDS + 60)
+    )
+    run_maintenance()
+    assert list(DispatchReceipt.objects.values_list("drawn", flat=True)) == [fresh.drawn]
