@@ -162,7 +162,7 @@ class DispatchJob(models.Model):
 
     class Meta:
         db_table = "fair_jobs_dispatchjob"
-        verbose_name = "dispatched job"
+        verbose_name = "dispatch job"
         indexes = [
             # A tenant's line, FIFO.
             models.Index(

@@ -39,6 +39,10 @@ class Migration(migrations.Migration):
                 "db_table": "fair_jobs_dispatchreceipt",
             },
         ),
+        migrations.AlterModelOptions(
+            name="dispatchjob",
+            options={"verbose_name": "dispatch job"},
+        ),
         migrations.RemoveField(
             model_name="dispatchjob",
             name="enqueued_by",
