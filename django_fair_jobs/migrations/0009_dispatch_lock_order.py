@@ -6,12 +6,10 @@ from typing import Any
 
 from django.db import migrations, models
 
-from django_fair_jobs.sql import queries
+from django_fair_jobs.sql import install_dispatch_functions
 
+# The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
 FUNCTIONS_DIGEST = "03ca689d3522b92b0ea868bfe3c69e31f5a40be9ec2988c38cd631f4cacb5439"
-"""The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
-tests/dispatch/test_functions.py fails when the file changes without a migration that
-installs it again (and records its new digest)."""
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:
@@ -27,7 +25,7 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
         "double precision, integer), fair_jobs_dispatch(text, integer)",
         params=None,
     )
-    schema_editor.execute(queries("dispatch")["functions"], params=None)
+    install_dispatch_functions(schema_editor)
 
 
 def drop_functions(apps: Any, schema_editor: Any) -> None:

@@ -2,21 +2,17 @@ from typing import Any
 
 from django.db import migrations
 
-from django_fair_jobs.sql import queries
+from django_fair_jobs.sql import install_dispatch_functions
 
+# The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
 FUNCTIONS_DIGEST = "db981863becfcb7114dea8f462ca4382507a7ae76432d6535ec3254537d20e01"
-"""The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
-tests/dispatch/test_functions.py fails when the file changes without a migration that
-installs it again (and records its new digest)."""
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:
     # The room and the virtual time in PL/pgSQL (their plans kept for the session), and a
     # dispatch that moves a line on in one statement; the signatures are unchanged, so
     # CREATE OR REPLACE installs them over 0009's. Other databases use the ORM store.
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    schema_editor.execute(queries("dispatch")["functions"], params=None)
+    install_dispatch_functions(schema_editor)
 
 
 class Migration(migrations.Migration):

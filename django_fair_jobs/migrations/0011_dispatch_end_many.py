@@ -2,20 +2,16 @@ from typing import Any
 
 from django.db import migrations
 
-from django_fair_jobs.sql import queries
+from django_fair_jobs.sql import install_dispatch_functions
 
+# The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
 FUNCTIONS_DIGEST = "0edc10339b19b0f0debf5ffa72ec75a23673a11705a881f5b647b67359bf66f7"
-"""The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
-tests/dispatch/test_functions.py fails when the file changes without a migration that
-installs it again (and records its new digest)."""
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:
     # Adds fair_jobs_dispatch_end_many (a process's ends flushed in one statement); the
     # other functions are installed again unchanged. Other databases use the ORM store.
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    schema_editor.execute(queries("dispatch")["functions"], params=None)
+    install_dispatch_functions(schema_editor)
 
 
 def drop_end_many(apps: Any, schema_editor: Any) -> None:

@@ -2,12 +2,10 @@ from typing import Any
 
 from django.db import migrations
 
-from django_fair_jobs.sql import queries
+from django_fair_jobs.sql import install_dispatch_functions
 
+# The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
 FUNCTIONS_DIGEST = "49c8b303a308866597cba40f60319b71b7c4976869e8c4396cf3ba2bf1e80e08"
-"""The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
-tests/dispatch/test_functions.py fails when the file changes without a migration that
-installs it again (and records its new digest)."""
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:
@@ -26,7 +24,7 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
         " fair_jobs_dispatch_end(bigint, uuid, text, double precision, boolean, integer),"
         " fair_jobs_dispatch_end_many(bigint[], uuid, integer)"
     )
-    schema_editor.execute(queries("dispatch")["functions"], params=None)
+    install_dispatch_functions(schema_editor)
 
 
 class Migration(migrations.Migration):

@@ -2,12 +2,10 @@ from typing import Any
 
 from django.db import migrations, models
 
-from django_fair_jobs.sql import queries
+from django_fair_jobs.sql import install_dispatch_functions
 
+# The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
 FUNCTIONS_DIGEST = "98151763deac7826be9210ae3e6cfce89231286e17a9e6135082a934674cbbcf"
-"""The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
-tests/dispatch/test_functions.py fails when the file changes without a migration that
-installs it again (and records its new digest)."""
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:
@@ -21,7 +19,7 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
         " fair_jobs_dispatch_end(bigint, uuid, text, double precision, boolean, integer),"
         " fair_jobs_dispatch_end_many(bigint[], uuid, integer)"
     )
-    schema_editor.execute(queries("dispatch")["functions"], params=None)
+    install_dispatch_functions(schema_editor)
 
 
 class Migration(migrations.Migration):

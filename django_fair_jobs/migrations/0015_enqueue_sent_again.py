@@ -2,12 +2,10 @@ from typing import Any
 
 from django.db import migrations, models
 
-from django_fair_jobs.sql import queries
+from django_fair_jobs.sql import install_dispatch_functions
 
+# The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
 FUNCTIONS_DIGEST = "3f1f20f6de806b69352282484e4339b897b693446c76595cd8640c0dfa626406"
-"""The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
-tests/dispatch/test_functions.py fails when the file changes without a migration that
-installs it again (and records its new digest)."""
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:
@@ -20,7 +18,7 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
         "DROP FUNCTION IF EXISTS fair_jobs_enqueue(text, text, text, text, text,"
         " double precision, timestamptz, double precision, integer, smallint, boolean)"
     )
-    schema_editor.execute(queries("dispatch")["functions"], params=None)
+    install_dispatch_functions(schema_editor)
 
 
 class Migration(migrations.Migration):

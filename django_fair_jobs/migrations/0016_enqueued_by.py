@@ -2,20 +2,16 @@ from typing import Any
 
 from django.db import migrations, models
 
-from django_fair_jobs.sql import queries
+from django_fair_jobs.sql import install_dispatch_functions
 
+# The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
 FUNCTIONS_DIGEST = "c48a191ec7fe77d85770b2247d250312903acd48865cbeee6c101f8b894ff6e4"
-"""The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
-tests/dispatch/test_functions.py fails when the file changes without a migration that
-installs it again (and records its new digest)."""
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:
     # An enqueue keeps the number it drew on its job's row (enqueued_by), so that, sent
     # again after a lost reply, it tells its own row from another with the same task id.
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    schema_editor.execute(queries("dispatch")["functions"], params=None)
+    install_dispatch_functions(schema_editor)
 
 
 class Migration(migrations.Migration):

@@ -3,20 +3,16 @@ from typing import Any
 import django.db.models.functions.datetime
 from django.db import migrations, models
 
-from django_fair_jobs.sql import queries
+from django_fair_jobs.sql import install_dispatch_functions
 
+# The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
 FUNCTIONS_DIGEST = "e1e58eb0cbc18af0be19a363f1461161097c8e9a8ce3266b6a67c8a145e50c6f"
-"""The SHA-256 of the functions block of sql/dispatch.sql this migration installs;
-tests/dispatch/test_functions.py fails when the file changes without a migration that
-installs it again (and records its new digest)."""
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:
     # An enqueue stores the number it drew as its receipt, which outlives its job's row
     # and whose key makes a second try wait for the first, instead of keeping it on the row.
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    schema_editor.execute(queries("dispatch")["functions"], params=None)
+    install_dispatch_functions(schema_editor)
 
 
 class Migration(migrations.Migration):

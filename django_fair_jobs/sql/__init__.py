@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from functools import cache
 from importlib.resources import files
+from typing import Any
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
@@ -65,3 +66,13 @@ def queries(dialect: str = "postgresql") -> dict[str, str]:
             raise ValueError(f"the SQL blocks {twice} are defined twice ({path})")
         merged.update(found)
     return merged
+
+
+def install_dispatch_functions(schema_editor: Any) -> None:
+    """Install fair dispatch's functions (the ``functions`` block of ``sql/dispatch.sql``)
+    with a migration's ``schema_editor``, on PostgreSQL only: other databases use the ORM
+    store. A migration that changes a function's signature or result columns drops the
+    old one first, in its own statement."""
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(queries("dispatch")["functions"], params=None)
