@@ -284,6 +284,23 @@ def health_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return checks
 
 
+def cut_kept_connection() -> int:
+    """Terminate the server process of this thread's connection, as a database restart
+    does to a connection kept between jobs, and re-arm its health check as the prerun
+    does; returns that process's id (the next statement must come from another)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    finally:
+        other.close()
+    connection.health_check_done = False  # type: ignore[attr-defined]
+    return int(pid)
+
+
 def run_as_worker(
     task: Any,
     args: tuple[Any, ...],

@@ -10,9 +10,10 @@ import time
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connection
 
 from django_fair_jobs import admission, dispatch
+from tests.conftest import cut_kept_connection
 from tests.dispatch.conftest import deliver, job_of, set_capacity
 from tests.testapp import tasks
 
@@ -40,16 +41,7 @@ def test_a_connection_cut_while_kept__the_start_sent_again_at_once_on_a_new_one(
 ) -> None:
     set_capacity(1)
     job = job_of(tasks.dispatched.delay("acme").id)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_backend_pid()")
-        (pid,) = cursor.fetchone()
-    other = connections.create_connection("default")
-    try:
-        with other.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
-    finally:
-        other.close()
-    connection.health_check_done = False  # type: ignore[attr-defined]
+    pid = cut_kept_connection()
     waited: list[float] = []
     monkeypatch.setattr(time, "sleep", waited.append)
     ran: list[int] = []

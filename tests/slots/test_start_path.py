@@ -11,11 +11,11 @@ import uuid
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connection
 
 from django_fair_jobs import admission
 from django_fair_jobs.models import SlotLease
-from tests.conftest import run_as_worker
+from tests.conftest import cut_kept_connection, run_as_worker
 from tests.testapp import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -51,16 +51,7 @@ def test_a_job_on_tenant_slots__its_acquire_stands_in_for_the_health_check(
 def test_a_connection_cut_while_kept__the_acquire_sent_again_at_once_on_a_new_one(
     in_process_worker: uuid.UUID, health_checks: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_backend_pid()")
-        (pid,) = cursor.fetchone()
-    other = connections.create_connection("default")
-    try:
-        with other.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
-    finally:
-        other.close()
-    connection.health_check_done = False  # type: ignore[attr-defined]
+    pid = cut_kept_connection()
     waited: list[float] = []
     monkeypatch.setattr(time, "sleep", waited.append)
     calls = _counted(monkeypatch)
