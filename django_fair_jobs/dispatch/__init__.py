@@ -253,7 +253,7 @@ def enqueue(job: Job) -> list[Ready]:
     that have not started, or, if the first try did not commit, stores the job now; while
     the first try is still under way, the receipt's key makes the second wait for it."""
     by, store_ = -1 - secrets.randbits(62), _store()
-    ready: list[Ready] = db.sent_again(alias(), lambda _again: store_.enqueue(job, by))
+    ready: list[Ready] = db.sent_again(alias(), lambda again: store_.enqueue(job, by, again=again))
     return ready
 
 

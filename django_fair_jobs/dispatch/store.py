@@ -55,10 +55,12 @@ class Store:
             "on_loss": job.on_loss,
         }
 
-    def enqueue(self, job: Job, by: int) -> list[Ready]:
-        """See :func:`django_fair_jobs.dispatch.enqueue`: sent again with the same ``by``
-        after a lost reply, it answers with what its first try did (its receipt)."""
-        return self._ready(self._rows("dispatch_enqueue", {**self._job(job), "by": by}))
+    def enqueue(self, job: Job, by: int, *, again: bool = False) -> list[Ready]:
+        """See :func:`django_fair_jobs.dispatch.enqueue`: sent ``again`` with the same
+        ``by`` after a lost reply, it answers with what its first try did (its receipt); a
+        first try whose ``by`` is a receipt already raises ``IntegrityError``."""
+        params = {**self._job(job), "by": by, "again": again}
+        return self._ready(self._rows("dispatch_enqueue", params))
 
     def _columns(self, jobs: list[Job]) -> dict[str, list[Any]]:
         rows = [self._job(j) for j in jobs]

@@ -4,11 +4,11 @@
 -- name: dispatch_enqueue
 -- Fair dispatch: store a job in its tenant's line, dispatching while the queue has room
 -- (the functions are in dispatch.sql).
--- by: the negative number the enqueue drew (its receipt): sent again after a lost reply,
--- the same statement answers with what its first try did.
+-- by: the negative number the enqueue drew (its receipt): sent again after a lost reply
+-- (again), the same statement answers with what its first try did.
 SELECT job_id, job_message FROM fair_jobs_enqueue(
     %(queue)s, %(tenant)s, %(task_name)s, %(task_id)s, %(message)s, %(delay)s,
-    %(not_before)s, %(weight)s, %(cap)s, %(on_loss)s::smallint, true, %(by)s);
+    %(not_before)s, %(weight)s, %(cap)s, %(on_loss)s::smallint, true, %(by)s, %(again)s);
 
 -- name: dispatch_stage
 -- Fair dispatch inside the caller's transaction: the jobs' rows alone, aside (state 0) and

@@ -167,15 +167,21 @@ class Store(pg_store.Store):
             ready = self._sent_again([by], queue) if again and by is not None else []
             return ready + self._dispatch(queue, limit, by)
 
-    def enqueue(self, job: Job, by: int) -> list[Ready]:
-        """See :meth:`django_fair_jobs.dispatch.store.Store.enqueue`: the receipt first, in
-        a savepoint, so that one already stored (the first try's, committed) answers."""
+    def enqueue(self, job: Job, by: int, *, again: bool = False) -> list[Ready]:
+        """See :meth:`django_fair_jobs.dispatch.store.Store.enqueue`: the receipt first;
+        sent ``again``, in a savepoint, so that one already stored (the first try's,
+        committed) answers. A first try's is a plain insert: no savepoint's two
+        statements on its path."""
+        receipts = DispatchReceipt.objects.using(self.alias)
         with transaction.atomic(using=self.alias):
-            try:
-                with transaction.atomic(using=self.alias):
-                    DispatchReceipt.objects.using(self.alias).create(drawn=by)
-            except IntegrityError:
-                return self._sent_again([by], job.queue)
+            if not again:
+                receipts.create(drawn=by)
+            else:
+                try:
+                    with transaction.atomic(using=self.alias):
+                        receipts.create(drawn=by)
+                except IntegrityError:
+                    return self._sent_again([by], job.queue)
             if self._put(job):
                 return self._dispatch(job.queue, BATCH, by)
         return []

@@ -12,14 +12,12 @@
 --   2. A tenant's line, then its scheduled or waiting jobs (enqueue, the due step, the
 --      selection, cancel, the start of a job that went back to its line).
 -- A step waits only for the line of its own job; any other line is taken with SKIP LOCKED
--- (skipped, never waited for). Two steps wait for several lines, and both take them in
--- (queue, tenant) order by byte value (COLLATE "C", the order Python sorts them in):
--- enqueue_many and end_many. Every function runs with a lock_timeout of 2 s: a wait the
--- order allows is short, and a longer one fails fast (the caller tries again) instead of
--- stalling the queue.
--- States: 0 scheduled (a countdown not yet due, or a job stored inside its caller's
--- transaction and not yet in its line), 1 waiting, 2 dispatched, 3 running, 4 failed (its
--- message could never be published).
+-- (skipped, never waited for). Two steps wait for several lines, enqueue_many and
+-- end_many, and take them in (queue, tenant) order by byte value (COLLATE "C", the order
+-- Python sorts them in). Every function runs with a lock_timeout of 2 s: a wait the order
+-- allows is short, and a longer one fails fast (the caller tries again).
+-- States: 0 scheduled (a countdown not yet due, or stored inside its caller's transaction
+-- and not yet in its line), 1 waiting, 2 dispatched, 3 running, 4 failed (never published).
 
 -- name: functions
 
@@ -206,16 +204,17 @@ $$;
 -- Store a job in its tenant's line (or aside, with a countdown or ETA not yet due: its due
 -- time is the database's now() plus p_delay seconds, or p_not_before) and, if p_dispatch,
 -- dispatch while the queue has room. Waits only for its own tenant's line. Returns the
--- jobs to publish (usually this one, or nothing while the queue is full). p_by: the
--- negative number the enqueue drew, stored as its receipt and kept on each job its
--- dispatch takes (dispatched_by). Sent again after a lost reply, the enqueue finds its
--- receipt, whatever became of its job since, and answers with the jobs its first try
--- dispatched that have not started; while that try has not committed, the receipt's key
--- makes it wait for it. NULL: no receipt (bulk_enqueue, never sent again).
+-- jobs to publish. p_by: the negative number the enqueue drew, its receipt (a first try
+-- inserts it plainly: a number taken raises), kept on each job its dispatch takes
+-- (dispatched_by); NULL, none (bulk_enqueue). Sent again after a lost reply (p_again), it
+-- answers with the jobs its first try dispatched that have not started, found by the
+-- receipt whatever became of its job since, and waits on the receipt's key while that
+-- try has not committed.
 CREATE OR REPLACE FUNCTION fair_jobs_enqueue(
     p_queue text, p_tenant text, p_task_name text, p_task_id text, p_message text,
     p_delay double precision, p_not_before timestamptz, p_weight double precision,
-    p_cap integer, p_on_loss smallint, p_dispatch boolean, p_by bigint DEFAULT NULL
+    p_cap integer, p_on_loss smallint, p_dispatch boolean, p_by bigint DEFAULT NULL,
+    p_again boolean DEFAULT false
 )
 RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
@@ -227,7 +226,9 @@ DECLARE
     v_due boolean := v_not_before IS NULL OR v_not_before <= now();
     v_vt double precision := 0;
 BEGIN
-    IF p_by IS NOT NULL THEN
+    IF p_by IS NOT NULL AND NOT p_again THEN
+        INSERT INTO fair_jobs_dispatchreceipt (drawn, stored_at) VALUES (p_by, now());
+    ELSIF p_by IS NOT NULL THEN
         INSERT INTO fair_jobs_dispatchreceipt (drawn, stored_at) VALUES (p_by, now())
         ON CONFLICT (drawn) DO NOTHING;
         IF NOT FOUND THEN

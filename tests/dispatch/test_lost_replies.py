@@ -13,10 +13,18 @@ import uuid
 from typing import Any
 
 import pytest
-from django.db import InterfaceError, OperationalError, connection, connections, transaction
+from django.db import (
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connection,
+    connections,
+    transaction,
+)
+from django.test.utils import CaptureQueriesContext
 
 from django_fair_jobs import dispatch
-from django_fair_jobs.dispatch.models import DISPATCHED, WAITING, DispatchJob
+from django_fair_jobs.dispatch.models import DISPATCHED, WAITING, DispatchJob, DispatchReceipt
 from tests.dispatch.conftest import job_of, set_capacity
 from tests.testapp import tasks
 
@@ -128,6 +136,11 @@ def test_the_dispatch_after_the_callers_commit__the_database_gone__the_caller_go
     assert [r.job_id for r in dispatch.dispatch("fair")] == [job_of(task_id).pk]
 
 
+def an_id_job() -> dispatch.Job:
+    """A job of the dispatched task whose task id is ``an-id``, ready to enqueue."""
+    return dispatch.Job("fair", "acme", tasks.dispatched.name, "an-id", "{}", None, None, None)
+
+
 def cut_enqueue(monkeypatch: pytest.MonkeyPatch, *, after_commit: bool) -> list[int]:
     """The store's enqueue loses its reply once, after it committed or before; returns
     how often it was called."""
@@ -205,17 +218,41 @@ def test_an_enqueue_with_the_task_id_of_another_row__cut_before_its_commit__stor
     assert sorted(collected) == ids
 
 
+def test_a_first_enqueue__its_number_already_a_receipt__raises_not_dropping_the_job() -> None:
+    # Only an enqueue sent again may take a receipt found for an earlier try of its own; a
+    # first try that finds its number taken (another enqueue drew it) must not answer as
+    # if its job were stored: it raises, and its delay() with it.
+    DispatchReceipt.objects.create(drawn=-7)
+    with pytest.raises(IntegrityError):
+        dispatch._store().enqueue(an_id_job(), -7)
+    assert not DispatchJob.objects.filter(task_id="an-id").exists()
+
+
+def test_a_first_enqueue__its_receipt_a_plain_insert(engine: str) -> None:
+    # The receipt of a first try is a plain insert: the savepoint that lets a try sent
+    # again find an earlier receipt is for that try only (the ORM store); PostgreSQL's
+    # function stores it within its one statement.
+    tasks.dispatched.delay("acme")  # the line exists (its creation takes a savepoint)
+    with CaptureQueriesContext(connection) as captured:
+        dispatch._store().enqueue(an_id_job(), -7)
+    statements = [q["sql"] for q in captured.captured_queries]
+    assert not [each for each in statements if "SAVEPOINT" in each]
+    if engine == "sql":
+        assert len(statements) == 1
+    assert DispatchReceipt.objects.filter(drawn=-7).exists()
+
+
 def test_an_enqueue_sent_again__a_job_another_step_dispatched__not_published_again() -> None:
     # Stored by the first try, then dispatched (and published) by another step before the
     # second try asked: that step published it, so the enqueue does not.
     set_capacity(0)
     store = dispatch._store()
-    job = dispatch.Job("fair", "acme", tasks.dispatched.name, "an-id", "{}", None, None, None)
+    job = an_id_job()
     assert store.enqueue(job, -7) == []
     set_capacity(1)
     (row,) = DispatchJob.objects.filter(task_id="an-id")
     assert [r.job_id for r in dispatch.dispatch("fair")] == [row.pk]
-    assert store.enqueue(job, -7) == []
+    assert store.enqueue(job, -7, again=True) == []
     assert DispatchJob.objects.filter(task_id="an-id").count() == 1
 
 
@@ -225,14 +262,14 @@ def test_an_enqueue_sent_again__its_job_ran_and_ended_meanwhile__not_stored_agai
     # second try must still know the first one stored it.
     set_capacity(0)
     store = dispatch._store()
-    job = dispatch.Job("fair", "acme", tasks.dispatched.name, "an-id", "{}", None, None, None)
+    job = an_id_job()
     assert store.enqueue(job, -7) == []
     set_capacity(1)
     (ready,) = dispatch.dispatch("fair")
     process = uuid.uuid4()
     assert dispatch.start(ready.job_id, process).status == "started"
     dispatch.end(ready.job_id, process)
-    assert store.enqueue(job, -7) == []  # sent again
+    assert store.enqueue(job, -7, again=True) == []
     assert not DispatchJob.objects.filter(task_id="an-id").exists()
 
 
@@ -244,7 +281,7 @@ def test_an_enqueue_sent_again_while_its_first_try_waits__stored_once() -> None:
     set_capacity(0)
     tasks.dispatched.delay("acme")  # the line exists
     store = dispatch._store()
-    job = dispatch.Job("fair", "acme", tasks.dispatched.name, "an-id", "{}", None, None, None)
+    job = an_id_job()
     holder = connections.create_connection("default")
     holder.set_autocommit(False)
     with holder.cursor() as cursor:
@@ -253,13 +290,17 @@ def test_an_enqueue_sent_again_while_its_first_try_waits__stored_once() -> None:
             "FOR UPDATE"
         )
 
-    def one_try() -> None:
+    errors: list[BaseException] = []
+
+    def one_try(again: bool) -> None:
         try:
-            store.enqueue(job, -7)
+            store.enqueue(job, -7, again=again)
+        except BaseException as exc:  # shown by the assertion below
+            errors.append(exc)
         finally:
             connections.close_all()
 
-    tries = [threading.Thread(target=one_try) for _ in range(2)]
+    tries = [threading.Thread(target=one_try, args=(again,)) for again in (False, True)]
     for each in tries:
         each.start()
         time.sleep(0.3)  # the first is on the server, waiting for the line
@@ -267,6 +308,7 @@ def test_an_enqueue_sent_again_while_its_first_try_waits__stored_once() -> None:
     holder.close()
     for each in tries:
         each.join(10)
+    assert errors == []
     assert DispatchJob.objects.filter(task_id="an-id").count() == 1
 
 
