@@ -263,6 +263,32 @@ def test_bench_reroute__flat_window_check_passes_and_cleans_up(tmp_path: Path) -
     assert not TenantWindow.objects.exists()
 
 
+def test_bench_dispatch_wal__measures_each_step_and_leaves_the_tables_empty(
+    tmp_path: Path,
+) -> None:
+    waldump = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_waldump"))
+    args = ["--waldump", str(waldump[-1])] if waldump else []
+    result = run_manage(tmp_path, "bench_dispatch_wal", "--jobs", "40", *args)
+    if connection.vendor != "postgresql":
+        assert result.returncode != 0 and "set DATABASE_URL" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-2000:]
+    written = dict(re.findall(r"  (enqueue|start carrying an end): (\d+) bytes", result.stdout))
+    assert int(written["enqueue"]) > 0 and int(written["start carrying an end"]) > 0
+    # The data model's row updates: a job's row at its dispatch and its start, its line at
+    # its enqueue, at the end before it and at its dispatch; none HOT (each moves a row
+    # between partial indexes).
+    assert "fair_jobs_dispatchjob: 2.00 row updates a job, 0.00 of them HOT" in result.stdout, (
+        result.stdout
+    )
+    assert "fair_jobs_dispatchtenant: 3.00 row updates a job, 0.00 of them HOT" in result.stdout
+    if waldump:
+        assert re.search(r"Btree/INSERT_LEAF: [1-9]", result.stdout), result.stdout
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM fair_jobs_dispatchjob")
+        assert cursor.fetchone() == (0,)
+
+
 def test_bench_dispatch__measures_both_cases_and_leaves_the_tables_empty(tmp_path: Path) -> None:
     result = run_manage(
         tmp_path, "bench_dispatch", "--tenants", "50", "--jobs", "500", "--cycles", "20",
