@@ -273,6 +273,25 @@ def test_an_enqueue_sent_again__its_job_ran_and_ended_meanwhile__not_stored_agai
     assert not DispatchJob.objects.filter(task_id="an-id").exists()
 
 
+def wait_for_enqueues_waiting(count: int) -> None:
+    """Until ``count`` sessions of the test database wait for a lock (5 s at most): the
+    enqueue's tries, whichever store sends them."""
+    deadline, watcher = time.monotonic() + 5, connections.create_connection("default")
+    try:
+        with watcher.cursor() as cursor:
+            while time.monotonic() < deadline:
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"
+                )
+                if cursor.fetchone()[0] >= count:
+                    return
+                time.sleep(0.02)
+    finally:
+        watcher.close()
+    raise AssertionError(f"{count} enqueues never waited for a lock")
+
+
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="two sessions at once")
 def test_an_enqueue_sent_again_while_its_first_try_waits__stored_once() -> None:
     # The first try's reply is lost while it still runs on the server (it waits for its
@@ -301,11 +320,15 @@ def test_an_enqueue_sent_again_while_its_first_try_waits__stored_once() -> None:
             connections.close_all()
 
     tries = [threading.Thread(target=one_try, args=(again,)) for again in (False, True)]
-    for each in tries:
-        each.start()
-        time.sleep(0.3)  # the first is on the server, waiting for the line
-    holder.commit()
-    holder.close()
+    try:
+        for waiting, each in enumerate(tries, 1):
+            each.start()
+            # The first waits for the line on the server before the second is sent; the
+            # second then waits for the first's receipt.
+            wait_for_enqueues_waiting(waiting)
+    finally:
+        holder.commit()
+        holder.close()
     for each in tries:
         each.join(10)
     assert errors == []
