@@ -280,7 +280,8 @@ class Command(BaseCommand):
         return {
             "queue": queue, "tenant": job.tenant, "task_name": job.task_name,
             "task_id": job.task_id, "message": job.message, "not_before": None,
-            "delay": 0.0, "weight": None, "cap": None, "on_loss": 0,
+            "delay": 0.0, "weight": None, "cap": None, "on_loss": 0, "by": None,
+            "again": False,
         }  # fmt: skip
 
     def _start_end(self, i: int) -> None:
@@ -295,10 +296,12 @@ class Command(BaseCommand):
         params = self._enqueue_params(QUEUE)
         explain("dispatch_enqueue", params)
         job_id = DispatchJob.objects.get(task_id=params["task_id"]).pk
-        explain("dispatch_start", {"job": job_id, "process": self.process_id})
+        explain(
+            "dispatch_start", {"job": job_id, "process": self.process_id, "async_commit": False}
+        )
         explain("dispatch_end", {
             "job": job_id, "process": self.process_id, "outcome": "end", "delay": 0.0,
-            "block": False, "max": 100,
+            "block": False, "max": 100, "again": False,
         })  # fmt: skip
 
     def _clean(self) -> None:

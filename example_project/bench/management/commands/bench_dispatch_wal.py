@@ -1,18 +1,21 @@
 """``manage.py bench_dispatch_wal``: what fair dispatch writes to PostgreSQL's write-ahead
-log per job, step by step (PostgreSQL only, no broker: nothing is published; the
-dispatch tables are emptied, so use a database of its own and an otherwise idle server).
+log per job, step by step (PostgreSQL only, no broker: nothing is published). It uses a
+queue of its own (``walbench``) and removes its rows and receipts when it ends, whatever
+happens; run it on an otherwise idle server, since the log is the whole server's (the
+autovacuum's writes during the run count too), as a user that may ``CHECKPOINT``
+(superuser, or ``pg_checkpoint`` from PostgreSQL 15).
 
 One session runs ``--jobs`` jobs through the steps a worker's jobs take in a busy queue:
 each ``delay()``'s enqueue (``fair_jobs_enqueue``, with its receipt; the queue is full, so
 the job waits in its line), then the start of the oldest dispatched job carrying the end
 of the job started before it (``dispatch_start_ending``: the start, the end, and the next
-job dispatched into the room it left). Each job's message is a real one, built as
+job dispatched into the room it left). Every job stores one real message, built once as
 ``delay()`` builds it for the benchmark's task. Printed per step: the bytes of WAL it
 wrote (from ``pg_current_wal_insert_lsn()`` around it) and, over the whole run, the row
 updates of each dispatch table and how many of them were HOT (no new index entries: from
-``pg_stat_user_tables``). With ``--waldump PATH`` (PostgreSQL's ``pg_waldump``, run on
-the server's own machine as a user that may read its data directory), also the WAL's
-records by kind over the run (``--stats=record``), per job.
+``pg_stat_user_tables``). With ``--waldump PATH`` (PostgreSQL's ``pg_waldump`` of the
+server's version, run on the server's own machine as a user that may read its data
+directory), also the WAL's records by kind over the run (``--stats=record``), per job.
 """
 
 from __future__ import annotations
@@ -48,22 +51,32 @@ class Command(BaseCommand):
         parser.add_argument("--waldump", default="", help="path of pg_waldump (optional)")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        """Fill, warm up, run and print."""
+        """Check the options, then run, print and clean up."""
         if connection.vendor != "postgresql":
             raise CommandError("bench_dispatch_wal measures PostgreSQL's WAL: set DATABASE_URL")
-        self._reset(options["capacity"])
+        if options["jobs"] < 1 or options["tenants"] < 1 or options["capacity"] < 2:
+            # A capacity of 1 leaves no dispatched job to start while the one before runs.
+            raise CommandError("--jobs and --tenants must be at least 1, --capacity at least 2")
+        self.drawn: list[int] = []
+        try:
+            self._reset(options["capacity"])
+            self._run(options)
+        finally:
+            self._reset(None)
+
+    def _run(self, options: dict[str, Any]) -> None:
         store, process = Store("default"), uuid.uuid4()
         message = _message()
         ready: list[Ready] = []
         for i in range(options["capacity"] + options["tenants"]):  # warm: room taken, lines
-            ready += store.enqueue(_job(i % options["tenants"], message), _drawn())
+            ready += store.enqueue(_job(i % options["tenants"], message), self._draw())
         written = {"enqueue": 0, "start carrying an end": 0}
         ended = ready.pop(0).job_id
         store.start(ended, process)  # the first start: nothing to carry yet
         before, start_lsn = self._tables(), self._lsn()
         for i in range(options["jobs"]):
             mark = self._lsn()
-            ready += store.enqueue(_job(i % options["tenants"], message), _drawn())
+            ready += store.enqueue(_job(i % options["tenants"], message), self._draw())
             written["enqueue"] += self._lsn() - mark
             job, mark = ready.pop(0).job_id, self._lsn()
             ready += store.start(job, process, ended=[ended]).ready
@@ -78,15 +91,21 @@ class Command(BaseCommand):
         self._print_updates(before, jobs)
         if options["waldump"]:
             self._print_records(options["waldump"], start_lsn, end_lsn, jobs)
-        self._reset(None)
+
+    def _draw(self) -> int:
+        """A number as an enqueue draws it (negative, 62 random bits), kept for cleanup."""
+        self.drawn.append(-1 - secrets.randbits(62))
+        return self.drawn[-1]
 
     def _reset(self, capacity: int | None) -> None:
-        """Empty the run's queue (and every receipt); with a ``capacity``, set it up."""
+        """Empty the run's queue and its receipts; with a ``capacity``, set the queue up."""
         with connection.cursor() as cursor:
             cursor.execute("DELETE FROM fair_jobs_dispatchjob WHERE queue = %s", [QUEUE])
             cursor.execute("DELETE FROM fair_jobs_dispatchtenant WHERE queue = %s", [QUEUE])
             cursor.execute("DELETE FROM fair_jobs_dispatchqueue WHERE queue = %s", [QUEUE])
-            cursor.execute("DELETE FROM fair_jobs_dispatchreceipt")
+            cursor.execute(
+                "DELETE FROM fair_jobs_dispatchreceipt WHERE drawn = ANY(%s)", [self.drawn]
+            )
             if capacity is None:
                 return
             cursor.execute(
@@ -102,10 +121,14 @@ class Command(BaseCommand):
             return int(cursor.fetchone()[0])
 
     def _tables(self) -> dict[str, tuple[int, int]]:
-        # The statistics of this session reach the shared view at its next report (once a
-        # second at most): wait for it, from a view read afresh.
-        time.sleep(1.2)
+        # A session's counts reach the shared view when it reports them: from PostgreSQL
+        # 15, at the end of a statement that asked for it; before, through the statistics
+        # collector, about half a second after the session went idle.
         with connection.cursor() as cursor:
+            if connection.pg_version >= 150000:  # type: ignore[attr-defined]
+                cursor.execute("SELECT pg_stat_force_next_flush()")
+            else:
+                time.sleep(1.0)
             cursor.execute("SELECT pg_stat_clear_snapshot()")
             cursor.execute(
                 "SELECT relname, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
@@ -127,9 +150,11 @@ class Command(BaseCommand):
         with connection.cursor() as cursor:
             cursor.execute("SELECT setting FROM pg_settings WHERE name = 'data_directory'")
             data = cursor.fetchone()[0]
+            cursor.execute("SELECT timeline_id FROM pg_control_checkpoint()")
+            timeline = cursor.fetchone()[0]
         run = subprocess.run(
-            [waldump, "-p", f"{data}/pg_wal", "-s", _lsn_text(start), "-e", _lsn_text(end),
-             "--stats=record"],
+            [waldump, "-p", f"{data}/pg_wal", "-t", str(timeline), "-s", _lsn_text(start),
+             "-e", _lsn_text(end), "--stats=record"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         for line in run.stdout.splitlines():
@@ -154,11 +179,6 @@ def _job(tenant: int, message: str) -> Job:
 
 def _task_id() -> str:
     return str(uuid.uuid4())
-
-
-def _drawn() -> int:
-    """A number as an enqueue draws it (negative, 62 random bits)."""
-    return -1 - secrets.randbits(62)
 
 
 def _lsn_text(position: int) -> str:
