@@ -208,8 +208,8 @@ $$;
 -- inserts it plainly: a number taken raises), kept on each job its dispatch takes
 -- (dispatched_by); NULL, none (bulk_enqueue). Sent again after a lost reply (p_again), it
 -- answers with the jobs its first try dispatched that have not started, found by the
--- receipt whatever became of its job since, and waits on the receipt's key while that
--- try has not committed.
+-- receipt whatever became of its job since, and waits on the receipt's key (up to the
+-- lock_timeout) while that try has not committed.
 CREATE OR REPLACE FUNCTION fair_jobs_enqueue(
     p_queue text, p_tenant text, p_task_name text, p_task_id text, p_message text,
     p_delay double precision, p_not_before timestamptz, p_weight double precision,
