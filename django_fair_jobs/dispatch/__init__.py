@@ -244,6 +244,13 @@ def _store() -> Any:
     return store_orm.Store(alias_)
 
 
+def draw() -> int:
+    """A number for one enqueue or dispatch to keep on what it does (its receipt, the
+    jobs it dispatches): negative, so never a job's id as an end's is, and 62 random bits,
+    so that two never meet in practice (a first enqueue whose number is taken raises)."""
+    return -1 - secrets.randbits(62)
+
+
 def enqueue(job: Job) -> list[Ready]:
     """Store ``job`` in its line and dispatch at once while its queue has room (one round
     trip, in autocommit); returns the jobs to publish now. It draws a number, stored as
@@ -252,7 +259,7 @@ def enqueue(job: Job) -> list[Ready]:
     (whatever became of the job since) and answers with the jobs its first try dispatched
     that have not started, or, if the first try did not commit, stores the job now; while
     the first try is still under way, the receipt's key makes the second wait for it."""
-    by, store_ = -1 - secrets.randbits(62), _store()
+    by, store_ = draw(), _store()
     ready: list[Ready] = db.sent_again(alias(), lambda again: store_.enqueue(job, by, again=again))
     return ready
 
@@ -353,7 +360,7 @@ def dispatch(queue: str, limit: int = BATCH) -> list[Ready]:
     """Dispatch into whatever room ``queue`` has; returns the jobs to publish. Its jobs
     keep a number it draws, so that sent again after a lost reply (:func:`db.sent_again`)
     it answers with those its first try dispatched (negative: never a job's, as an end's)."""
-    by, store_ = -1 - secrets.randbits(62), _store()
+    by, store_ = draw(), _store()
     ready: list[Ready] = db.sent_again(alias(), lambda a: store_.dispatch(queue, limit, by, a))
     return ready
 

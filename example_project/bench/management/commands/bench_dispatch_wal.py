@@ -20,7 +20,6 @@ directory), also the WAL's records by kind over the run (``--stats=record``), pe
 
 from __future__ import annotations
 
-import secrets
 import subprocess
 import time
 import uuid
@@ -29,6 +28,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
+from django_fair_jobs import dispatch
 from django_fair_jobs.dispatch.message import build
 from django_fair_jobs.dispatch.store import Store
 from django_fair_jobs.dispatch.types import Job, Ready
@@ -93,8 +93,8 @@ class Command(BaseCommand):
             self._print_records(options["waldump"], start_lsn, end_lsn, jobs)
 
     def _draw(self) -> int:
-        """A number as an enqueue draws it (negative, 62 random bits), kept for cleanup."""
-        self.drawn.append(-1 - secrets.randbits(62))
+        """A number as an enqueue draws it (:func:`dispatch.draw`), kept for cleanup."""
+        self.drawn.append(dispatch.draw())
         return self.drawn[-1]
 
     def _reset(self, capacity: int | None) -> None:
