@@ -356,13 +356,7 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
         details["queue_in_flight"], details["queue_room"], cap.queue_max_jobs,
     )  # fmt: skip
     if job.state == FAILED:
-        return Explanation(
-            job.task_id, "failed",
-            f"Its message could not be published {job.publish_failures} times (a broker or "
-            "serializer that refuses it): it will not run. Fix the cause, then cancel it "
-            "(manage.py fair_jobs_cancel) or delay() it again.",
-            details,
-        )  # fmt: skip
+        return Explanation(job.task_id, "failed", _failed(job), details)
     if job.state == RUNNING:
         return _dispatched_running(job, now, details)
     if job.state == DISPATCHED:
@@ -378,6 +372,29 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
         )
         return Explanation(job.task_id, "scheduled", summary, details)
     return _dispatch_waiting(job, line, queue, details)
+
+
+def _failed(job: Any) -> str:
+    """Why a dispatched job ended failed: its publish failed ``PUBLISH_ATTEMPTS`` times, or
+    (fewer failures: :func:`dispatch.unregistered` counts one) a worker that received it
+    had no task of that name registered."""
+    from django_fair_jobs.dispatch.store import PUBLISH_ATTEMPTS
+
+    if job.publish_failures >= PUBLISH_ATTEMPTS:
+        cause = (
+            f"Its message could not be published {job.publish_failures} times (a broker or "
+            "serializer that refuses it)"
+        )
+    else:
+        cause = (
+            f"The worker that received it had no task of that name ({job.task_name}) "
+            "registered (a worker older than its publisher), and Celery rejected it"
+        )
+    return (
+        f"{cause}: it will not run. Fix the cause, then put it back in its line (the "
+        "admin's action 'Put the selected failed jobs back in line'), cancel it (manage.py "
+        "fair_jobs_cancel) or delay() it again."
+    )
 
 
 def _dispatched_running(job: Any, now: datetime, details: dict[str, Any]) -> Explanation:

@@ -10,6 +10,7 @@ from typing import Any
 from celery.signals import (
     task_prerun,
     task_revoked,
+    task_unknown,
     worker_init,
     worker_process_init,
     worker_process_shutdown,
@@ -31,6 +32,7 @@ from django_fair_jobs import (
     planner,
     queue_limits,
 )
+from django_fair_jobs import headers as fair_headers
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import NotMigratedError
 from django_fair_jobs.messages import is_fair
@@ -211,6 +213,28 @@ def _on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: An
             identity.when_gone(pids, lambda: _drop(str(task_id), terminated=True))
     except Exception:
         logger.exception("Could not drop the slots of revoked job %s", task_id)
+    finally:
+        # In prefork this runs in the parent: pool processes forked later must not
+        # inherit its database connection.
+        from django.db import connections
+
+        connections.close_all()
+
+
+@task_unknown.connect
+def _on_task_unknown(message: Any = None, name: Any = None, **kwargs: Any) -> None:
+    # Celery rejects a message of a task this worker has not registered; a dispatched job's
+    # row would keep its room until the lost-message repair, so it ends failed now.
+    headers = getattr(message, "headers", None) or {}
+    job_id = headers.get(fair_headers.DISPATCH)
+    if not isinstance(job_id, int):
+        return
+    from celery import current_app
+
+    try:
+        dispatch.unregistered(current_app, job_id, str(name))
+    except Exception:
+        logger.exception("Could not end dispatched job %s of an unregistered task", job_id)
     finally:
         # In prefork this runs in the parent: pool processes forked later must not
         # inherit its database connection.

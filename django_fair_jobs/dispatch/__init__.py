@@ -463,6 +463,18 @@ def _set_aside(job_id: int) -> None:
         logger.exception("Could not set job %s aside; the lost-message repair will", job_id)
 
 
+def unregistered(app: Celery, job_id: int, task_name: str) -> None:
+    """A worker rejected the dispatched job ``job_id``: it has no task ``task_name``. The job
+    ends failed (shown by explain, status and the admin, which puts it back), and its room
+    is dispatched now rather than held until the lost-message repair sends it again."""
+    logger.error("Dispatched job %s: no task %r registered here; it ends failed", job_id, task_name)
+    store_ = _store()
+    ready: list[Ready] = db.sent_again(
+        alias(), lambda again: store_.end(job_id, None, outcome="failed", again=again)
+    )
+    publish(app, ready)
+
+
 def drop(app: Celery, task_id: str, *, terminated: bool) -> None:
     """A revoked job's message was dropped by the worker: its dispatched row goes (and a
     terminated running one), and the room it leaves is dispatched."""

@@ -9,10 +9,11 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-from celery import chain
+from celery import chain, shared_task
 
-from django_fair_jobs import dispatch
+from django_fair_jobs import dispatch, explanations
 from django_fair_jobs.dispatch.models import (
+    FAILED,
     WAITING,
     DispatchJob,
     DispatchQueue,
@@ -258,3 +259,29 @@ def test_lineage__a_job_published_at_another_jobs_end__keeps_its_own_parent_and_
     assert a.get(timeout=30) == [None, a.id]
     parent, root = b.get(timeout=30)
     assert parent is None and root == b.id, (parent, root, a.id)
+
+
+@shared_task(base=tasks.TenantFromFirstArg, bind=True, queue="fair", fair_dispatch=True)
+def unregistered(self: Any, tenant: str) -> str:
+    """A task of the publisher only: the test's workers never import this module."""
+    return tenant
+
+
+def test_a_task_no_worker_knows__its_jobs_end_failed__their_room_goes_to_others(
+    start_worker: Callable[..., Worker],
+) -> None:
+    # A deploy whose workers lag its publishers: Celery rejects a message of a task it has
+    # not registered. Its job must not keep its place in flight (2 processes and 1 of
+    # slack: three such jobs would stall the queue until the lost-message repair).
+    worker = start_worker("d", concurrency=2, extra_env=FAST)
+    unknown = [unregistered.delay("u").id for _ in range(3)]
+    wait_for(
+        lambda: DispatchJob.objects.filter(task_id__in=unknown, state=FAILED).count() == 3,
+        30, "the jobs of the unregistered task to end failed",
+    )  # fmt: skip
+    assert "Received unregistered task" in worker.output()
+    known = [tasks.dispatched.delay("k").id for _ in range(3)]
+    wait_finished(known, timeout=30)
+    explained = explanations.explain(unknown[0])
+    assert explained.state == "failed"
+    assert "no task of that name" in explained.summary
