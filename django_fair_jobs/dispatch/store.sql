@@ -1,9 +1,7 @@
--- Fair dispatch: the statements that call the functions of sql/dispatch.sql.
--- PostgreSQL only, one named block each, loaded by django_fair_jobs.sql.queries().
+-- Fair dispatch's statements (PostgreSQL), calling sql/dispatch.sql; loaded by sql.queries().
 
 -- name: dispatch_enqueue
--- Fair dispatch: store a job in its tenant's line, dispatching while the queue has room
--- (the functions are in dispatch.sql).
+-- Store a job in its tenant's line, dispatching while the queue has room.
 -- by: the negative number the enqueue drew (its receipt): sent again after a lost reply
 -- (again), the same statement answers with what its first try did.
 SELECT job_id, job_message FROM fair_jobs_enqueue(
@@ -11,10 +9,10 @@ SELECT job_id, job_message FROM fair_jobs_enqueue(
     %(not_before)s, %(weight)s, %(cap)s, %(on_loss)s::smallint, true, %(by)s, %(again)s);
 
 -- name: dispatch_stage
--- Fair dispatch inside the caller's transaction: the jobs' rows alone, aside (state 0) and
--- due at once (or at their countdown or ETA), so that they commit with the caller's data
--- and lock nothing another step waits for. The dispatch after the commit (or the due poll)
--- puts them in their lines.
+-- Inside the caller's transaction: the jobs' rows alone, aside (state 0) and due at once
+-- (or at their countdown or ETA), so that they commit with the caller's data and lock
+-- nothing another step waits for. The dispatch after the commit (or the due poll) puts
+-- them in their lines.
 INSERT INTO fair_jobs_dispatchjob
        (queue, tenant, task_name, task_id, message, state, not_before, enqueued_at,
         publish_failures, republished, cap, weight, on_loss)
@@ -30,8 +28,7 @@ SELECT j.queue, j.tenant, j.task_name, j.task_id, j.message, 0,
 RETURNING id;
 
 -- name: dispatch_enqueue_many
--- Fair dispatch: store many jobs (bulk_enqueue) in one round trip, then dispatch each of
--- their queues once.
+-- Store many jobs (bulk_enqueue) in one round trip, then dispatch each of their queues once.
 SELECT job_id, job_message FROM fair_jobs_enqueue_many(
     %(queues)s, %(tenants)s, %(task_names)s, %(task_ids)s, %(messages)s,
     %(delays)s::double precision[], %(not_befores)s::timestamptz[],

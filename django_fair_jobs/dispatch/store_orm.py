@@ -219,6 +219,9 @@ class Store(pg_store.Store):
             if line.waiting == 0:
                 line.head_id, line.cap, line.blocked = row.pk, job.cap, False
                 line.pass_value = max(line.pass_value, vt)
+            elif line.head_id is None or row.pk < line.head_id:
+                # A job stored before the head whose line it reaches later: it leads.
+                line.head_id, line.cap = row.pk, job.cap
             line.waiting += 1
         line.save(update_fields=["weight", "cap", "blocked", "waiting", "head_id", "pass_value"])
         return due

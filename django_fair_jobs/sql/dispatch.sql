@@ -203,12 +203,13 @@ $$;
 
 -- Store a job in its tenant's line (or aside, with a countdown or ETA not yet due: its due
 -- time is the database's now() plus p_delay seconds, or p_not_before) and, if p_dispatch,
--- dispatch while the queue has room. Waits only for its own tenant's line. Returns the
--- jobs to publish. p_by: the negative number the enqueue drew, its receipt (a first try
--- inserts it plainly: a number taken raises), kept on each job its dispatch takes
--- (dispatched_by); NULL, none (bulk_enqueue). Sent again after a lost reply (p_again), it
--- answers with the jobs its first try dispatched that have not started, found by the
--- receipt whatever became of its job since, and waits on the receipt's key (up to the
+-- dispatch while the queue has room. Waits only for its own tenant's line, which an older
+-- job may reach after a newer one (its id drawn first, its commit later): it then leads.
+-- Returns the jobs to publish. p_by: the negative number the enqueue drew, its receipt (a
+-- first try inserts it plainly: a number taken raises), kept on each job its dispatch
+-- takes (dispatched_by); NULL, none (bulk_enqueue). Sent again after a lost reply
+-- (p_again), it answers with the jobs its first try dispatched that have not started,
+-- found by the receipt whatever became of its job since, and waits on its key (up to the
 -- lock_timeout) while that try has not committed.
 CREATE OR REPLACE FUNCTION fair_jobs_enqueue(
     p_queue text, p_tenant text, p_task_name text, p_task_id text, p_message text,
@@ -256,8 +257,10 @@ BEGIN
             false)
     ON CONFLICT (queue, tenant) DO UPDATE
        SET waiting = t.waiting + CASE WHEN v_due THEN 1 ELSE 0 END,
-           head_id = CASE WHEN v_due AND t.waiting = 0 THEN v_id ELSE t.head_id END,
-           cap = CASE WHEN v_due AND t.waiting = 0 THEN p_cap ELSE t.cap END,
+           head_id = CASE WHEN v_due AND (t.waiting = 0 OR v_id < t.head_id)
+                          THEN v_id ELSE t.head_id END,
+           cap = CASE WHEN v_due AND (t.waiting = 0 OR v_id < t.head_id)
+                      THEN p_cap ELSE t.cap END,
            blocked = CASE WHEN v_due AND t.waiting = 0 THEN false ELSE t.blocked END,
            pass_value = CASE WHEN v_due AND t.waiting = 0
                              THEN GREATEST(t.pass_value, v_vt) ELSE t.pass_value END,

@@ -155,6 +155,34 @@ def test_oldest_job__within_a_tenant_fifo(published: list[int]) -> None:
     assert [r.task_id for r in order] == ids
 
 
+def next_job_id(value: int) -> None:
+    """Make the next job row's id ``value``: as when two enqueues commit in the other order
+    than their rows took their ids (each row is stored before its line is written)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT setval(pg_get_serial_sequence('fair_jobs_dispatchjob', 'id'), %s, false)",
+            [value],
+        )
+
+
+def test_oldest_job__an_enqueue_older_than_its_lines_head__leads_the_line(
+    published: list[int],
+) -> None:
+    if not is_postgres():
+        pytest.skip("SQLite's writers take turns and its ids only grow: no race to replay")
+    next_job_id(1_000_100)
+    (newer,) = enqueue("a")
+    next_job_id(1_000_000)
+    (older,) = enqueue("a")
+    pk = dict(DispatchJob.objects.values_list("task_id", "pk"))
+    assert pk[older] < pk[newer]
+    assert DispatchTenant.objects.get(tenant="a").head_id == pk[older]
+    set_capacity(2)
+    pump()
+    order = DispatchJob.objects.filter(pk__in=published).order_by("dispatched_at", "id")
+    assert [r.task_id for r in order] == [older, newer]
+
+
 def test_weights__one_three_six__shares_of_starts_within_five_percent(
     published: list[int],
 ) -> None:
