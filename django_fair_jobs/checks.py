@@ -384,7 +384,9 @@ def _no_tenant_warning(task: Any) -> checks.CheckMessage:
     return checks.Warning(
         f"Task {task.name} has no way to find its jobs' tenant: it defines no fair_tenant(), "
         "and neither FAIR_JOBS_TENANT_RESOLVER nor FAIR_JOBS_DEFAULT_TENANT is set. A job "
-        "published without fair_tenant= has no tenant, and is not kept fair.",
+        "published without fair_tenant= has no tenant: under fair dispatch it waits in the "
+        "one line of its queue's jobs without a tenant; it takes no tenant slot and no "
+        "tenant's cap limits it.",
         hint="Define fair_tenant() on the task's class, set FAIR_JOBS_TENANT_RESOLVER or "
         "FAIR_JOBS_DEFAULT_TENANT, or silence fair_jobs.W006 if every publish passes "
         "fair_tenant=.",

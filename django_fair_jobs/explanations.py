@@ -493,8 +493,9 @@ def _undecided(task_id: str, decisions: list[dict[str, Any]]) -> Explanation:
         task_id, "unknown",
         "django-fair-jobs holds nothing for this id, and the result backend knows no end of "
         "it: it waits in the broker unheld (tenant slots and queue limits record a job only "
-        "once it is held back; fair dispatch records every job), ended without a stored "
-        "result, or the id is wrong.",
+        "once it is held back; fair dispatch records every job until it ends), ended without "
+        "a stored result (a job's rows go when it ends: set a result backend to keep its "
+        "end), or the id is wrong.",
         _broker_details(search),
     )  # fmt: skip
 
@@ -533,6 +534,8 @@ def _broker_details(search: broker.Search | None) -> dict[str, Any]:
     if not search.searchable:
         return {"broker": f"{search.transport}: not searched (it cannot be read without "
                           "taking messages)"}  # fmt: skip
+    if search.queue is None and search.read == 0:
+        return {"broker": f"no message waits in {', '.join(search.queues) or 'any queue'}"}
     if search.queue is None:
         return {"broker": f"not found in the oldest {search.read} message(s) of "
                           f"{', '.join(search.queues) or 'no queue'}"}  # fmt: skip

@@ -143,9 +143,12 @@ class Command(BaseCommand):
         log_dir.mkdir(parents=True, exist_ok=True)
         database, broker = runner.describe_database(), runner.describe_broker()
         self.stdout.write(f"Scenario {scenario.name}: {scenario.description}")
+        # Plain Celery and fair dispatch take no tenant limit: say it only when a mode does.
+        limited = any(mode.name not in ("plain", "dispatch") for mode in modes)
         self.stdout.write(
             f"{len(scenario.jobs)} jobs; {nodes} worker node(s) x {concurrency} "
-            f"({options['pool']} pool); tenant limit of fair modes: {limit}."
+            f"({options['pool']} pool)"
+            + (f"; tenant limit of the modes that take one: {limit}." if limited else ".")
         )
         latency = options["db_latency_ms"]
         if latency < 0 or (latency and not database.startswith("postgresql")):

@@ -47,12 +47,14 @@ class Command(fairbench.Command):
             "  * The full benchmark, on PostgreSQL and Redis (see docs/benchmarks.md):\n"
             "      bash scripts/bench.sh flood\n"
             "  * This demo against PostgreSQL and Redis:\n"
+            '      .venv/bin/pip install -e ".[postgres,redis]"\n'
             "      DATABASE_URL=postgres://postgres@127.0.0.1:5432/fair_jobs_example \\\n"
             "      CELERY_BROKER_URL=redis://127.0.0.1:6379/0 "
             ".venv/bin/python example_project/manage.py run_demo"
         )
         self.stdout.write(
-            "  * The admin (tenant limits, parked jobs, workers):\n"
+            "  * The admin, where a running worker's tenants, lines and jobs show (the demo's\n"
+            "    workers have stopped, so start one and send jobs, as docs/quickstart.md does):\n"
             "      .venv/bin/python example_project/manage.py createsuperuser\n"
             "      .venv/bin/python example_project/manage.py runserver\n"
             "    then open http://127.0.0.1:8000/admin/fair_jobs/"
