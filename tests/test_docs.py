@@ -16,7 +16,7 @@ from django_fair_jobs.conf import SETTING_NAMES
 ROOT = Path(__file__).resolve().parent.parent
 
 
-SQL_PAGES = ("sql.md", "sql-queues.md", "sql-dispatch.md")
+SQL_PAGES = ("sql.md", "sql-queues.md", "sql-dispatch.md", "sql-dispatch-functions.md")
 """The pages that print the shipped SQL, in order."""
 
 

@@ -105,15 +105,20 @@ class Store:
         with transaction.atomic(using=self.alias):
             if not self.confirm_beat(process_id):
                 return False, 0, []
-            redone = self.restart(started, process_id) if started else 0
+            redone = self.restart(started, process_id, ended=ended) if started else 0
             if ended:
                 ready = self.end_many(ended, process_id)
         return True, redone, ready
 
-    def restart(self, job_ids: list[int], process_id: uuid.UUID) -> int:
+    def restart(
+        self, job_ids: list[int], process_id: uuid.UUID, *, ended: list[int] | None = None
+    ) -> int:
         """See :func:`django_fair_jobs.dispatch.confirm`: the starts made again; returns
-        how many a crash had lost (their rows were not running here)."""
-        rows = self._rows("dispatch_restart", {"jobs": sorted(job_ids), "process": process_id})
+        how many a crash had lost (their rows were not running here). ``ended``: the ends
+        the same transaction makes again next, whose lines it takes in order first where
+        a start takes a line."""
+        params = {"jobs": sorted(job_ids), "process": process_id, "ended": sorted(ended or [])}
+        rows = self._rows("dispatch_restart", params)
         return sum(1 for (status,) in rows if status == "started")
 
     def confirm_beat(self, process_id: uuid.UUID) -> bool:

@@ -237,9 +237,12 @@ class Store(pg_store.Store):
                 ready += self._dispatch(queue, BATCH)
         return ready
 
-    def restart(self, job_ids: list[int], process_id: uuid.UUID) -> int:
+    def restart(
+        self, job_ids: list[int], process_id: uuid.UUID, *, ended: list[int] | None = None
+    ) -> int:
         """See :meth:`django_fair_jobs.dispatch.store.Store.restart` (the ORM store's
-        commits always wait for the disk: only a caller's own list brings it here)."""
+        commits always wait for the disk: only a caller's own list brings it here; its
+        writers take turns on SQLite, so ``ended`` needs no lines taken first)."""
         return sum(self.start(job_id, process_id).status == "started" for job_id in sorted(job_ids))
 
     def confirm_beat(self, process_id: uuid.UUID) -> bool:

@@ -296,6 +296,32 @@ BEGIN
 END;
 $$;
 
+-- Before a statement that starts p_starts and ends p_ends (a start carrying ends, the
+-- heartbeat's confirmation): if one job to start is back in its line, whose start takes
+-- that line, take every line the statement writes first, in (queue, tenant) order by
+-- byte value, after the rows of the jobs to end (order 1) and before the rows of the jobs
+-- to start from their lines (order 2). Else nothing: a dispatched job's start takes no
+-- line, and end_many takes its lines in order. Returns true, which the steps after it
+-- take as an argument, so that they run after it.
+CREATE OR REPLACE FUNCTION fair_jobs_dispatch_lock_lines(p_starts bigint[], p_ends bigint[])
+RETURNS boolean
+LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
+                    WHERE j.id = ANY(p_starts) AND j.state = 1) THEN
+        RETURN true;
+    END IF;
+    PERFORM 1 FROM fair_jobs_dispatchjob AS j WHERE j.id = ANY(p_ends) ORDER BY j.id
+        FOR UPDATE;
+    PERFORM 1 FROM fair_jobs_dispatchtenant AS t
+     WHERE (t.queue, t.tenant) IN (SELECT j.queue, j.tenant FROM fair_jobs_dispatchjob AS j
+                                    WHERE j.id = ANY(p_starts || p_ends))
+     ORDER BY t.queue COLLATE "C", t.tenant COLLATE "C"
+       FOR UPDATE OF t;
+    RETURN true;
+END;
+$$;
+
 -- A dispatched job starts: it is running now, under p_process ("started"). A copy of a
 -- job that went back to its line (its worker was presumed dead) starts it from there, its
 -- line locked first. A job already running under p_process answers "again": this

@@ -11,15 +11,18 @@ transaction is skipped, never waited for, by any step that did not come for that
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
-from django_fair_jobs import dispatch
-from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue
+from django_fair_jobs import dispatch, identity
+from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue, DispatchTenant
 from tests.dispatch.conftest import job_of, set_capacity
+from tests.conftest import wait_for
 from tests.sessions import (
     finishes_while_held,
     in_thread,
@@ -212,3 +215,105 @@ def test_a_start_carrying_ends__its_own_job_first__then_the_ended_jobs_lines() -
     assert not isinstance(started, BaseException), started
     assert started.status == "started"
     assert not DispatchJob.objects.filter(pk=ended).exists()
+
+
+def back_in_line(tenant: str) -> int:
+    """A job of ``tenant`` that went back to its line, as the reap puts it (its copy in
+    the broker may still start it)."""
+    job = running(tenant)
+    DispatchQueue.objects.filter(queue="fair").update(capacity=0)  # its end dispatches none
+    dispatch.end(job, PROCESS, outcome="back")
+    DispatchQueue.objects.filter(queue="fair").update(capacity=10)
+    assert DispatchJob.objects.get(pk=job).state == 1
+    return job
+
+
+def holds_no_line_while_waiting(work: Callable[[], Any], waits_for: str, free: str) -> Any:
+    """Run ``work`` while a second session holds ``waits_for``'s line; once ``work`` waits
+    for it, ``free``'s line (later in the order) must not be held by it."""
+    held = session()
+    held.execute(*line_lock(waits_for))  # as an end_many or enqueue_many of a, then b
+    thread, out = in_thread(work)
+    try:
+        wait_until_blocked(thread, f"the step to wait on {waits_for}'s line")
+        assert thread.is_alive(), out
+        with session() as look:
+            statement, params = line_lock(free)
+            look.execute(statement + " NOWAIT", params)  # raises if the step holds it
+            look.rollback()
+    finally:
+        held.commit()
+        held.close()
+        thread.join(20)
+    (result,) = out
+    assert not isinstance(result, BaseException), result
+    return result
+
+
+def test_a_start_from_the_line_carrying_ends__takes_the_lines_in_order() -> None:
+    # A job back in b's line starts, carrying the end of a job of a: b's line must not be
+    # held while the statement waits for a's (an end_many of a and b holds a and waits
+    # for b: a deadlock).
+    set_capacity(10)
+    ended = running("a")
+    back = back_in_line("b")
+    started = holds_no_line_while_waiting(
+        lambda: dispatch.start(back, PROCESS, ended=[ended]), waits_for="a", free="b"
+    )
+    assert started.status == "started"
+    assert not DispatchJob.objects.filter(pk=ended).exists()
+
+
+def test_a_confirmation_restarting_a_job_from_its_line__takes_the_lines_in_order() -> None:
+    # The heartbeat's confirmation makes again a lost start (the job back in b's line) and
+    # a lost end (a job of a) in one transaction: the same order.
+    set_capacity(10)
+    identity.register_process(process_id=PROCESS, node="n@h", hostname="h", pid=1)
+    ended = running("a")
+    back = back_in_line("b")
+    confirmed, redone, _ = holds_no_line_while_waiting(
+        lambda: dispatch.confirm([back], [ended], PROCESS), waits_for="a", free="b"
+    )
+    assert (confirmed, redone) == (True, 1)
+    assert not DispatchJob.objects.filter(pk=ended).exists()
+
+
+def wait_for_waiting(count: int, what: str) -> None:
+    """Until ``count`` sessions of the test database wait for a lock."""
+    with session(autocommit=True) as look:
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        wait_for(lambda: look.execute(waiting).fetchone()[0] >= count, 20, what)
+
+
+def test_a_cancel_of_a_staged_job_of_a_new_tenant__holds_its_line_before_its_jobs() -> None:
+    # A job stored inside its caller's transaction for a tenant with no line yet; a cancel
+    # of that tenant starts, then a dispatch makes the line and moves the job into it. The
+    # cancel must hold the line before the job (order 2), or the two deadlock: the dispatch
+    # holds the line and waits for the job, which the cancel deleted and whose line it
+    # then comes for.
+    set_capacity(0)
+    with transaction.atomic():
+        staged = job_id(tasks.dispatched.delay("c").id)
+    DispatchJob.objects.filter(pk=staged).update(state=0)  # stored, not yet in its line
+    DispatchTenant.objects.filter(tenant="c").delete()
+    held = session()
+    held.execute("SELECT id FROM fair_jobs_dispatchjob WHERE id = %s FOR UPDATE", [staged])
+    cancelling, cancelled = in_thread(lambda: dispatch.cancel("fair", "c"))
+    try:
+        wait_for_waiting(1, "the cancel to wait for the staged job")
+        dispatching, dispatched = in_thread(lambda: dispatch.dispatch("fair"))
+        wait_for_waiting(2, "the dispatch to wait too")
+    finally:
+        held.commit()
+        held.close()
+        cancelling.join(20)
+    dispatching.join(20)
+    assert not isinstance(cancelled[0], BaseException), cancelled
+    assert not isinstance(dispatched[0], BaseException), dispatched
+    assert len(cancelled[0]) == 1  # the staged job's task id
+    assert not DispatchJob.objects.filter(pk=staged).exists()
+    line = DispatchTenant.objects.get(tenant="c")
+    assert (line.waiting, line.in_flight, line.head_id) == (0, 0, None)
