@@ -10,6 +10,7 @@ transaction is skipped, never waited for, by any step that did not come for that
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,8 +22,8 @@ from django.utils import timezone
 
 from django_fair_jobs import dispatch, identity
 from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue, DispatchTenant
-from tests.dispatch.conftest import job_of, set_capacity
 from tests.conftest import wait_for
+from tests.dispatch.conftest import job_of, set_capacity
 from tests.sessions import (
     finishes_while_held,
     in_thread,
@@ -278,34 +279,60 @@ def test_a_confirmation_restarting_a_job_from_its_line__takes_the_lines_in_order
     assert not DispatchJob.objects.filter(pk=ended).exists()
 
 
-def wait_for_waiting(count: int, what: str) -> None:
-    """Until ``count`` sessions of the test database wait for a lock."""
+def wait_for_waiting(count: int, what: str, *threads: Any) -> None:
+    """Until ``count`` sessions of the test database wait for a lock (or one of
+    ``threads``, each a thread and its result list, has ended: it says why)."""
     with session(autocommit=True) as look:
         waiting = (
             "SELECT count(*) FROM pg_stat_activity"
             " WHERE wait_event_type = 'Lock' AND datname = current_database()"
         )
-        wait_for(lambda: look.execute(waiting).fetchone()[0] >= count, 20, what)
+        wait_for(
+            lambda: look.execute(waiting).fetchone()[0] >= count
+            or any(not thread.is_alive() for thread, _ in threads),
+            20, what,
+        )  # fmt: skip
+        for thread, out in threads:
+            assert thread.is_alive(), f"{what}: it ended with {out}"
 
 
-def test_a_cancel_of_a_staged_job_of_a_new_tenant__holds_its_line_before_its_jobs() -> None:
-    # A job stored inside its caller's transaction for a tenant with no line yet; a cancel
-    # of that tenant starts, then a dispatch makes the line and moves the job into it. The
-    # cancel must hold the line before the job (order 2), or the two deadlock: the dispatch
-    # holds the line and waits for the job, which the cancel deleted and whose line it
-    # then comes for.
+def test_a_cancel_of_a_staged_job_of_a_new_tenant__holds_its_line_before_its_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A job stored inside its caller's transaction for a tenant with no line yet. A cancel
+    # of that tenant takes the line (none yet); a dispatch then makes it (committed before
+    # the cancel's next statement), holds it and waits for the job, which the cancel
+    # deletes and whose line it then comes for: a deadlock, unless the cancel holds the
+    # line, made if need be, before the jobs (order 2).
+    import psycopg
+
+    from django_fair_jobs.dispatch import store
+
     set_capacity(0)
     with transaction.atomic():
         staged = job_id(tasks.dispatched.delay("c").id)
     DispatchJob.objects.filter(pk=staged).update(state=0)  # stored, not yet in its line
     DispatchTenant.objects.filter(tenant="c").delete()
+    real = store.Store._rows
+
+    def rows(self: Any, name: str, params: Any) -> Any:
+        result = real(self, name, params)
+        if name == "dispatch_lock_line":  # a dispatch makes the line meanwhile
+            with session(autocommit=True) as other:
+                other.execute("SET lock_timeout = '500ms'")
+                statement = sql_queries()["dispatch_make_lines"]
+                with contextlib.suppress(psycopg.errors.LockNotAvailable):
+                    other.execute(statement, {"queue": "fair"})
+        return result
+
+    monkeypatch.setattr(store.Store, "_rows", rows)
     held = session()
     held.execute("SELECT id FROM fair_jobs_dispatchjob WHERE id = %s FOR UPDATE", [staged])
     cancelling, cancelled = in_thread(lambda: dispatch.cancel("fair", "c"))
     try:
-        wait_for_waiting(1, "the cancel to wait for the staged job")
+        wait_for_waiting(1, "the cancel to wait for the staged job", (cancelling, cancelled))
         dispatching, dispatched = in_thread(lambda: dispatch.dispatch("fair"))
-        wait_for_waiting(2, "the dispatch to wait too")
+        wait_for_waiting(2, "the dispatch to wait too", (dispatching, dispatched))
     finally:
         held.commit()
         held.close()
@@ -317,3 +344,10 @@ def test_a_cancel_of_a_staged_job_of_a_new_tenant__holds_its_line_before_its_job
     assert not DispatchJob.objects.filter(pk=staged).exists()
     line = DispatchTenant.objects.get(tenant="c")
     assert (line.waiting, line.in_flight, line.head_id) == (0, 0, None)
+
+
+def sql_queries() -> dict[str, str]:
+    """fair dispatch's named statements, as the store runs them."""
+    from django_fair_jobs import sql
+
+    return sql.queries()
