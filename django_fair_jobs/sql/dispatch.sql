@@ -11,6 +11,8 @@
 --   1. A dispatched or running job's row, then its tenant's line (start, end).
 --   2. A tenant's line, then its scheduled or waiting jobs (enqueue, the due step, the
 --      selection, cancel, the start of a job that went back to its line).
+--   3. A limited queue's dispatch turn (fair_jobs_dispatch), last: whoever holds it waits
+--      for no line (SKIP LOCKED) and no row a waiter holds.
 -- A step waits only for the line of its own job; any other line is taken with SKIP LOCKED
 -- (skipped, never waited for). Two steps wait for several lines, enqueue_many and
 -- end_many, and take them in (queue, tenant) order by byte value (COLLATE "C", the order
@@ -40,8 +42,8 @@ $$;
 -- its jobs dispatched or running (counted from their rows, a few at most), bounded by its
 -- queue limit (the places left, less the jobs dispatched that will take one at start) and
 -- its per-worker limit times its live nodes; a paused queue has none. Nothing is locked:
--- two concurrent dispatches may both see the same room (a small overshoot of the slack;
--- caps and queue limits are fenced at start).
+-- two concurrent dispatches of a queue without a limit may both see the same room (a
+-- small overshoot of the slack); those of a limited queue take turns (fair_jobs_dispatch).
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_room(p_queue text)
 RETURNS integer
 LANGUAGE plpgsql STABLE AS $$
@@ -141,6 +143,12 @@ BEGIN
     IF EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
                 WHERE j.queue = p_queue AND j.state = 0 AND j.not_before <= now()) THEN
         PERFORM fair_jobs_dispatch_due(p_queue);
+    END IF;
+    -- A queue with a limit: its dispatches take turns (a lock of the transaction keyed by
+    -- the queue, no row), and the room is read after the turn is taken, so two at once
+    -- never both fill what the limit leaves (the fence would refuse the excess).
+    IF EXISTS (SELECT 1 FROM fair_jobs_queuelimit AS l WHERE l.queue = p_queue) THEN
+        PERFORM pg_advisory_xact_lock(1718773348, hashtext(p_queue));
     END IF;
     v_room := LEAST(COALESCE(fair_jobs_dispatch_room(p_queue), 0), p_max);
     WHILE v_room > 0 LOOP

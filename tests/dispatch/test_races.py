@@ -138,3 +138,31 @@ def test_an_end_while_an_enqueue_commits__the_room_it_left_is_found_by_the_due_p
     assert newcomer.state == WAITING  # with room free: neither dispatched it
     assert dispatch.due_queues(["fair"]) == ["fair"]
     assert [r.job_id for r in dispatch.dispatch("fair")] == [newcomer.pk]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_dispatches_at_once__a_queue_limit_holds_at_dispatch(collected: list[int]) -> None:
+    # A queue's room is read, not locked: two dispatches of a limited queue at once must
+    # not both fill the room its limit leaves, or the start fence refuses the excess (each
+    # refused job set aside, its line blocked). They take turns; the second sees the first.
+    from django_fair_jobs import queue_limits
+
+    queue_limits.set_limits("fair", max_jobs=2)
+    DispatchQueue.objects.update_or_create(queue="fair", defaults={"capacity": 0})
+    for tenant in ("a", "b", "c", "d"):
+        tasks.dispatched.delay(tenant)
+    DispatchQueue.objects.filter(queue="fair").update(capacity=10)
+    held = session()
+    first = held.execute("SELECT job_id FROM fair_jobs_dispatch('fair', 1000, -1)").fetchall()
+    assert len(first) == 2
+    thread, out = in_thread(lambda: dispatch.dispatch("fair"))
+    try:
+        wait_until_blocked(thread, "the second dispatch to wait for the first")
+    finally:
+        held.commit()
+        held.close()
+        thread.join(20)
+    (second,) = out
+    assert not isinstance(second, BaseException), second
+    assert second == []
+    assert DispatchJob.objects.filter(state=DISPATCHED).count() == 2
