@@ -230,25 +230,14 @@ def back_in_line(tenant: str) -> int:
 
 
 def holds_no_line_while_waiting(work: Callable[[], Any], waits_for: str, free: str) -> Any:
-    """Run ``work`` while a second session holds ``waits_for``'s line; once ``work`` waits
-    for it, ``free``'s line (later in the order) must not be held by it."""
-    held = session()
-    held.execute(*line_lock(waits_for))  # as an end_many or enqueue_many of a, then b
-    thread, out = in_thread(work)
-    try:
-        wait_until_blocked(thread, f"the step to wait on {waits_for}'s line")
-        assert thread.is_alive(), out
-        with session() as look:
-            statement, params = line_lock(free)
-            look.execute(statement + " NOWAIT", params)  # raises if the step holds it
-            look.rollback()
-    finally:
-        held.commit()
-        held.close()
-        thread.join(20)
-    (result,) = out
-    assert not isinstance(result, BaseException), result
-    return result
+    """Run ``work`` while a second session holds ``waits_for``'s line (as an end_many or
+    enqueue_many of both tenants does); once ``work`` waits for it, ``free``'s line (later
+    in the order) must not be held by it."""
+    statement, params = line_lock(free)
+    return run_while_locked(
+        line_lock(waits_for), work, f"the step to wait on {waits_for}'s line",
+        (statement + " NOWAIT", params),
+    )  # fmt: skip
 
 
 def test_a_start_from_the_line_carrying_ends__takes_the_lines_in_order() -> None:

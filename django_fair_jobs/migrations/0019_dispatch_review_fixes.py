@@ -9,9 +9,10 @@ FUNCTIONS_DIGEST = "1eda57c12af61e3718f984635c68ce08c8d192f1898bf1f80a1f2b5b4f4b
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:
-    # The dispatches of a queue with a limit take turns (a transaction's advisory lock
-    # keyed by the queue), so that two at once never both fill the room the limit leaves.
-    # Same signatures: installed in place.
+    # Three fixes of the dispatch protocol, same signatures, so installed in place: an
+    # enqueue whose job is older than its line's head makes it the head; a start of a job
+    # back in its line that carries ends takes every line in order first (the new
+    # fair_jobs_dispatch_lock_lines); the dispatches of a limited queue take turns.
     if schema_editor.connection.vendor != "postgresql":
         return
     install_dispatch_functions(schema_editor)
@@ -19,7 +20,7 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("fair_jobs", "0020_start_lines_in_order"),
+        ("fair_jobs", "0018_first_receipt_plain"),
     ]
 
     operations = [
