@@ -1,5 +1,6 @@
 """What the broker holds, where it can be asked cheaply (layer 0: imports nothing of the
-package): a bounded search of a Redis broker's queues for one job, for explain.
+package): a bounded search of a Redis broker's queues for one job, for explain; and which
+errors of a publish say that the broker cannot be reached, not that the job is wrong.
 
 kombu's Redis transport keeps each queue as a list (one more list per priority step),
 pushed on the left and consumed from the right, so the oldest messages are at the right
@@ -12,8 +13,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from django import db as django_db
 from kombu.exceptions import InconsistencyError
+from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import loads
+
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    KombuOperationalError,
+    OSError,
+    django_db.OperationalError,
+    django_db.InterfaceError,
+)
+"""Errors of a publish that say the broker or the database is unreachable, not that the
+job is wrong (Celery already retried the publish by its retry policy): never counted
+against a job."""
+
+
+def connection_errors(app: Any) -> tuple[type[BaseException], ...]:
+    """The errors ``app``'s broker transport raises when the broker cannot be reached
+    (py-amqp's ``ConnectionForced`` while RabbitMQ stops, redis-py's ``ConnectionError``):
+    transient like :data:`TRANSIENT_ERRORS`. No connection is opened to learn them."""
+    with app.connection_for_write() as connection:
+        return tuple(connection.connection_errors)
+
 
 SEARCHED = 10_000
 """Messages read at most in one search, the oldest of each queue first: a job further back

@@ -49,15 +49,14 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from django.db import InterfaceError, OperationalError, connections, router
 from django.utils import timezone
 
-from django_fair_jobs import db, validation
+from django_fair_jobs import broker, db, validation
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.dispatch import message
 from django_fair_jobs.dispatch.types import BATCH as BATCH
@@ -396,32 +395,28 @@ def publish(app: Celery, ready: list[Ready]) -> int:
     Jobs dispatched together go to the broker together: on Redis (kombu 5.7 and later)
     their pushes travel in one pipeline, one round trip, sent once all are built; on other
     brokers one by one. A job that cannot be published goes aside for a delay that doubles
-    with each failure (at most a minute), and after ``store.PUBLISH_ATTEMPTS`` failures
-    ends failed; nothing is dispatched into the room it leaves. After a broker error the
-    rest stay dispatched, for the lost-message repair once the broker is back. So one call
-    makes at most one failed attempt (a ``delay()`` fails as fast as plain Celery's), and a
-    poison job never stalls the others."""
+    with each failure (2 s, 4 s, ... at most a minute); nothing is dispatched into the
+    room it leaves. After ``store.PUBLISH_ATTEMPTS`` failures it ends failed at its next
+    failure of its own; a broker that cannot be reached is not one (its jobs wait the
+    outage out). After a broker error the rest stay dispatched, for the lost-message
+    repair once the broker is back. So one call makes at most one failed attempt (a
+    ``delay()`` fails as fast as plain Celery's), and a poison job never stalls the
+    others."""
     if not ready:
         return 0
     with app.producer_or_acquire() as producer:
         try:
-            with _together(producer, len(ready)):
+            with message.together(producer, len(ready)):
                 return _send(app, producer, ready)
-        except Exception:  # the pipeline failed: whether its pushes arrived is unknown
+        except Exception as exc:  # the pipeline failed: whether its pushes arrived is unknown
             logger.exception("Could not publish %d dispatched jobs together", len(ready))
-            _gave_up(ready, 0)
+            _gave_up(ready, 0, _unreachable(app, exc))
             return 0
 
 
-def _together(producer: Any, count: int) -> AbstractContextManager[Any]:
-    """A batch of ``producer``'s publishes sent in one round trip at its exit, where the
-    transport has one (kombu's ``Producer.batch``, Redis); else publish at once. A batch's
-    failure leaves each of its messages sent or not: the caller's fence refuses a copy
-    either way (a job set aside or published again starts at most once)."""
-    batch = getattr(producer, "batch", None)
-    if count < 2 or batch is None or not getattr(producer, "supports_batch_publish", False):
-        return nullcontext()
-    return cast(AbstractContextManager[Any], batch())
+def _unreachable(app: Celery, exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a publish, says the broker cannot be reached."""
+    return isinstance(exc, broker.TRANSIENT_ERRORS + broker.connection_errors(app))
 
 
 def _send(app: Celery, producer: Any, ready: list[Ready]) -> int:
@@ -429,16 +424,16 @@ def _send(app: Celery, producer: Any, ready: list[Ready]) -> int:
     for position, item in enumerate(ready):
         try:
             message.send(app, producer, item.message, item.job_id)
-        except Exception:
+        except Exception as exc:
             logger.exception("Could not publish dispatched job %s; it goes aside", item.job_id)
-            _gave_up(ready, position)
+            _gave_up(ready, position, _unreachable(app, exc))
             return position
     return len(ready)
 
 
-def _gave_up(ready: list[Ready], position: int) -> None:
+def _gave_up(ready: list[Ready], position: int, unreachable: bool) -> None:
     """The publish of ``ready[position]`` failed: aside; the rest wait for the repair."""
-    _set_aside(ready[position].job_id)
+    _set_aside(ready[position].job_id, unreachable)
     if position + 1 < len(ready):
         logger.warning(
             "%d dispatched jobs are published again by the lost-message repair",
@@ -446,14 +441,16 @@ def _gave_up(ready: list[Ready], position: int) -> None:
         )
 
 
-def _set_aside(job_id: int) -> None:
-    """A job whose publish failed: aside after a growing delay, or failed for good."""
+def _set_aside(job_id: int, unreachable: bool) -> None:
+    """A job whose publish failed: aside after a growing delay, or failed for good after
+    ``PUBLISH_ATTEMPTS`` failures, the last of them its own (``unreachable``: the broker
+    could not be reached, which fails no job)."""
     from django_fair_jobs.dispatch.store import MAX_BACKOFF, PUBLISH_ATTEMPTS
 
     store_ = _store()
     try:
         failures = store_.failures(job_id) + 1
-        if failures >= PUBLISH_ATTEMPTS:
+        if failures >= PUBLISH_ATTEMPTS and not unreachable:
             logger.error("Dispatched job %s failed %d publishes: it ends failed", job_id, failures)
             store_.end(job_id, None, outcome="failed", limit=0)
         else:

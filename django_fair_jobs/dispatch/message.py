@@ -18,7 +18,7 @@ is sent when the job is published, with the queue it goes to.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
@@ -191,3 +191,14 @@ def send(app: Celery, producer: Any, stored: str, job_id: int) -> None:
         cast(Any, app.amqp)._event_dispatcher.publish(
             "task-sent", {**sent, **route, "routing_key": message.get("routing_key")}, producer
         )
+
+
+def together(producer: Any, count: int) -> AbstractContextManager[Any]:
+    """A batch of ``producer``'s publishes sent in one round trip at its exit, where the
+    transport has one (kombu's ``Producer.batch``, Redis); else publish at once. A batch's
+    failure leaves each of its messages sent or not: the caller's fence refuses a copy
+    either way (a job set aside or published again starts at most once)."""
+    batch = getattr(producer, "batch", None)
+    if count < 2 or batch is None or not getattr(producer, "supports_batch_publish", False):
+        return nullcontext()
+    return cast(AbstractContextManager[Any], batch())

@@ -43,12 +43,11 @@ from dataclasses import dataclass
 from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django import db as django_db
 from django.utils import timezone
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import dumps, loads
 
-from django_fair_jobs import db
+from django_fair_jobs import broker, db
 from django_fair_jobs.conf import fair_settings
 from django_fair_jobs.errors import (
     FairArgumentsError,
@@ -86,27 +85,7 @@ PUBLISH_ATTEMPTS = 3
 """Publishes a planned job may fail for a reason of its own before it is failed for good
 (``failed_at``): a few, so that an error that passes is not fatal, and few enough that a
 job that can never be published holds nothing back for long. A broker or database outage
-is not counted (:data:`TRANSIENT_ERRORS`)."""
-
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    KombuOperationalError,
-    OSError,
-    django_db.OperationalError,
-    django_db.InterfaceError,
-)
-"""Errors of a publish that say the broker or the database is unreachable, not that the
-job is wrong: the tenant's batch stays in line untouched (Celery already retried the
-publish by its retry policy)."""
-
-
-def broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
-    """The errors ``app``'s broker transport raises when the broker cannot be reached
-    (py-amqp's ``ConnectionForced`` while RabbitMQ stops, redis-py's ``ConnectionError``):
-    transient like :data:`TRANSIENT_ERRORS`, never counted against a job. No connection is
-    opened to learn them."""
-    with app.connection_for_write() as connection:
-        return tuple(connection.connection_errors)
-
+is not counted (:data:`django_fair_jobs.broker.TRANSIENT_ERRORS`)."""
 
 STALE_FACTOR = 10
 """A promoted job not started after this many times its plan's ``latency_threshold`` (or
@@ -353,8 +332,8 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
         return {}
     plan_out, tenant_weights = allocated
     celery_app = app or task.app
-    broker_down = broker_errors(celery_app)
-    transient = TRANSIENT_ERRORS + broker_down
+    broker_down = broker.connection_errors(celery_app)
+    transient = broker.TRANSIENT_ERRORS + broker_down
     done: dict[str, int] = {}
     complete = True
     for tenant in plan_out.order:

@@ -186,6 +186,47 @@ def test_d19__a_job_no_broker_takes__ends_failed__explain_says_so(
     assert DispatchJob.objects.get(pk=row.pk).state == DISPATCHED
 
 
+def test_d6__a_broker_outage_past_the_tries__the_job_waits_it_out__never_fails(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    # A broker that cannot be reached is not the job's fault: through an outage longer
+    # than PUBLISH_ATTEMPTS tries, the job goes aside again and again (its wait doubling
+    # up to a minute) and is published once the broker answers. It ended failed at the
+    # fifth try, for an operator to put back by hand.
+    from datetime import timedelta
+
+    from celery import Celery
+    from django.utils import timezone
+
+    from django_fair_jobs.dispatch.store import MAX_BACKOFF, PUBLISH_ATTEMPTS
+
+    monkeypatch.undo()  # the real publish
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:1/0")  # Celery reads it first
+    down = Celery("down", set_as_current=False)  # nothing listens on port 1
+    down.conf.task_publish_retry_policy = {"max_retries": 1, "interval_start": 0}
+    set_capacity(0)
+    task_id = tasks.dispatched.delay("acme").id
+    set_capacity(1)
+    for _ in range(PUBLISH_ATTEMPTS + 2):
+        DispatchJob.objects.filter(task_id=task_id, state__in=(SCHEDULED, WAITING)).update(
+            state=SCHEDULED, not_before=timezone.now() - timedelta(seconds=1)
+        )
+        assert dispatch.publish(down, dispatch.dispatch("fair")) == 0
+    row = DispatchJob.objects.get(task_id=task_id)
+    assert row.state == SCHEDULED and row.publish_failures == PUBLISH_ATTEMPTS + 2
+    assert row.not_before is not None
+    assert row.not_before > timezone.now() + timedelta(seconds=MAX_BACKOFF - 5)
+    assert dispatch.in_flight() == {}  # aside, it holds no room
+    # The broker answers: the job is published, once.
+    sent: list[str] = []
+    monkeypatch.setattr(
+        "kombu.messaging.Producer.publish", lambda self, body, **k: sent.append(body[0][0])
+    )
+    DispatchJob.objects.filter(pk=row.pk).update(not_before=timezone.now())
+    assert dispatch.publish(celery_app, dispatch.dispatch("fair")) == 1
+    assert DispatchJob.objects.get(pk=row.pk).state == DISPATCHED and len(sent) == 1
+
+
 def test_published_by_a_process_that_does_not_know_the_task__the_mark_goes_with_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
