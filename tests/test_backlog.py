@@ -12,7 +12,7 @@ import pytest
 from celery.result import AsyncResult
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
@@ -91,6 +91,21 @@ def test_partly_cancelled_line__head_is_the_oldest_left(published: list[int]) ->
     assert done.dispatch == 3
     kept = DispatchJob.objects.get(task_id=keep)
     assert (line("t").waiting, line("t").head_id) == (1, kept.pk)
+
+
+def test_a_countdown_stored_in_a_transaction__cancelled_before_it_has_a_line(
+    published: list[int],  # noqa: F811
+) -> None:
+    # A countdown stored inside its caller's transaction waits without a line until it
+    # comes due; a cancel of every queue looked at the tenant's lines only, found none,
+    # and left the job to run.
+    set_capacity(1)
+    with transaction.atomic():
+        task_id = tasks.dispatched.apply_async(("later",), countdown=3600).id
+    assert not DispatchTenant.objects.filter(tenant="later").exists()
+    done = backlog.cancel("later")
+    assert (done.dispatch, done.task_ids) == (1, [task_id])
+    assert not DispatchJob.objects.filter(task_id=task_id).exists()
 
 
 def test_parked_and_planned__cancelled__counters_true(process: uuid.UUID) -> None:  # noqa: F811

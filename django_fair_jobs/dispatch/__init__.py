@@ -545,11 +545,16 @@ def cancel(queue: str, tenant: str, task_name: str | None = None, limit: int = B
 
 
 def lines_of(tenant: str) -> list[str]:
-    """The queues on which ``tenant`` has a line."""
-    from django_fair_jobs.dispatch.models import DispatchTenant
+    """The queues on which ``tenant`` has a line, or jobs not yet dispatched: a countdown
+    stored inside its caller's transaction has no line until it comes due."""
+    from django_fair_jobs.dispatch.models import SCHEDULED, WAITING, DispatchJob, DispatchTenant
 
-    rows = DispatchTenant.objects.using(alias()).filter(tenant=tenant).order_by("queue")
-    return list(rows.values_list("queue", flat=True))
+    lines = DispatchTenant.objects.using(alias()).filter(tenant=tenant)
+    staged = DispatchJob.objects.using(alias()).filter(
+        tenant=tenant, state__in=[SCHEDULED, WAITING]
+    )
+    queues = set(lines.values_list("queue", flat=True))
+    return sorted(queues | set(staged.values_list("queue", flat=True).distinct()))
 
 
 @dataclass(frozen=True)
