@@ -113,14 +113,16 @@ SELECT j.id, j.message FROM fair_jobs_dispatchjob AS j
 
 -- name: dispatch_make_lines
 -- The lines of tenants whose due jobs have none yet (jobs stored inside their caller's
--- transaction for a new tenant), in a statement of its own that holds nothing else, so
--- that its inserts wait for no one out of order; the next dispatch moves the jobs in.
+-- transaction for a new tenant), in a statement of its own that holds nothing else, made
+-- in byte order (COLLATE "C", as enqueue_many and end_many take lines, whatever the
+-- database's collation), so that its inserts wait for no one out of order; the next
+-- dispatch moves the jobs in.
 INSERT INTO fair_jobs_dispatchtenant AS t
        (queue, tenant, weight, cap, waiting, in_flight, pass_value, served_pass, head_id,
         dispatched_total, blocked)
 SELECT %(queue)s, x.tenant, 1.0, NULL, 0, 0, fair_jobs_dispatch_vt(%(queue)s), 0, NULL, 0,
        false
-  FROM (SELECT DISTINCT j.tenant FROM fair_jobs_dispatchjob AS j
+  FROM (SELECT DISTINCT j.tenant COLLATE "C" AS tenant FROM fair_jobs_dispatchjob AS j
          WHERE j.queue = %(queue)s AND j.state = 0 AND j.not_before <= now()
            AND NOT EXISTS (SELECT 1 FROM fair_jobs_dispatchtenant AS l
                             WHERE l.queue = j.queue AND l.tenant = j.tenant)
@@ -204,9 +206,10 @@ ON CONFLICT (queue) DO UPDATE
 RETURNING q.queue, q.capacity + q.slack > COALESCE((SELECT room FROM old), 0) AS grew;
 
 -- name: dispatch_unblock
--- Lines kept out of the selection whose room came back: below their cap, their tenant
--- slot (if any) not full. Returns their queues. A line another step holds is skipped, not
--- waited for (an end unblocks its line itself; the maintenance pass takes the rest).
+-- Lines kept out of the selection whose room came back: below their cap (the tenant
+-- slot's max_jobs, else the task's), their tenant slot (if any) not full. Returns their
+-- queues. A line another step holds is skipped, not waited for (an end unblocks its line
+-- itself; the maintenance pass takes the rest).
 WITH freed AS (
     SELECT t.id FROM fair_jobs_dispatchtenant AS t
      WHERE t.blocked
@@ -217,7 +220,10 @@ WITH freed AS (
             WHERE s.tenant = t.tenant AND s.queue = t.queue
               AND (s.max_jobs <= t.in_flight
                    OR s.current_jobs >= COALESCE(s.max_jobs, t.cap, s.current_jobs + 1)))
-       AND (t.cap IS NULL OR t.in_flight < t.cap)
+       AND (t.cap IS NULL OR t.in_flight < t.cap
+            OR EXISTS (SELECT 1 FROM fair_jobs_tenantqueueslot AS s
+                        WHERE s.tenant = t.tenant AND s.queue = t.queue
+                          AND s.max_jobs IS NOT NULL))
      ORDER BY t.id
        FOR UPDATE OF t SKIP LOCKED
 )

@@ -76,7 +76,7 @@ class Store(pg_store.Store):
 
     def _room(self, queue: str) -> int:
         """See ``fair_jobs_dispatch_room``."""
-        from django_fair_jobs.models import QueueLimit
+        from django_fair_jobs.models import QueueLimit, SlotLease
 
         row = self._queues().filter(queue=queue).first()
         if row is None:
@@ -86,8 +86,11 @@ class Store(pg_store.Store):
         bounds = [row.capacity + row.slack - in_flight]
         limit = QueueLimit.objects.using(self.alias).filter(queue=queue).first()
         if limit is not None and limit.max_jobs is not None:
-            dispatched = flight.filter(state=DISPATCHED).count()
-            bounds.append(limit.max_jobs - limit.current_jobs - dispatched)
+            placed = SlotLease.objects.using(self.alias).filter(
+                queue_limit=limit,
+                task_id__in=flight.filter(state=RUNNING).values_list("task_id", flat=True),
+            )
+            bounds.append(limit.max_jobs - limit.current_jobs - in_flight + placed.count())
         if limit is not None and limit.max_jobs_per_worker is not None:
             bounds.append(row.nodes * limit.max_jobs_per_worker - in_flight)
         return max(int(min(bounds)), 0)
@@ -487,7 +490,8 @@ class Store(pg_store.Store):
                     limit is not None and slot.current_jobs >= limit
                 ):
                     continue
-            if line.cap is not None and line.in_flight >= line.cap:
+            overridden = slot is not None and slot.max_jobs is not None
+            if line.cap is not None and line.in_flight >= line.cap and not overridden:
                 continue
             self._tenants().filter(pk=line.pk).update(blocked=False)
             freed.add(line.queue)

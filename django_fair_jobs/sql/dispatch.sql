@@ -40,8 +40,10 @@ $$;
 
 -- How many more jobs p_queue may have in flight now: its live capacity plus slack, less
 -- its jobs dispatched or running (counted from their rows, a few at most), bounded by its
--- queue limit (the places left, less the jobs dispatched that will take one at start) and
--- its per-worker limit times its live nodes; a paused queue has none. Nothing is locked:
+-- queue limit and its per-worker limit times its live nodes; a paused queue has none. The
+-- queue limit's places taken count every job that holds one (current_jobs) and every
+-- job in flight that holds none: dispatched, started before its fence takes its place,
+-- or ended with its place released and its end not yet flushed. Nothing is locked:
 -- two concurrent dispatches of a queue without a limit may both see the same room (a
 -- small overshoot of the slack); those of a limited queue take turns (fair_jobs_dispatch).
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_room(p_queue text)
@@ -50,13 +52,19 @@ LANGUAGE plpgsql STABLE AS $$
 BEGIN
     RETURN (
         WITH flight AS (
-            SELECT count(*) AS in_flight, count(*) FILTER (WHERE j.state = 2) AS dispatched
+            SELECT count(*) AS in_flight
               FROM fair_jobs_dispatchjob AS j
              WHERE j.queue = p_queue AND j.state IN (2, 3)
         )
         SELECT GREATEST(LEAST(
                    q.capacity + q.slack - f.in_flight,
-                   l.max_jobs - l.current_jobs - f.dispatched,
+                   CASE WHEN l.max_jobs IS NOT NULL THEN
+                       l.max_jobs - l.current_jobs - f.in_flight
+                       + (SELECT count(*) FROM fair_jobs_slotlease AS s
+                            JOIN fair_jobs_dispatchjob AS j ON j.task_id = s.task_id
+                           WHERE s.queue_limit_id = l.id AND j.queue = p_queue
+                             AND j.state = 3)
+                   END,
                    q.nodes * l.max_jobs_per_worker - f.in_flight), 0)::integer
           FROM fair_jobs_dispatchqueue AS q
          CROSS JOIN flight AS f
@@ -307,10 +315,12 @@ $$;
 -- Before a statement that starts p_starts and ends p_ends (a start carrying ends, the
 -- heartbeat's confirmation): if one job to start is back in its line, whose start takes
 -- that line, take every line the statement writes first, in (queue, tenant) order by
--- byte value, after the rows of the jobs to end (order 1) and before the rows of the jobs
--- to start from their lines (order 2). Else nothing: a dispatched job's start takes no
--- line, and end_many takes its lines in order. Returns true, which the steps after it
--- take as an argument, so that they run after it.
+-- byte value, after the rows of the jobs to end still in flight (order 1: one the reap
+-- put back in its line is a waiting job's row, taken after its line, and end_many
+-- leaves it) and before the rows of the jobs to start from their lines (order 2). Else
+-- nothing: a dispatched job's start takes no line, and end_many takes its lines in
+-- order. Returns true, which the steps after it take as an argument, so that they run
+-- after it.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_lock_lines(p_starts bigint[], p_ends bigint[])
 RETURNS boolean
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
@@ -319,8 +329,9 @@ BEGIN
                     WHERE j.id = ANY(p_starts) AND j.state = 1) THEN
         RETURN true;
     END IF;
-    PERFORM 1 FROM fair_jobs_dispatchjob AS j WHERE j.id = ANY(p_ends) ORDER BY j.id
-        FOR UPDATE;
+    PERFORM 1 FROM fair_jobs_dispatchjob AS j
+     WHERE j.id = ANY(p_ends) AND j.state IN (2, 3) ORDER BY j.id
+       FOR UPDATE;
     PERFORM 1 FROM fair_jobs_dispatchtenant AS t
      WHERE (t.queue, t.tenant) IN (SELECT j.queue, j.tenant FROM fair_jobs_dispatchjob AS j
                                     WHERE j.id = ANY(p_starts || p_ends))

@@ -180,3 +180,37 @@ def test_d20__a_cap_raised__dispatches_at_once(published: list[int]) -> None:
     slots.set_tenant_limit("acme", "fair", 2)
     assert len(published) == 1
     assert DispatchTenant.objects.get(tenant="acme").in_flight == 1
+
+
+def test_a_slot_raised_above_the_tasks_cap__unblocks_its_line_at_once(
+    published: list[int],
+) -> None:
+    # The line's cap is its task's fair_max_jobs (2); a tenant slot's max_jobs overrides
+    # it. Raised to 4, the line stayed blocked (the unblock compared with the task's cap
+    # only) until a job of the tenant ended, or for good through the maintenance pass.
+    set_capacity(8)
+    for _ in range(4):
+        tasks.dispatched_capped.delay("acme")
+    assert len(published) == 2 and DispatchTenant.objects.get(tenant="acme").blocked
+    slots.set_tenant_limit("acme", "fair", 4)
+    assert len(published) == 4
+    assert DispatchTenant.objects.get(tenant="acme").in_flight == 4
+
+
+def test_a_job_started_before_its_fence__still_counts_against_the_queue_limit(
+    published: list[int],
+) -> None:
+    # Between a dispatched job's start (its row running) and its fence (the queue place
+    # it takes), and between the place released and its end flushed, the job counted
+    # nowhere in a limited queue's room: a start carrying ends dispatched one more than
+    # the limit, and the fence refused it (its line blocked, nothing of it in flight).
+    queue_limits.set_limits("fair", max_jobs=2)
+    set_capacity(10)
+    for tenant in ("a", "b", "c"):
+        tasks.dispatched.delay(tenant)
+    assert len(published) == 2
+    first = published[0]
+    assert dispatch.start(first, uuid.uuid4()).status == "started"
+    assert dispatch.room() == {"fair": 0}
+    pump(published)
+    assert len(published) == 2

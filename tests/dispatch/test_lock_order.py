@@ -268,6 +268,50 @@ def test_a_confirmation_restarting_a_job_from_its_line__takes_the_lines_in_order
     assert not DispatchJob.objects.filter(pk=ended).exists()
 
 
+def test_a_carried_end_of_a_job_put_back_in_line__its_row_not_held_while_waiting() -> None:
+    # The reap put a job of a back in its line (its process was silent, not dead), and
+    # the process's next start, of a job back in b's line, carries that job's end. The
+    # row is a waiting job's now: holding it while waiting for a's line deadlocks with a
+    # cancel of a, which holds the line, then deletes the job (order 2).
+    set_capacity(10)
+    ended, back = running("a"), running("b")
+    set_capacity(0)  # nothing dispatches the two again once back in their lines
+    for job in (ended, back):
+        dispatch.end(job, PROCESS, outcome="back")
+    started = run_while_locked(
+        line_lock("a"), lambda: dispatch.start(back, PROCESS, ended=[ended]),
+        "the carrying start to wait on a's line",
+        ("SELECT id FROM fair_jobs_dispatchjob WHERE id = %s FOR UPDATE NOWAIT", [ended]),
+    )  # fmt: skip
+    assert started.status == "started"
+    assert DispatchJob.objects.get(pk=ended).state == 1  # still in its line, not ended
+
+
+def test_the_lines_of_staged_jobs__made_in_byte_order_whatever_the_collation() -> None:
+    # The lines of staged jobs' new tenants were made in the column's collation order,
+    # while bulk_enqueue and end_many take lines in byte order (COLLATE "C"). Under a
+    # database collation such as en_US, common in production ('a' before 'B'; in byte
+    # order 'B' before 'a'), the two took the same lines in opposite orders: a deadlock.
+    length = DispatchJob._meta.get_field("tenant").max_length
+    alter = "ALTER TABLE fair_jobs_dispatchjob ALTER COLUMN tenant TYPE varchar(%s) COLLATE %s"
+    set_capacity(0)
+    staged = [job_id(tasks.dispatched.delay(tenant).id) for tenant in ("a", "B")]
+    DispatchJob.objects.filter(pk__in=staged).update(
+        state=0, not_before=timezone.now() - timedelta(seconds=1)
+    )
+    DispatchTenant.objects.all().delete()
+    with connection.cursor() as cursor:
+        cursor.execute(alter % (length, '"en-US-x-icu"'))
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql_queries()["dispatch_make_lines"], {"queue": "fair"})
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(alter % (length, '"default"'))
+    made = DispatchTenant.objects.order_by("id").values_list("tenant", flat=True)
+    assert list(made) == ["B", "a"]
+
+
 def wait_for_waiting(count: int, what: str, *threads: Any) -> None:
     """Until ``count`` sessions of the test database wait for a lock (or one of
     ``threads``, each a thread and its result list, has ended: it says why)."""
