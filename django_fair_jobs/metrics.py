@@ -135,12 +135,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "ETA) to start of the queue's jobs, by tenant class "
                "(FAIR_JOBS_METRICS_TENANT_CLASS); flushed by each worker process once per "
                "heartbeat interval."),
-    _gauge("fair_jobs_queue_depth", Q, "Jobs of fair dispatch due and waiting in the "
+    _gauge("fair_jobs_queue_waiting", Q, "Jobs of fair dispatch due and waiting in the "
            "queue's tenants' lines, not yet dispatched."),
     _gauge("fair_jobs_queue_in_flight", Q, "Jobs of fair dispatch dispatched to the queue "
            "(in the broker) or running from it."),
-    _gauge("fair_jobs_queue_capacity", Q, "Jobs fair dispatch keeps in flight on the queue: "
-           "its live worker processes plus the slack."),
+    _gauge("fair_jobs_queue_capacity", Q, "Live worker processes (or threads) that consume "
+           "the queue: fair dispatch keeps this many jobs in flight on it, plus the slack."),
+    _gauge("fair_jobs_queue_slack", Q, "Messages fair dispatch keeps in the broker beyond "
+           "the queue's capacity (FAIR_JOBS_DISPATCH_SLACK per live worker node)."),
     _gauge("fair_jobs_planner_pending", (*K, *T), "Jobs of the tenant in the task's virtual "
            "queue, not yet promoted."),
     _gauge("fair_jobs_planner_oldest_pending_seconds", (*K, *T), "Age of the tenant's oldest "
@@ -326,9 +328,10 @@ class FairJobsCollector(Collector):
     def _dispatch(self, out: _Families, rows: list[dict[str, Any]]) -> None:
         # The snapshot's rows (status's dispatch rows): read once for status and metrics.
         for q in rows:
-            out.add("fair_jobs_queue_depth", [q["queue"]], q["waiting"])
+            out.add("fair_jobs_queue_waiting", [q["queue"]], q["waiting"])
             out.add("fair_jobs_queue_in_flight", [q["queue"]], q["in_flight"])
-            out.add("fair_jobs_queue_capacity", [q["queue"]], q["capacity"] + q["slack"])
+            out.add("fair_jobs_queue_capacity", [q["queue"]], q["capacity"])
+            out.add("fair_jobs_queue_slack", [q["queue"]], q["slack"])
 
     def _planners(self, out: _Families, now: datetime, runs_total: dict[str, int]) -> None:
         # From the rows, not from the Celery app's task registry (which planner.status

@@ -196,7 +196,7 @@ def test_real_workers__every_start_counted_once__queue_gauges(
     families = {f.name: f for f in text_string_to_metric_families(text)}
     capacity = {s.labels["queue"]: s.value for s in families["fair_jobs_queue_capacity"].samples}
     assert "fair" in capacity
-    depth = {s.labels["queue"]: s.value for s in families["fair_jobs_queue_depth"].samples}
+    depth = {s.labels["queue"]: s.value for s in families["fair_jobs_queue_waiting"].samples}
     assert depth.get("fair") == 0
 
 

@@ -158,7 +158,7 @@ class TenantQueueSlotAdmin(_CancelsBacklog, _BoundedLimits, _SlotAdmin):
         base = tuple(self.readonly_fields)
         return (*base, "tenant", "queue") if obj is not None else base
 
-    @admin.display(description="limit in force")
+    @admin.display(description="cap in force")
     def limit_in_force(self, obj: TenantQueueSlot) -> str:
         line = None
         if getattr(obj, "line_id", None) is not None:
