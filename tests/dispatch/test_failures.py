@@ -222,7 +222,7 @@ def test_d6__a_broker_outage_past_the_tries__the_job_waits_it_out__never_fails(
     monkeypatch.setattr(
         "kombu.messaging.Producer.publish", lambda self, body, **k: sent.append(body[0][0])
     )
-    DispatchJob.objects.filter(pk=row.pk).update(not_before=timezone.now())
+    DispatchJob.objects.filter(pk=row.pk).update(not_before=timezone.now() - timedelta(seconds=1))
     assert dispatch.publish(celery_app, dispatch.dispatch("fair")) == 1
     assert DispatchJob.objects.get(pk=row.pk).state == DISPATCHED and len(sent) == 1
 

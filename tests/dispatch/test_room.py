@@ -9,7 +9,18 @@ import django_fair_jobs
 
 PACKAGE = Path(django_fair_jobs.__file__).parent
 
-BELOW = {"conf", "errors", "headers", "validation", "routing", "broker", "db", "sql", "tenants", "models"}
+BELOW = {
+    "conf",
+    "errors",
+    "headers",
+    "validation",
+    "routing",
+    "broker",
+    "db",
+    "sql",
+    "tenants",
+    "models",
+}
 """The package's layers 0 and 1 (settings, errors, names, schema): what a room may import."""
 
 
