@@ -37,6 +37,36 @@ def connection_errors(app: Any) -> tuple[type[BaseException], ...]:
         return tuple(connection.connection_errors)
 
 
+def _connection_level() -> tuple[type[BaseException], ...]:
+    """The errors of a connection that failed (refused, reset, timed out, closed by the
+    broker), on every transport the library knows; redis-py's only where installed."""
+    import amqp.exceptions
+
+    kinds: list[type[BaseException]] = [
+        OSError,
+        amqp.exceptions.ConnectionError,
+        django_db.OperationalError,
+        django_db.InterfaceError,
+    ]
+    try:
+        import redis.exceptions
+    except ImportError:  # the Redis extra not installed: no Redis broker either
+        return tuple(kinds)
+    return (*kinds, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a publish, says that the broker cannot be reached (a
+    connection refused, reset, timed out or closed), not that the job is wrong. kombu's
+    retry wraps a broker's refusal of one message (a Redis error reply, RabbitMQ's
+    ``ContentTooLarge``, a queue no longer declared) in the same ``OperationalError`` as
+    a lost connection, so the error is looked through to its cause."""
+    seen: BaseException = exc
+    while isinstance(seen, KombuOperationalError) and seen.__cause__ is not None:
+        seen = seen.__cause__
+    return isinstance(seen, (KombuOperationalError, *_connection_level()))
+
+
 SEARCHED = 10_000
 """Messages read at most in one search, the oldest of each queue first: a job further back
 in a longer queue is not found (the answer says how many were read)."""

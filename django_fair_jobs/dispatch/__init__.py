@@ -410,13 +410,8 @@ def publish(app: Celery, ready: list[Ready]) -> int:
                 return _send(app, producer, ready)
         except Exception as exc:  # the pipeline failed: whether its pushes arrived is unknown
             logger.exception("Could not publish %d dispatched jobs together", len(ready))
-            _gave_up(ready, 0, _unreachable(app, exc))
+            _gave_up(ready, 0, broker.unreachable(exc))
             return 0
-
-
-def _unreachable(app: Celery, exc: BaseException) -> bool:
-    """Whether ``exc``, raised by a publish, says the broker cannot be reached."""
-    return isinstance(exc, broker.TRANSIENT_ERRORS + broker.connection_errors(app))
 
 
 def _send(app: Celery, producer: Any, ready: list[Ready]) -> int:
@@ -426,7 +421,7 @@ def _send(app: Celery, producer: Any, ready: list[Ready]) -> int:
             message.send(app, producer, item.message, item.job_id)
         except Exception as exc:
             logger.exception("Could not publish dispatched job %s; it goes aside", item.job_id)
-            _gave_up(ready, position, _unreachable(app, exc))
+            _gave_up(ready, position, broker.unreachable(exc))
             return position
     return len(ready)
 
@@ -547,12 +542,11 @@ def cancel(queue: str, tenant: str, task_name: str | None = None, limit: int = B
 def lines_of(tenant: str) -> list[str]:
     """The queues on which ``tenant`` has a line, or jobs not yet dispatched: a countdown
     stored inside its caller's transaction has no line until it comes due."""
-    from django_fair_jobs.dispatch.models import SCHEDULED, WAITING, DispatchJob, DispatchTenant
+    from django_fair_jobs.dispatch.models import SCHEDULED, DispatchJob, DispatchTenant
 
     lines = DispatchTenant.objects.using(alias()).filter(tenant=tenant)
-    staged = DispatchJob.objects.using(alias()).filter(
-        tenant=tenant, state__in=[SCHEDULED, WAITING]
-    )
+    # A waiting job is in its line: only scheduled ones may have none.
+    staged = DispatchJob.objects.using(alias()).filter(tenant=tenant, state=SCHEDULED)
     queues = set(lines.values_list("queue", flat=True))
     return sorted(queues | set(staged.values_list("queue", flat=True).distinct()))
 

@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import F, Max, Q
+from django.db.models import Exists, F, Max, OuterRef, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -86,10 +86,10 @@ class Store(pg_store.Store):
         bounds = [row.capacity + row.slack - in_flight]
         limit = QueueLimit.objects.using(self.alias).filter(queue=queue).first()
         if limit is not None and limit.max_jobs is not None:
-            placed = SlotLease.objects.using(self.alias).filter(
-                queue_limit=limit,
-                task_id__in=flight.filter(state=RUNNING).values_list("task_id", flat=True),
+            running = flight.filter(
+                state=RUNNING, task_id=OuterRef("task_id"), process_id=OuterRef("process_id")
             )
+            placed = SlotLease.objects.using(self.alias).filter(Exists(running), queue_limit=limit)
             bounds.append(limit.max_jobs - limit.current_jobs - in_flight + placed.count())
         if limit is not None and limit.max_jobs_per_worker is not None:
             bounds.append(row.nodes * limit.max_jobs_per_worker - in_flight)

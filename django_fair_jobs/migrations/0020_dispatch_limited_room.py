@@ -5,7 +5,7 @@ from django.db import migrations
 from django_fair_jobs.sql import install_dispatch_functions
 
 # The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
-FUNCTIONS_DIGEST = "942771a8d621fedbc4b7c802c8227163bec8998cd919fda75501403549f3f070"
+FUNCTIONS_DIGEST = "3a1b1990ba27d993f74adb6b4e2ec041d451b0360e65d598fcca859f154ad43f"
 
 
 def install_functions(apps: Any, schema_editor: Any) -> None:

@@ -43,7 +43,9 @@ $$;
 -- queue limit and its per-worker limit times its live nodes; a paused queue has none. The
 -- queue limit's places taken count every job that holds one (current_jobs) and every
 -- job in flight that holds none: dispatched, started before its fence takes its place,
--- or ended with its place released and its end not yet flushed. Nothing is locked:
+-- or ended with its place released and its end not yet flushed. A lease is matched to
+-- the running row of its task id and process (a retry's new row shares the task id, and
+-- a copy the reap put back may run again elsewhere), counted once. Nothing is locked:
 -- two concurrent dispatches of a queue without a limit may both see the same room (a
 -- small overshoot of the slack); those of a limited queue take turns (fair_jobs_dispatch).
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_room(p_queue text)
@@ -61,9 +63,11 @@ BEGIN
                    CASE WHEN l.max_jobs IS NOT NULL THEN
                        l.max_jobs - l.current_jobs - f.in_flight
                        + (SELECT count(*) FROM fair_jobs_slotlease AS s
-                            JOIN fair_jobs_dispatchjob AS j ON j.task_id = s.task_id
-                           WHERE s.queue_limit_id = l.id AND j.queue = p_queue
-                             AND j.state = 3)
+                           WHERE s.queue_limit_id = l.id
+                             AND EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
+                                          WHERE j.task_id = s.task_id AND j.queue = p_queue
+                                            AND j.state = 3
+                                            AND j.process_id = s.process_id))
                    END,
                    q.nodes * l.max_jobs_per_worker - f.in_flight), 0)::integer
           FROM fair_jobs_dispatchqueue AS q

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -158,8 +159,6 @@ def test_d18__a_terminated_job_without_a_slot__its_pool_process_is_found() -> No
 def test_d19__a_job_no_broker_takes__ends_failed__explain_says_so(
     monkeypatch: pytest.MonkeyPatch, celery_app: Any
 ) -> None:
-    from datetime import timedelta
-
     from django.utils import timezone
 
     monkeypatch.undo()
@@ -193,8 +192,6 @@ def test_d6__a_broker_outage_past_the_tries__the_job_waits_it_out__never_fails(
     # than PUBLISH_ATTEMPTS tries, the job goes aside again and again (its wait doubling
     # up to a minute) and is published once the broker answers. It ended failed at the
     # fifth try, for an operator to put back by hand.
-    from datetime import timedelta
-
     from celery import Celery
     from django.utils import timezone
 
@@ -225,6 +222,35 @@ def test_d6__a_broker_outage_past_the_tries__the_job_waits_it_out__never_fails(
     DispatchJob.objects.filter(pk=row.pk).update(not_before=timezone.now() - timedelta(seconds=1))
     assert dispatch.publish(celery_app, dispatch.dispatch("fair")) == 1
     assert DispatchJob.objects.get(pk=row.pk).state == DISPATCHED and len(sent) == 1
+
+
+def test_d19__a_broker_that_answers_and_refuses_the_message__the_job_ends_failed(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    # Redis answers, and refuses the push: the queue's key holds a string. kombu's retry
+    # wraps the error reply in the same OperationalError as a lost connection; taken for
+    # an outage, the job went aside every minute, for ever, and never showed as failed.
+    import redis
+    from django.utils import timezone
+
+    from django_fair_jobs.dispatch.store import PUBLISH_ATTEMPTS
+
+    monkeypatch.undo()  # the real publish, to the real broker
+    client = redis.Redis.from_url(celery_app.conf.broker_url)
+    set_capacity(0)
+    task_id = tasks.dispatched.delay("acme").id
+    set_capacity(1)
+    client.set("fair", "not a list")
+    try:
+        for _ in range(PUBLISH_ATTEMPTS + 2):
+            DispatchJob.objects.filter(task_id=task_id, state=SCHEDULED).update(
+                not_before=timezone.now() - timedelta(seconds=1)
+            )
+            dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    finally:
+        client.delete("fair")
+    row = DispatchJob.objects.get(task_id=task_id)
+    assert (row.state, row.publish_failures) == (FAILED, PUBLISH_ATTEMPTS)
 
 
 def test_published_by_a_process_that_does_not_know_the_task__the_mark_goes_with_it(

@@ -15,7 +15,7 @@ from django.db import connection
 from django.utils import timezone
 
 from django_fair_jobs import admission, dispatch, queue_limits, slots
-from django_fair_jobs.dispatch.models import DISPATCHED, DispatchJob, DispatchTenant
+from django_fair_jobs.dispatch.models import DISPATCHED, RUNNING, DispatchJob, DispatchTenant
 from django_fair_jobs.models import QueueLimit
 from tests.dispatch.conftest import deliver, job_of, set_capacity
 from tests.sessions import session
@@ -214,3 +214,29 @@ def test_a_job_started_before_its_fence__still_counts_against_the_queue_limit(
     assert dispatch.room() == {"fair": 0}
     pump(published)
     assert len(published) == 2
+
+
+def test_a_retry_sharing_its_task_id__its_lease_counted_once_against_the_queue_limit(
+    published: list[int],
+) -> None:
+    # A retry's new row shares its task id with the row that ran it, still running until
+    # its end is flushed: the room matched the one lease to both rows (counted twice), one
+    # place too many, which the fence refused.
+    from django_fair_jobs.models import SlotLease
+
+    queue_limits.set_limits("fair", max_jobs=3)
+    set_capacity(10)
+    first, second = uuid.uuid4(), uuid.uuid4()
+    ran = job_of(tasks.dispatched.delay("a").id)
+    assert dispatch.start(ran.pk, first).status == "started"
+    retry = DispatchJob.objects.create(
+        queue="fair", tenant="a", task_name=ran.task_name, task_id=ran.task_id,
+        message=ran.message, state=RUNNING, process_id=second,
+    )  # fmt: skip
+    limit = QueueLimit.objects.get(queue="fair")
+    SlotLease.objects.create(
+        task_id=ran.task_id, token=uuid.uuid4(), queue_limit=limit, process_id=second
+    )
+    QueueLimit.objects.filter(pk=limit.pk).update(current_jobs=1)
+    assert DispatchJob.objects.filter(state=RUNNING).count() == 2 and retry.pk != ran.pk
+    assert dispatch.room() == {"fair": 1}  # 3 places: the lease, and the first row's
