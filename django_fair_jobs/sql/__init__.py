@@ -68,6 +68,12 @@ def queries(dialect: str = "postgresql") -> dict[str, str]:
     return merged
 
 
+def install_functions(apps: Any, schema_editor: Any) -> None:
+    """A migration's ``RunPython`` step that installs fair dispatch's functions again, in
+    place (same signatures): :func:`install_dispatch_functions`."""
+    install_dispatch_functions(schema_editor)
+
+
 def install_dispatch_functions(schema_editor: Any) -> None:
     """Install fair dispatch's functions (the ``functions`` block of ``sql/dispatch.sql``)
     with a migration's ``schema_editor``, on PostgreSQL only: other databases use the ORM
