@@ -333,7 +333,10 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
     plan_out, tenant_weights = allocated
     celery_app = app or task.app
     broker_down = broker.connection_errors(celery_app)
-    transient = broker.TRANSIENT_ERRORS + broker_down
+
+    def transient(exc: BaseException) -> bool:
+        return broker.unreachable(exc) or isinstance(exc, broker_down)
+
     done: dict[str, int] = {}
     complete = True
     for tenant in plan_out.order:

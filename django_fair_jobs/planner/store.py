@@ -51,7 +51,7 @@ def promote(
     count: int,
     publish: Callable[[PlannedJob], None],
     *,
-    transient: tuple[type[BaseException], ...] = (Exception,),
+    transient: Callable[[BaseException], bool] = lambda exc: True,
     max_attempts: int = 0,
     gave_up: Callable[[PlannedJob, BaseException], None] | None = None,
 ) -> list[str]:
@@ -59,8 +59,8 @@ def promote(
     are skipped, never waited for; failed rows are left out), ``publish`` each, then mark
     the published ones promoted, all in one transaction. Returns the task ids promoted.
 
-    An error of a ``transient`` type (the broker or the database is unreachable; by
-    default any error) rolls the whole batch back and is raised: every claimed job
+    An error that ``transient`` says is passing (the broker or the database is
+    unreachable; by default any error) rolls the whole batch back and is raised: every claimed job
     stays in line for the next run (at-least-once), and nothing is counted against the
     jobs. Any other error is the job's own (a serializer refuses it, the broker refuses
     its size): each publish runs in a savepoint, so the failure undoes only that job's
@@ -83,9 +83,9 @@ def promote(
             try:
                 with transaction.atomic(using=router.db_for_write(PlannedJob)):
                     publish(row)
-            except transient:
-                raise
             except Exception as exc:
+                if transient(exc):
+                    raise
                 row.attempts += 1
                 row.last_error = f"{exc.__class__.__name__}: {exc}"[:_ERROR_CHARS]
                 gives_up = 0 < max_attempts <= row.attempts

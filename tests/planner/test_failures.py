@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import OperationalError
@@ -149,6 +150,28 @@ def test_broker_unreachable__the_batch_stays_in_line_uncounted(
         assert run_planner().promoted == 0
     assert not PlannedJob.objects.filter(attempts__gt=0).exists()
     assert not PlannedJob.objects.filter(failed_at__isnull=False).exists()
+
+
+@pytest.mark.skipif(
+    not settings.CELERY_BROKER_URL.startswith("redis://"), reason="a Redis error reply"
+)
+def test_a_broker_that_answers_and_refuses_the_message__counted__the_job_ends_failed() -> None:
+    # Redis answers, and refuses the push: the queue's key holds a string. kombu's retry
+    # wraps the error reply in the same OperationalError as a lost connection; taken for
+    # an outage, the job stayed in line for ever, never counted, never failed.
+    import redis
+
+    bad = tasks.planned.delay("bad")
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    client.set("fair", "not a list")
+    try:
+        for _ in range(planner.PUBLISH_ATTEMPTS):
+            run_planner()
+    finally:
+        client.delete("fair")
+    row = PlannedJob.objects.get(task_id=bad.id)
+    assert row.failed_at is not None and row.attempts == planner.PUBLISH_ATTEMPTS
+    assert "WRONGTYPE" in row.last_error
 
 
 def test_started_fails_once__retried_from_the_heartbeat__the_planner_runs_again(
