@@ -1,6 +1,6 @@
 """Real PostgreSQL sessions for race tests: a second session of its own, a thread with its
 own Django connection, a wait until one of them blocks on a row lock, and the three
-together (:func:`run_while_locked`)."""
+together (:func:`run_while_open`, :func:`run_while_locked`)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,30 @@ def in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
+def run_while_open(
+    held: Any,
+    work: Callable[[], Any],
+    what: str,
+    meanwhile: Callable[[], None] | None = None,
+) -> Any:
+    """Run ``work`` in a thread while the session ``held`` keeps its transaction open;
+    once the thread waits on a lock, call ``meanwhile`` (if given; the thread must still
+    wait then). Then commit and close ``held``, and return what ``work`` returned."""
+    thread, out = in_thread(work)
+    try:
+        wait_until_blocked(thread, what)
+        if meanwhile is not None:
+            assert thread.is_alive(), out
+            meanwhile()
+    finally:
+        held.commit()
+        held.close()
+        thread.join(20)
+    (result,) = out
+    assert not isinstance(result, BaseException), result
+    return result
+
+
 def run_while_locked(
     lock: tuple[str, list[Any]],
     work: Callable[[], Any],
@@ -67,20 +91,13 @@ def run_while_locked(
     locks and return what ``work`` returned."""
     held = session()
     held.execute(*lock)
-    thread, out = in_thread(work)
-    try:
-        wait_until_blocked(thread, what)
-        assert thread.is_alive(), out
+
+    def probe() -> None:
         with session() as look:
             look.execute(*meanwhile)
             look.rollback()
-    finally:
-        held.commit()
-        held.close()
-        thread.join(20)
-    (result,) = out
-    assert not isinstance(result, BaseException), result
-    return result
+
+    return run_while_open(held, work, what, probe)
 
 
 def finishes_while_held(lock: tuple[str, list[Any]], work: Callable[[], Any], what: str) -> Any:

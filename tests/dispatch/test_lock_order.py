@@ -28,6 +28,7 @@ from tests.sessions import (
     finishes_while_held,
     in_thread,
     run_while_locked,
+    run_while_open,
     session,
     wait_until_blocked,
 )
@@ -195,10 +196,8 @@ def test_a_start_carrying_ends__its_own_job_first__then_the_ended_jobs_lines() -
     following = job_id(tasks.dispatched.delay("b").id)
     held = session()
     held.execute(*line_lock("a"))  # as an enqueue or an end of a's line holds it
-    thread, out = in_thread(lambda: dispatch.start(following, PROCESS, ended=[ended]))
-    try:
-        wait_until_blocked(thread, "the carrying start to wait on a's line")
-        assert thread.is_alive(), out
+
+    def probe() -> None:
         with session() as look:
             statement, params = line_lock("b")
             look.execute(statement + " NOWAIT", params)  # no line held while it waits
@@ -208,12 +207,13 @@ def test_a_start_carrying_ends__its_own_job_first__then_the_ended_jobs_lines() -
                     "SELECT id FROM fair_jobs_dispatchjob WHERE id = %s FOR UPDATE NOWAIT",
                     [following],
                 )
-    finally:
-        held.commit()
-        held.close()
-        thread.join(20)
-    (started,) = out
-    assert not isinstance(started, BaseException), started
+
+    started = run_while_open(
+        held,
+        lambda: dispatch.start(following, PROCESS, ended=[ended]),
+        "the carrying start to wait on a's line",
+        probe,
+    )
     assert started.status == "started"
     assert not DispatchJob.objects.filter(pk=ended).exists()
 

@@ -16,7 +16,7 @@ from django_fair_jobs.dispatch.models import (
     DispatchQueue,
     DispatchTenant,
 )
-from tests.sessions import in_thread, session, wait_until_blocked
+from tests.sessions import in_thread, run_while_open, session, wait_until_blocked
 from tests.testapp import tasks
 
 pytestmark = pytest.mark.skipif(
@@ -37,15 +37,11 @@ def test_refresh_capacity__the_queue_row_inserted_meanwhile_by_another_refresh__
         "INSERT INTO fair_jobs_dispatchqueue (queue, capacity, slack, nodes, updated_at)"
         " VALUES ('race', 1, 0, 1, now()) ON CONFLICT (queue) DO NOTHING"
     )  # uncommitted: its transaction is open, as the other refresh's is mid-statement
-    thread, out = in_thread(lambda: dispatch.refresh_capacity(slack_per_node=0, timeout=60))
-    try:
-        wait_until_blocked(thread, "the refresh to wait on the other's row")
-    finally:
-        other.commit()
-        other.close()
-        thread.join(20)
-    (outcome,) = out
-    assert not isinstance(outcome, BaseException), outcome
+    run_while_open(
+        other,
+        lambda: dispatch.refresh_capacity(slack_per_node=0, timeout=60),
+        "the refresh to wait on the other's row",
+    )
     assert DispatchQueue.objects.get(queue="race").capacity == 2
 
 
@@ -155,14 +151,8 @@ def test_two_dispatches_at_once__a_queue_limit_holds_at_dispatch(collected: list
     held = session()
     first = held.execute("SELECT job_id FROM fair_jobs_dispatch('fair', 1000, -1)").fetchall()
     assert len(first) == 2
-    thread, out = in_thread(lambda: dispatch.dispatch("fair"))
-    try:
-        wait_until_blocked(thread, "the second dispatch to wait for the first")
-    finally:
-        held.commit()
-        held.close()
-        thread.join(20)
-    (second,) = out
-    assert not isinstance(second, BaseException), second
+    second = run_while_open(
+        held, lambda: dispatch.dispatch("fair"), "the second dispatch to wait for the first"
+    )
     assert second == []
     assert DispatchJob.objects.filter(state=DISPATCHED).count() == 2
