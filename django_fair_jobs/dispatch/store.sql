@@ -206,24 +206,16 @@ ON CONFLICT (queue) DO UPDATE
 RETURNING q.queue, q.capacity + q.slack > COALESCE((SELECT room FROM old), 0) AS grew;
 
 -- name: dispatch_unblock
--- Lines kept out of the selection whose room came back: below their cap (the tenant
--- slot's max_jobs, else the task's), their tenant slot (if any) not full. Returns their
--- queues. A line another step holds is skipped, not waited for (an end unblocks its line
--- itself; the maintenance pass takes the rest).
+-- Lines kept out of the selection whose room came back (fair_jobs_dispatch_free: below
+-- their cap, the tenant slot's max_jobs, else the task's; their tenant slot, if any, not
+-- full). Returns their queues. A line another step holds is skipped, not waited for (an
+-- end unblocks its line itself; the maintenance pass takes the rest).
 WITH freed AS (
     SELECT t.id FROM fair_jobs_dispatchtenant AS t
      WHERE t.blocked
        AND (%(tenant)s::text IS NULL OR t.tenant = %(tenant)s)
        AND (%(queue)s::text IS NULL OR t.queue = %(queue)s)
-       AND NOT EXISTS (
-           SELECT 1 FROM fair_jobs_tenantqueueslot AS s
-            WHERE s.tenant = t.tenant AND s.queue = t.queue
-              AND (s.max_jobs <= t.in_flight
-                   OR s.current_jobs >= COALESCE(s.max_jobs, t.cap, s.current_jobs + 1)))
-       AND (t.cap IS NULL OR t.in_flight < t.cap
-            OR EXISTS (SELECT 1 FROM fair_jobs_tenantqueueslot AS s
-                        WHERE s.tenant = t.tenant AND s.queue = t.queue
-                          AND s.max_jobs IS NOT NULL))
+       AND fair_jobs_dispatch_free(t.queue, t.tenant, t.in_flight, t.cap)
      ORDER BY t.id
        FOR UPDATE OF t SKIP LOCKED
 )

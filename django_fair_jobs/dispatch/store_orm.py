@@ -74,6 +74,21 @@ class Store(pg_store.Store):
             .first()
         )
 
+    def _free(self, queue: str, tenant: str, in_flight: int, cap: int | None) -> bool:
+        """See ``fair_jobs_dispatch_free``: whether a line may be chosen."""
+        from django_fair_jobs.models import TenantQueueSlot
+
+        slot = (
+            TenantQueueSlot.objects.using(self.alias)
+            .filter(tenant=tenant, queue=queue)
+            .values_list("max_jobs", "current_jobs")
+            .first()
+        )
+        if slot is None:
+            return cap is None or in_flight < cap
+        limit = slot[0] if slot[0] is not None else cap
+        return limit is None or (in_flight < limit and slot[1] < limit)
+
     def _room(self, queue: str) -> int:
         """See ``fair_jobs_dispatch_room``."""
         from django_fair_jobs.models import QueueLimit, SlotLease
@@ -112,11 +127,13 @@ class Store(pg_store.Store):
             )
             if line.waiting == 0 or job_id < (line.head_id or job_id + 1):
                 line.head_id, line.cap = job_id, cap
+                line.blocked = not self._free(queue, tenant, line.in_flight, cap)
             if line.waiting == 0:
                 line.pass_value = max(line.pass_value, vt)
             line.waiting += 1
             line.weight = weight if weight is not None else line.weight
-            line.save(update_fields=["waiting", "head_id", "cap", "pass_value", "weight"])
+            fields = ["waiting", "head_id", "cap", "blocked", "pass_value", "weight"]
+            line.save(update_fields=fields)
 
     def _dispatch(self, queue: str, limit: int, by: int | None = None) -> list[Ready]:
         self._due(queue)
@@ -220,11 +237,11 @@ class Store(pg_store.Store):
             line.weight = job.weight
         if due:
             if line.waiting == 0:
-                line.head_id, line.cap, line.blocked = row.pk, job.cap, False
                 line.pass_value = max(line.pass_value, vt)
-            elif line.head_id is None or row.pk < line.head_id:
+            if line.waiting == 0 or line.head_id is None or row.pk < line.head_id:
                 # A job stored before the head whose line it reaches later: it leads.
                 line.head_id, line.cap = row.pk, job.cap
+                line.blocked = not self._free(job.queue, job.tenant, line.in_flight, job.cap)
             line.waiting += 1
         line.save(update_fields=["weight", "cap", "blocked", "waiting", "head_id", "pass_value"])
         return due
@@ -289,9 +306,13 @@ class Store(pg_store.Store):
             )
         if job.state == WAITING:
             head, cap = self._head(job.queue, job.tenant)
-            self._tenants().filter(queue=job.queue, tenant=job.tenant).update(
-                waiting=F("waiting") - 1, in_flight=F("in_flight") + 1, head_id=head, cap=cap
+            line = self._tenants().get(queue=job.queue, tenant=job.tenant)
+            line.waiting, line.in_flight = line.waiting - 1, line.in_flight + 1
+            line.head_id, line.cap = head, cap
+            line.blocked = head is not None and not self._free(
+                job.queue, job.tenant, line.in_flight, cap
             )
+            line.save(update_fields=["waiting", "in_flight", "head_id", "cap", "blocked"])
         slot = self._slot_max(job.tenant, job.queue)
         return Started(status, slot if slot is not None else job.cap)
 
@@ -470,8 +491,6 @@ class Store(pg_store.Store):
 
     def unblock(self, tenant: str | None, queue: str | None) -> list[str]:
         """See :func:`django_fair_jobs.dispatch.unblock`."""
-        from django_fair_jobs.models import TenantQueueSlot
-
         lines = self._tenants().filter(blocked=True)
         if tenant is not None:
             lines = lines.filter(tenant=tenant)
@@ -479,19 +498,7 @@ class Store(pg_store.Store):
             lines = lines.filter(queue=queue)
         freed: set[str] = set()
         for line in lines:
-            slot = (
-                TenantQueueSlot.objects.using(self.alias)
-                .filter(tenant=line.tenant, queue=line.queue)
-                .first()
-            )
-            if slot is not None:
-                limit = slot.max_jobs if slot.max_jobs is not None else line.cap
-                if (slot.max_jobs is not None and slot.max_jobs <= line.in_flight) or (
-                    limit is not None and slot.current_jobs >= limit
-                ):
-                    continue
-            overridden = slot is not None and slot.max_jobs is not None
-            if line.cap is not None and line.in_flight >= line.cap and not overridden:
+            if not self._free(line.queue, line.tenant, line.in_flight, line.cap):
                 continue
             self._tenants().filter(pk=line.pk).update(blocked=False)
             freed.add(line.queue)

@@ -38,6 +38,30 @@ BEGIN
 END;
 $$;
 
+-- Whether a line may be chosen with p_in_flight jobs in flight and the cap p_cap of its
+-- head's task: below its tenant slot's max_jobs (which overrides the task's cap), else
+-- below p_cap, and its tenant slot (if any) not full. Lines that fail it are blocked, out
+-- of the selection's index; dispatch_unblock puts them back by it, and each step that
+-- moves a line's head other than by a dispatch (the due step, an older job's enqueue, a
+-- start from the line, a cancel) sets blocked by it for the new head's cap.
+CREATE OR REPLACE FUNCTION fair_jobs_dispatch_free(
+    p_queue text, p_tenant text, p_in_flight integer, p_cap integer
+)
+RETURNS boolean
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_slot record;
+BEGIN
+    SELECT s.max_jobs, s.current_jobs INTO v_slot FROM fair_jobs_tenantqueueslot AS s
+     WHERE s.tenant = p_tenant AND s.queue = p_queue;
+    IF NOT FOUND THEN
+        RETURN p_cap IS NULL OR p_in_flight < p_cap;
+    END IF;
+    RETURN p_in_flight < COALESCE(v_slot.max_jobs, p_cap, p_in_flight + 1)
+       AND v_slot.current_jobs < COALESCE(v_slot.max_jobs, p_cap, v_slot.current_jobs + 1);
+END;
+$$;
+
 -- How many more jobs p_queue may have in flight now: its live capacity plus slack, less
 -- its jobs dispatched or running (counted from their rows, a few at most), bounded by its
 -- queue limit and its per-worker limit times its live nodes; a paused queue has none. The
@@ -121,6 +145,10 @@ BEGIN
                           THEN m.first_id ELSE t.head_id END,
            cap = CASE WHEN t.waiting = 0 OR m.first_id < t.head_id
                       THEN m.first_cap ELSE t.cap END,
+           blocked = CASE WHEN t.waiting = 0 OR m.first_id < t.head_id
+                          THEN NOT fair_jobs_dispatch_free(p_queue, t.tenant, t.in_flight,
+                                                           m.first_cap)
+                          ELSE t.blocked END,
            pass_value = CASE WHEN t.waiting = 0 THEN GREATEST(t.pass_value, v_vt)
                              ELSE t.pass_value END,
            weight = COALESCE(m.weight, t.weight)
@@ -281,7 +309,10 @@ BEGIN
                           THEN v_id ELSE t.head_id END,
            cap = CASE WHEN v_due AND (t.waiting = 0 OR v_id < t.head_id)
                       THEN p_cap ELSE t.cap END,
-           blocked = CASE WHEN v_due AND t.waiting = 0 THEN false ELSE t.blocked END,
+           blocked = CASE WHEN v_due AND (t.waiting = 0 OR v_id < t.head_id)
+                          THEN NOT fair_jobs_dispatch_free(p_queue, p_tenant, t.in_flight,
+                                                           p_cap)
+                          ELSE t.blocked END,
            pass_value = CASE WHEN v_due AND t.waiting = 0
                              THEN GREATEST(t.pass_value, v_vt) ELSE t.pass_value END,
            weight = COALESCE(p_weight, t.weight);
@@ -384,9 +415,13 @@ BEGIN
             END IF;
             UPDATE fair_jobs_dispatchtenant AS t
                SET waiting = t.waiting - 1, in_flight = t.in_flight + 1,
-                   (head_id, cap) = (SELECT j.id, j.cap FROM fair_jobs_dispatchjob AS j
-                                      WHERE j.queue = t.queue AND j.tenant = t.tenant
-                                        AND j.state = 1 ORDER BY j.id LIMIT 1)
+                   head_id = h.id, cap = h.cap,
+                   blocked = h.id IS NOT NULL AND NOT fair_jobs_dispatch_free(
+                       t.queue, t.tenant, t.in_flight + 1, h.cap)
+              FROM (SELECT 1) AS one
+              LEFT JOIN LATERAL (SELECT j.id, j.cap FROM fair_jobs_dispatchjob AS j
+                                  WHERE j.queue = v_job.queue AND j.tenant = v_job.tenant
+                                    AND j.state = 1 ORDER BY j.id LIMIT 1) AS h ON true
              WHERE t.queue = v_job.queue AND t.tenant = v_job.tenant;
         END IF;
     END IF;

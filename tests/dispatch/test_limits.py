@@ -240,3 +240,39 @@ def test_a_retry_sharing_its_task_id__its_lease_counted_once_against_the_queue_l
     QueueLimit.objects.filter(pk=limit.pk).update(current_jobs=1)
     assert DispatchJob.objects.filter(state=RUNNING).count() == 2 and retry.pk != ran.pk
     assert dispatch.room() == {"fair": 1}  # 3 places: the lease, and the first row's
+
+
+def test_a_cancel_moving_a_blocked_lines_head_to_an_uncapped_task__dispatches_it(
+    published: list[int],
+) -> None:
+    # A line blocked at its head's task cap stayed blocked when a cancel of that task's
+    # jobs moved its head to a job of an uncapped task: the job waited for the next end of
+    # the tenant's capped jobs, however long they ran.
+    from django_fair_jobs import backlog
+
+    set_capacity(8)
+    for _ in range(3):
+        tasks.dispatched_capped.delay("acme")
+    uncapped = tasks.dispatched.delay("acme")
+    assert len(published) == 2 and DispatchTenant.objects.get(tenant="acme").blocked
+    assert backlog.cancel("acme", queue="fair", task=tasks.dispatched_capped.name).total == 1
+    pump(published)
+    assert published[2:] == [job_of(uncapped.id).pk]
+
+
+def test_a_countdown_come_due_at_the_head_of_a_blocked_line__dispatched_by_its_own_cap(
+    published: list[int],
+) -> None:
+    # A countdown of an uncapped task, stored before the capped jobs that blocked its
+    # line, leads the line once due (the oldest job first); the line stayed blocked at the
+    # capped task's cap, so the countdown waited for the end of a job of another task.
+    set_capacity(8)
+    later = tasks.dispatched.apply_async(("acme",), countdown=3600)
+    for _ in range(3):
+        tasks.dispatched_capped.delay("acme")
+    assert len(published) == 2 and DispatchTenant.objects.get(tenant="acme").blocked
+    DispatchJob.objects.filter(task_id=later.id).update(
+        not_before=timezone.now() - timedelta(seconds=1)
+    )
+    pump(published)
+    assert published[2:] == [job_of(later.id).pk]
