@@ -18,33 +18,19 @@ from kombu.exceptions import InconsistencyError
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import loads
 
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    KombuOperationalError,
-    OSError,
-    django_db.OperationalError,
-    django_db.InterfaceError,
-)
-"""Errors of a publish that say the broker or the database is unreachable, not that the
-job is wrong (Celery already retried the publish by its retry policy): never counted
-against a job."""
-
-
-def connection_errors(app: Any) -> tuple[type[BaseException], ...]:
-    """The errors ``app``'s broker transport raises when the broker cannot be reached
-    (py-amqp's ``ConnectionForced`` while RabbitMQ stops, redis-py's ``ConnectionError``):
-    transient like :data:`TRANSIENT_ERRORS`. No connection is opened to learn them."""
-    with app.connection_for_write() as connection:
-        return tuple(connection.connection_errors)
-
 
 def _connection_level() -> tuple[type[BaseException], ...]:
     """The errors of a connection that failed (refused, reset, timed out, closed by the
-    broker), on every transport the library knows; redis-py's only where installed."""
+    broker, refused its credentials, or the broker still loading its data), on every
+    transport the library knows; redis-py's only where installed. Not a transport's own
+    ``connection_errors`` whole: kombu's Redis transport lists ``KeyError`` there, which
+    a publish's own router or serializer raises for a reason of the job's."""
     import amqp.exceptions
 
     kinds: list[type[BaseException]] = [
         OSError,
         amqp.exceptions.ConnectionError,
+        InconsistencyError,
         django_db.OperationalError,
         django_db.InterfaceError,
     ]
@@ -52,6 +38,7 @@ def _connection_level() -> tuple[type[BaseException], ...]:
         import redis.exceptions
     except ImportError:  # the Redis extra not installed: no Redis broker either
         return tuple(kinds)
+    # ConnectionError covers the refused credentials and a broker still loading its data.
     return (*kinds, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 

@@ -44,7 +44,6 @@ from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
-from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import dumps, loads
 
 from django_fair_jobs import broker, db
@@ -85,7 +84,7 @@ PUBLISH_ATTEMPTS = 3
 """Publishes a planned job may fail for a reason of its own before it is failed for good
 (``failed_at``): a few, so that an error that passes is not fatal, and few enough that a
 job that can never be published holds nothing back for long. A broker or database outage
-is not counted (:data:`django_fair_jobs.broker.TRANSIENT_ERRORS`)."""
+is not counted (:func:`django_fair_jobs.broker.unreachable`)."""
 
 STALE_FACTOR = 10
 """A promoted job not started after this many times its plan's ``latency_threshold`` (or
@@ -332,11 +331,6 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
         return {}
     plan_out, tenant_weights = allocated
     celery_app = app or task.app
-    broker_down = broker.connection_errors(celery_app)
-
-    def transient(exc: BaseException) -> bool:
-        return broker.unreachable(exc) or isinstance(exc, broker_down)
-
     done: dict[str, int] = {}
     complete = True
     for tenant in plan_out.order:
@@ -344,7 +338,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
         try:
             promoted = planner_store.promote(
                 name, tenant, wanted, lambda row: _publish(celery_app, row),
-                transient=transient, max_attempts=PUBLISH_ATTEMPTS,
+                transient=broker.unreachable, max_attempts=PUBLISH_ATTEMPTS,
                 gave_up=lambda row, exc: _gave_up(celery_app, row, exc),
             )  # fmt: skip
         except Exception as exc:
@@ -355,7 +349,7 @@ def _promote(task: Task[Any, Any], plan: Plan, app: Celery | None) -> dict[str, 
                 name, for_log(tenant),
             )  # fmt: skip
             complete = False
-            if isinstance(exc, (KombuOperationalError, *broker_down)):
+            if broker.unreachable(exc):
                 break  # the broker is unreachable: every other tenant would wait as long
             continue
         done[tenant] = len(promoted)

@@ -174,6 +174,26 @@ def test_a_broker_that_answers_and_refuses_the_message__counted__the_job_ends_fa
     assert "WRONGTYPE" in row.last_error
 
 
+def test_a_key_error_of_the_publish__counted__the_job_ends_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # kombu's Redis transport lists KeyError among its connection errors (its own
+    # bookkeeping); taken from there for an outage, a KeyError of the job's own publish (a
+    # router or a serializer that looks up a missing key) kept the job in line for ever,
+    # never counted, never failed.
+    job = tasks.planned.delay("acme")
+
+    def missing_key(app: Any, row: PlannedJob) -> None:
+        raise KeyError("route")
+
+    monkeypatch.setattr(planner, "_publish", missing_key)
+    for _ in range(planner.PUBLISH_ATTEMPTS):
+        run_planner()
+    row = PlannedJob.objects.get(task_id=job.id)
+    assert row.failed_at is not None and row.attempts == planner.PUBLISH_ATTEMPTS
+    assert row.last_error.startswith("KeyError")
+
+
 def test_started_fails_once__retried_from_the_heartbeat__the_planner_runs_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
