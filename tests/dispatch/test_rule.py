@@ -183,6 +183,23 @@ def test_oldest_job__an_enqueue_older_than_its_lines_head__leads_the_line(
     assert [r.task_id for r in order] == [older, newer]
 
 
+def test_an_older_enqueue_of_an_uncapped_task__leads_a_blocked_line__dispatched_at_once(
+    published: list[int],
+) -> None:
+    # The line is blocked at its head's task cap (2 in flight); an older job of an
+    # uncapped task reaches it later and leads: the line stayed blocked at the old head's
+    # cap, and the job waited for the end of a capped one.
+    if not is_postgres():
+        pytest.skip("SQLite's writers take turns and its ids only grow: no race to replay")
+    set_capacity(8)
+    next_job_id(1_000_100)
+    enqueue("a", 3, task=tasks.dispatched_capped)
+    assert len(published) == 2 and DispatchTenant.objects.get(tenant="a").blocked
+    next_job_id(1_000_000)
+    (older,) = enqueue("a")
+    assert published[2:] == [DispatchJob.objects.get(task_id=older).pk]
+
+
 def test_weights__one_three_six__shares_of_starts_within_five_percent(
     published: list[int],
 ) -> None:
