@@ -262,7 +262,7 @@ RETURNING t.id;
 -- (scheduled or waiting) on the queue, of one task or of all (%(task_name)s NULL); the
 -- line's waiting count lowers by the waiting rows deleted and its head moves to the
 -- oldest waiting row left (the subquery sees the rows as before the DELETE, so it leaves
--- out the deleted ones). Returns the cancelled task ids.
+-- out the deleted ones). Returns the cancelled task ids, oldest first.
 WITH gone AS (
     DELETE FROM fair_jobs_dispatchjob AS j
      WHERE j.id IN (SELECT c.id FROM fair_jobs_dispatchjob AS c
@@ -281,4 +281,4 @@ WITH gone AS (
      WHERE t.queue = %(queue)s AND t.tenant = %(tenant)s
        AND EXISTS (SELECT 1 FROM gone)
 )
-SELECT task_id FROM gone;
+SELECT task_id FROM gone ORDER BY id;

@@ -302,7 +302,11 @@ BEGIN
             dispatched_total, blocked)
     VALUES (p_queue, p_tenant, COALESCE(p_weight, 1.0), CASE WHEN v_due THEN p_cap END,
             CASE WHEN v_due THEN 1 ELSE 0 END, 0, v_vt, 0, CASE WHEN v_due THEN v_id END, 0,
-            false)
+            -- A new line under a tenant slot is blocked by the rule (the probe alone, not
+            -- the call, for the tenants without one: the VALUES are computed every time).
+            v_due AND EXISTS (SELECT 1 FROM fair_jobs_tenantqueueslot AS s
+                               WHERE s.tenant = p_tenant AND s.queue = p_queue)
+                  AND NOT fair_jobs_dispatch_free(p_queue, p_tenant, 0, p_cap))
     ON CONFLICT (queue, tenant) DO UPDATE
        SET waiting = t.waiting + CASE WHEN v_due THEN 1 ELSE 0 END,
            head_id = CASE WHEN v_due AND (t.waiting = 0 OR v_id < t.head_id)
@@ -475,7 +479,7 @@ BEGIN
     IF NOT FOUND THEN
         IF p_again THEN
             RETURN QUERY SELECT j.id, j.message FROM fair_jobs_dispatchjob AS j
-                          WHERE j.state = 2 AND j.dispatched_by = p_job;
+                          WHERE j.state = 2 AND j.dispatched_by = p_job ORDER BY j.id;
         END IF;
         RETURN;
     END IF;
@@ -530,7 +534,7 @@ BEGIN
         -- Sent again after a lost reply: the jobs an earlier try dispatched into the room
         -- of the ends it made, not started yet (their messages were never published).
         RETURN QUERY SELECT j.id, j.message FROM fair_jobs_dispatchjob AS j
-                      WHERE j.state = 2 AND j.dispatched_by = ANY(p_jobs);
+                      WHERE j.state = 2 AND j.dispatched_by = ANY(p_jobs) ORDER BY j.id;
     END IF;
     IF v_queues IS NULL THEN
         RETURN;

@@ -276,3 +276,20 @@ def test_a_countdown_come_due_at_the_head_of_a_blocked_line__dispatched_by_its_o
     )
     pump(published)
     assert published[2:] == [job_of(later.id).pk]
+
+
+def test_a_tenants_first_line_under_its_full_tenant_slot__blocked__nothing_dispatched(
+    published: list[int],
+) -> None:
+    # The tenant's slot on the queue is full (its jobs of tenant slots hold both places of
+    # the task's cap). A new line was made unblocked on PostgreSQL: its job was dispatched
+    # for the fence to refuse, set aside and tried again, a publish and a start wasted.
+    from django_fair_jobs.models import TenantQueueSlot
+
+    set_capacity(8)
+    TenantQueueSlot.objects.create(tenant="acme", queue="fair", current_jobs=2)
+    tasks.dispatched_capped.delay("acme")
+    assert published == [] and DispatchTenant.objects.get(tenant="acme").blocked
+    TenantQueueSlot.objects.filter(tenant="acme").update(current_jobs=1)
+    dispatch.unblock(tenant="acme", queue="fair")
+    assert len(published) == 1
