@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from django_fair_jobs import dispatch
+from django_fair_jobs import dispatch, events
 from django_fair_jobs.leases import store as lease_store
 from django_fair_jobs.planner import store as planner_store
 
@@ -128,6 +128,11 @@ def cancel(
         # INFO: the history row keeps it, and a project without LOGGING would print a
         # WARNING on stderr beside the command's own line.
         logger.info("Cancelled %s", cancelled)
+    if cancelled.dispatch:
+        # A line blocked at the cap of the task whose jobs were cancelled may now lead
+        # with a job of another task: unblocked and dispatched (after the caller's
+        # transaction commits, as for a limit changed).
+        events.limit_changed.send(sender=LimitChange, tenant=tenant, queue=queue, app=None)
     return cancelled
 
 

@@ -7,6 +7,7 @@ from django.dispatch import Signal
 
 limit_changed = Signal()
 """A tenant slot's or a queue's limit changed (set, boosted, a boost ended, a queue paused
-or resumed): sent with ``tenant`` (None for a queue's limit), ``queue`` and ``app`` after
-the change. Fair dispatch takes the lines the change frees back into its selection and
-dispatches the queue at once."""
+or resumed), or a tenant's backlog was cancelled (its line may lead with a job of another
+task, with another cap): sent with ``tenant`` (None for a queue's limit), ``queue`` (None:
+every queue) and ``app`` after the change. Fair dispatch takes the lines the change frees
+back into its selection and dispatches the queue at once."""

@@ -534,13 +534,10 @@ def room() -> dict[str, int]:
 def cancel(queue: str, tenant: str, task_name: str | None = None, limit: int = BATCH) -> list[str]:
     """Delete up to ``limit`` of ``tenant``'s jobs not yet dispatched (scheduled or waiting
     in its line) on ``queue``, of the task ``task_name`` or of every task, oldest first;
-    the line's counts stay true, and a line blocked at its old head's cap whose new head
-    may run is put back in the selection and dispatched. Returns their task ids. Jobs
-    already dispatched or running are left alone (revoke those)."""
-    found: list[str] = _store().cancel(queue, tenant, task_name, limit)
-    if found:
-        unblock(tenant=tenant, queue=queue)
-    return found
+    the line's counts stay true. Returns their task ids. Jobs already dispatched or
+    running are left alone (revoke those). A line blocked at its old head's cap whose new
+    head may run stays blocked until :func:`unblock` (``backlog.cancel`` asks for it)."""
+    return _store().cancel(queue, tenant, task_name, limit)  # type: ignore[no-any-return]
 
 
 def lines_of(tenant: str) -> list[str]:

@@ -126,8 +126,10 @@ class Store(pg_store.Store):
                 queue=queue, tenant=tenant, defaults={"pass_value": vt}
             )
             if line.waiting == 0 or job_id < (line.head_id or job_id + 1):
+                # Blocked with room under the old head's cap: by the fence, it stays.
+                fenced = line.blocked and self._free(queue, tenant, line.in_flight, line.cap)
                 line.head_id, line.cap = job_id, cap
-                line.blocked = not self._free(queue, tenant, line.in_flight, cap)
+                line.blocked = fenced or not self._free(queue, tenant, line.in_flight, cap)
             if line.waiting == 0:
                 line.pass_value = max(line.pass_value, vt)
             line.waiting += 1

@@ -8,7 +8,7 @@ from django.db import migrations
 from django_fair_jobs.sql import install_functions
 
 # The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
-FUNCTIONS_DIGEST = "0194dbf37d0e34bb19537d04652d1673661bdec93bdd64f268d29776b4ccaf29"
+FUNCTIONS_DIGEST = "23f8b878955434a68c93a5970e7a4a1e1c6347765f60bfd841527b637305c946"
 
 
 class Migration(migrations.Migration):

@@ -43,7 +43,8 @@ $$;
 -- below p_cap, and its tenant slot (if any) not full. Lines that fail it are blocked, out
 -- of the selection's index; dispatch_unblock puts them back by it, and each step that
 -- moves a line's head other than by a dispatch (the due step, an older job's enqueue, a
--- start from the line, a cancel) sets blocked by it for the new head's cap.
+-- start from the line, a cancel) sets blocked by it for the new head's cap; the due step
+-- keeps a block the fence made (a line blocked though its old head's cap left room).
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_free(
     p_queue text, p_tenant text, p_in_flight integer, p_cap integer
 )
@@ -145,9 +146,14 @@ BEGIN
                           THEN m.first_id ELSE t.head_id END,
            cap = CASE WHEN t.waiting = 0 OR m.first_id < t.head_id
                       THEN m.first_cap ELSE t.cap END,
+           -- A line blocked though its old head's cap left it room was blocked by the
+           -- fence (a refused job, come due now): it stays blocked until its room comes
+           -- back, or the job would go round the broker to the same refusal.
            blocked = CASE WHEN t.waiting = 0 OR m.first_id < t.head_id
                           THEN NOT fair_jobs_dispatch_free(p_queue, t.tenant, t.in_flight,
                                                            m.first_cap)
+                               OR (t.blocked AND fair_jobs_dispatch_free(
+                                       p_queue, t.tenant, t.in_flight, t.cap))
                           ELSE t.blocked END,
            pass_value = CASE WHEN t.waiting = 0 THEN GREATEST(t.pass_value, v_vt)
                              ELSE t.pass_value END,

@@ -293,3 +293,43 @@ def test_a_tenants_first_line_under_its_full_tenant_slot__blocked__nothing_dispa
     TenantQueueSlot.objects.filter(tenant="acme").update(current_jobs=1)
     dispatch.unblock(tenant="acme", queue="fair")
     assert len(published) == 1
+
+
+def test_a_cancel_inside_the_callers_transaction__dispatches_the_line_it_freed_after_commit(
+    published: list[int],
+) -> None:
+    # The cancel's dispatch published the freed line's job before the caller's transaction
+    # (ATOMIC_REQUESTS, an admin action) committed: a worker could start it while its row
+    # still read as waiting, and the line's row stayed locked across the broker's I/O.
+    from django.db import transaction
+
+    from django_fair_jobs import backlog
+
+    set_capacity(8)
+    for _ in range(3):
+        tasks.dispatched_capped.delay("acme")
+    uncapped = tasks.dispatched.delay("acme")
+    with transaction.atomic():
+        backlog.cancel("acme", queue="fair", task=tasks.dispatched_capped.name)
+        assert len(published) == 2
+    assert published[2:] == [job_of(uncapped.id).pk]
+
+
+def test_a_job_the_fence_refused__come_due__its_line_stays_blocked_until_its_room_comes_back(
+    published: list[int],
+) -> None:
+    # The fence refused the job for a reason a line's cap does not know (a queue limit's
+    # per-worker cap, on the node that received it): aside for FENCE_DELAY, its line
+    # blocked. Come due, it leads its line again, and the due step set the line's blocked
+    # by the cap rule alone: the job went round the broker to the full node once a second.
+    set_capacity(4)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    assert published == [job.pk]
+    process = uuid.uuid4()
+    assert dispatch.start(job.pk, process).status == "started"
+    dispatch.end(job.pk, process, outcome="later", delay=dispatch.FENCE_DELAY, block=True)
+    DispatchJob.objects.filter(pk=job.pk).update(not_before=timezone.now() - timedelta(seconds=1))
+    pump(published)
+    assert published == [job.pk] and DispatchTenant.objects.get(tenant="acme").blocked
+    dispatch.unblock(tenant="acme", queue="fair")  # its room came back (maintenance)
+    assert published == [job.pk, job.pk]
