@@ -33,6 +33,26 @@ def max_overlap(runs: Iterable[tuple[datetime, datetime]]) -> int:
     return peak
 
 
+def at_the_peak(tenant: str) -> str:
+    """The finished runs of ``tenant`` open at once at the peak of their overlap (task id,
+    process id, retries, start and end), for the message of a failed overlap assertion: a
+    bound broken under faults is then told from the rows, not guessed at."""
+    runs = list(
+        JobRun.objects.filter(tenant=tenant, finished_at__isnull=False)
+        .exclude(queue="retry-marker")
+        .values_list("task_id", "pid", "retries", "started_at", "finished_at")
+    )
+    peak = max_overlap((r[3], r[4]) for r in runs)
+    for *_, moment, _end in sorted(runs, key=lambda r: r[3]):
+        open_then = [r for r in runs if r[3] <= moment < r[4]]
+        if len(open_then) == peak:
+            return f"{peak} open at {moment:%H:%M:%S.%f}: " + "; ".join(
+                f"{t} pid {p} retries {n} {s:%H:%M:%S.%f}-{e:%H:%M:%S.%f}"
+                for t, p, n, s, e in open_then
+            )
+    return f"peak {peak}"
+
+
 def finished_runs(tenant: str) -> list[tuple[datetime, datetime]]:
     return [
         (s, e)  # type: ignore[misc]  # finished_at is filtered to not null
