@@ -242,6 +242,15 @@ def test_a_retry_sharing_its_task_id__its_lease_counted_once_against_the_queue_l
     assert dispatch.room() == {"fair": 1}  # 3 places: the lease, and the first row's
 
 
+def block_at_the_capped_tasks_cap(published: list[int]) -> None:
+    """acme's line blocked at its head's task cap: two of three jobs of the capped task
+    (``fair_max_jobs = 2``) dispatched, the third at the head of the line."""
+    set_capacity(8)
+    for _ in range(3):
+        tasks.dispatched_capped.delay("acme")
+    assert len(published) == 2 and DispatchTenant.objects.get(tenant="acme").blocked
+
+
 def test_a_cancel_moving_a_blocked_lines_head_to_an_uncapped_task__dispatches_it(
     published: list[int],
 ) -> None:
@@ -250,9 +259,7 @@ def test_a_cancel_moving_a_blocked_lines_head_to_an_uncapped_task__dispatches_it
     # the tenant's capped jobs, however long they ran.
     from django_fair_jobs import backlog
 
-    set_capacity(8)
-    for _ in range(3):
-        tasks.dispatched_capped.delay("acme")
+    block_at_the_capped_tasks_cap(published)
     uncapped = tasks.dispatched.delay("acme")
     assert len(published) == 2 and DispatchTenant.objects.get(tenant="acme").blocked
     assert backlog.cancel("acme", queue="fair", task=tasks.dispatched_capped.name).total == 1
@@ -266,11 +273,8 @@ def test_a_countdown_come_due_at_the_head_of_a_blocked_line__dispatched_by_its_o
     # A countdown of an uncapped task, stored before the capped jobs that blocked its
     # line, leads the line once due (the oldest job first); the line stayed blocked at the
     # capped task's cap, so the countdown waited for the end of a job of another task.
-    set_capacity(8)
     later = tasks.dispatched.apply_async(("acme",), countdown=3600)
-    for _ in range(3):
-        tasks.dispatched_capped.delay("acme")
-    assert len(published) == 2 and DispatchTenant.objects.get(tenant="acme").blocked
+    block_at_the_capped_tasks_cap(published)
     DispatchJob.objects.filter(task_id=later.id).update(
         not_before=timezone.now() - timedelta(seconds=1)
     )
@@ -305,9 +309,7 @@ def test_a_cancel_inside_the_callers_transaction__dispatches_the_line_it_freed_a
 
     from django_fair_jobs import backlog
 
-    set_capacity(8)
-    for _ in range(3):
-        tasks.dispatched_capped.delay("acme")
+    block_at_the_capped_tasks_cap(published)
     uncapped = tasks.dispatched.delay("acme")
     with transaction.atomic():
         backlog.cancel("acme", queue="fair", task=tasks.dispatched_capped.name)
