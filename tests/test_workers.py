@@ -37,11 +37,13 @@ def at_the_peak(tenant: str) -> str:
     """The finished runs of ``tenant`` open at once at the peak of their overlap (task id,
     process id, retries, start and end), for the message of a failed overlap assertion: a
     bound broken under faults is then told from the rows, not guessed at."""
-    runs = list(
-        JobRun.objects.filter(tenant=tenant, finished_at__isnull=False)
+    runs = [
+        (t, p, n, s, e)
+        for t, p, n, s, e in JobRun.objects.filter(tenant=tenant, finished_at__isnull=False)
         .exclude(queue="retry-marker")
         .values_list("task_id", "pid", "retries", "started_at", "finished_at")
-    )
+        if e is not None  # filtered to not null: this tells the type checker
+    ]
     peak = max_overlap((r[3], r[4]) for r in runs)
     for *_, moment, _end in sorted(runs, key=lambda r: r[3]):
         open_then = [r for r in runs if r[3] <= moment < r[4]]
