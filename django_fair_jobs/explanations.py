@@ -351,6 +351,7 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
         "queue_room": dispatch.room().get(job.queue, 0),
         "queue_paused": cap.queue_paused,
         "publish_failures": job.publish_failures,
+        "failure": job.failure,
     }
     details["held_by"] = cap.holds() or caps.queue_held_by(
         job.queue, 0 if queue is None else queue.capacity, 0 if queue is None else queue.slack,
@@ -376,12 +377,10 @@ def _dispatched(job: Any, now: datetime) -> Explanation:
 
 
 def _failed(job: Any) -> str:
-    """Why a dispatched job ended failed: its publish failed ``PUBLISH_ATTEMPTS`` times, or
-    (fewer failures: :func:`dispatch.unregistered` counts one) a worker that received it
-    had no task of that name registered."""
-    from django_fair_jobs.dispatch.store import PUBLISH_ATTEMPTS
-
-    if job.publish_failures >= PUBLISH_ATTEMPTS:
+    """Why a dispatched job ended failed, as its row's ``failure`` records: its publish
+    failed ``PUBLISH_ATTEMPTS`` times, or a worker that received it had no task of that
+    name registered."""
+    if job.failure != "unregistered":
         cause = (
             f"Its message could not be published {job.publish_failures} times (a broker or "
             "serializer that refuses it)"

@@ -82,11 +82,12 @@ class DispatchTenantAdmin(_CancelsBacklog, _ReadOnly, admin.ModelAdmin):  # type
 @admin.register(DispatchJob)
 class DispatchJobAdmin(_ReadOnly, admin.ModelAdmin):  # type: ignore[type-arg]
     """Fair dispatch's jobs, from ``delay()`` to their end: scheduled, waiting, dispatched,
-    running, and failed (their publish failed too often; read-only, and a failed job can be
-    put back in line once its cause is removed)."""
+    running, and failed (their publish failed too often, or the worker that received them
+    had no such task: ``failure``; read-only, and a failed job can be put back in line once
+    its cause is removed)."""
 
     list_display = ("task_id", "task_name", "tenant", "queue", "state", "enqueued_at",
-                    "publish_failures")  # fmt: skip
+                    "publish_failures", "failure")  # fmt: skip
     list_filter = ("state", ("queue", RecentValuesFilter))
     search_fields = ("task_id", "tenant")
     ordering = ("id",)

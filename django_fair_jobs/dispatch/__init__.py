@@ -462,7 +462,7 @@ def unregistered(app: Celery, job_id: int, task_name: str) -> None:
     logger.error("Dispatched job %s: no task %r registered here; it ends failed", job_id, task_name)
     store_ = _store()
     ready: list[Ready] = db.sent_again(
-        alias(), lambda again: store_.end(job_id, None, outcome="failed", again=again)
+        alias(), lambda again: store_.end(job_id, None, outcome="unregistered", again=again)
     )
     publish(app, ready)
 
@@ -505,15 +505,16 @@ def in_flight() -> dict[str, int]:
 
 
 def put_back_failed(app: Celery, job_ids: list[int]) -> int:
-    """Put failed jobs (their publish failed too often) back in line, due now, their
-    failures forgotten, and dispatch their queues; returns how many went back."""
+    """Put failed jobs (their publish failed too often, or their task was not registered
+    on the worker) back in line, due now, their failure and failed publishes forgotten, and
+    dispatch their queues; returns how many went back."""
     from django.db.models.functions import Now
 
     from django_fair_jobs.dispatch.models import FAILED, SCHEDULED, DispatchJob
 
     rows = DispatchJob.objects.using(alias()).filter(pk__in=job_ids, state=FAILED)
     queues = sorted(set(rows.values_list("queue", flat=True)))
-    count = rows.update(state=SCHEDULED, not_before=Now(), publish_failures=0)
+    count = rows.update(state=SCHEDULED, not_before=Now(), publish_failures=0, failure="")
     dispatch_queues(app, queues)
     return count
 

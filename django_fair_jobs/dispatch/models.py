@@ -33,6 +33,11 @@ STATES = ((SCHEDULED, "scheduled"), (WAITING, "waiting"), (DISPATCHED, "dispatch
 #: ``reject_on_worker_lost``: Celery rejects a lost pool child's job back to the queue).
 DROP_ON_LOSS, REQUEUE_IF_NODE_LOST, REQUEUE_ON_LOSS = 0, 1, 2
 
+#: Why a job ended failed: its message could not be published (``PUBLISH_ATTEMPTS`` times,
+#: by errors of its own), or the worker that received it had no task of its name.
+FAILURES = (("", ""), ("publish", "its message could not be published"),
+            ("unregistered", "its task was not registered on the worker"))  # fmt: skip
+
 
 class DispatchQueue(models.Model):
     """One Celery queue's capacity: the live worker processes that consume it, their nodes
@@ -145,6 +150,14 @@ class DispatchJob(models.Model):
         "enqueue's), so that the step, sent again after its reply was lost, publishes it.",
     )
     publish_failures = models.PositiveIntegerField(default=0)
+    failure = models.CharField(
+        max_length=16,
+        blank=True,
+        choices=FAILURES,
+        db_default="",
+        help_text="Why it ended failed: 'publish' (its message could not be published) or "
+        "'unregistered' (the worker that received it had no task of its name).",
+    )
     republished = models.PositiveIntegerField(
         default=0, help_text="Copies published by the lost-message repair (each doubles its wait)."
     )

@@ -32,7 +32,13 @@ from django_fair_jobs.dispatch.models import (
 )
 from django_fair_jobs.dispatch.types import BATCH, Job, Outcome, Ready, Started
 
-_STATE_OF: dict[str, int] = {"back": WAITING, "later": SCHEDULED, "failed": FAILED}
+_STATE_OF: dict[str, int] = {
+    "back": WAITING,
+    "later": SCHEDULED,
+    "failed": FAILED,
+    "unregistered": FAILED,
+}
+_FAILURE_OF: dict[str, str] = {"failed": "publish", "unregistered": "unregistered"}
 
 
 class Store(pg_store.Store):
@@ -351,7 +357,10 @@ class Store(pg_store.Store):
                     process_id=None,
                     dispatched_at=None,
                     started_at=None,
-                    publish_failures=job.publish_failures + (process_id is None),
+                    # A worker's rejection of an unregistered task is no failed publish.
+                    publish_failures=job.publish_failures
+                    + (process_id is None and outcome != "unregistered"),
+                    failure=_FAILURE_OF.get(outcome, ""),
                 )
             line = self._tenants().get(queue=job.queue, tenant=job.tenant)
             line.in_flight = max(line.in_flight - 1, 0)

@@ -12,9 +12,10 @@ from typing import Literal
 BATCH = 1000
 """Most jobs one step dispatches at once (a new worker node's whole capacity)."""
 
-Outcome = Literal["end", "back", "later", "failed"]
+Outcome = Literal["end", "back", "later", "failed", "unregistered"]
 """How a job leaves flight: it ended (its row goes), back at the head of its line, aside
-for a delay, or failed (its message could never be published)."""
+for a delay, failed (its message could never be published), or failed because the worker
+that received it had no task of its name (``unregistered``, not a failed publish)."""
 
 
 @dataclass(frozen=True)

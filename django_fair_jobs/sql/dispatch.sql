@@ -444,7 +444,9 @@ END;
 $$;
 
 -- Take a job out of flight. p_outcome: 'end' deletes it (it ended), 'back' puts it at the
--- head of its line, 'later' aside for p_delay seconds, 'failed' in the failed state.
+-- head of its line, 'later' aside for p_delay seconds, 'failed' in the failed state (its
+-- publish failed for good), 'unregistered' too (the worker that received it had no task
+-- of its name: no failed publish, not counted in publish_failures); failure says which.
 -- Fenced by p_process for a running job (a worker presumed dead cannot end the job a
 -- second time); p_process NULL acts on a dispatched job (its publish failed, or its
 -- message was revoked). p_block keeps its line out of the selection until its room comes
@@ -470,13 +472,17 @@ BEGIN
         RETURNING j.queue, j.tenant, j.cap INTO v_job;
     ELSE
         UPDATE fair_jobs_dispatchjob AS j
-           SET state = CASE p_outcome WHEN 'back' THEN 1 WHEN 'failed' THEN 4 ELSE 0 END,
+           SET state = CASE p_outcome WHEN 'back' THEN 1 WHEN 'failed' THEN 4
+                                      WHEN 'unregistered' THEN 4 ELSE 0 END,
+               failure = CASE p_outcome WHEN 'failed' THEN 'publish'
+                                        WHEN 'unregistered' THEN 'unregistered' ELSE '' END,
                not_before = CASE WHEN p_outcome = 'later'
                                  THEN now() + make_interval(secs => p_delay)
                                  ELSE j.not_before END,
                process_id = NULL, dispatched_at = NULL, started_at = NULL,
                publish_failures = j.publish_failures
-                                  + CASE WHEN p_process IS NULL THEN 1 ELSE 0 END
+                                  + CASE WHEN p_process IS NULL AND p_outcome <> 'unregistered'
+                                         THEN 1 ELSE 0 END
          WHERE j.id = p_job
            AND ((p_process IS NULL AND j.state = 2)
                 OR (j.state = 3 AND j.process_id = p_process))

@@ -176,14 +176,40 @@ def test_d19__a_job_no_broker_takes__ends_failed__explain_says_so(
         )
         dispatch.publish(celery_app, dispatch.dispatch("fair"))
     row = DispatchJob.objects.get(task_id=task_id)
-    assert row.state == FAILED and row.publish_failures == 5
-    assert explanations.explain(task_id).state == "failed"
+    assert (row.state, row.publish_failures, row.failure) == (FAILED, 5, "publish")
+    explained = explanations.explain(task_id)
+    assert explained.state == "failed" and "could not be published" in explained.summary
     assert dispatch.in_flight() == {}  # it holds no room
     assert "1 FAILED (see the admin)" in status.as_text(status.snapshot())
     # Once its cause is removed, the operator puts it back in line (the admin's action).
     monkeypatch.setattr("kombu.messaging.Producer.publish", lambda self, *a, **k: None)
     assert dispatch.put_back_failed(celery_app, [row.pk]) == 1
     assert DispatchJob.objects.get(pk=row.pk).state == DISPATCHED
+
+
+def test_d19__set_aside_by_an_outage__then_refused_as_unregistered__explain_names_the_task(
+    celery_app: Any,
+) -> None:
+    # explain told the two causes of a failed job apart by its count of failed publishes:
+    # a job an outage had set aside PUBLISH_ATTEMPTS times or more (it never fails for an
+    # outage, test_d6), then rejected by a worker that had no such task, was explained as
+    # a message the broker refused, and the operator looked for the wrong cause.
+    from django_fair_jobs.dispatch.store import PUBLISH_ATTEMPTS
+
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    DispatchJob.objects.filter(pk=job.pk).update(publish_failures=PUBLISH_ATTEMPTS + 2)
+    dispatch.unregistered(celery_app, job.pk, tasks.dispatched.name)
+    summary = explanations.explain(job.task_id).summary
+    assert "no task of that name" in summary and "could not be published" not in summary
+    row = DispatchJob.objects.get(pk=job.pk)
+    # Its rejection is not a failed publish: the count stays what the outage left.
+    assert (row.state, row.publish_failures) == (FAILED, PUBLISH_ATTEMPTS + 2)
+    assert row.failure == "unregistered"
+    # Put back in line, it starts afresh: no failure, no count of failed publishes.
+    assert dispatch.put_back_failed(celery_app, [row.pk]) == 1
+    row = DispatchJob.objects.get(pk=row.pk)
+    assert (row.failure, row.publish_failures) == ("", 0)
 
 
 def test_d6__a_broker_outage_past_the_tries__the_job_waits_it_out__never_fails(
@@ -254,7 +280,7 @@ def test_d19__a_broker_that_answers_and_refuses_the_message__the_job_ends_failed
     finally:
         client.delete("fair")
     row = DispatchJob.objects.get(task_id=task_id)
-    assert (row.state, row.publish_failures) == (FAILED, PUBLISH_ATTEMPTS)
+    assert (row.state, row.publish_failures, row.failure) == (FAILED, PUBLISH_ATTEMPTS, "publish")
 
 
 def test_published_by_a_process_that_does_not_know_the_task__the_mark_goes_with_it(

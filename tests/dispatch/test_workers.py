@@ -280,6 +280,8 @@ def test_a_task_no_worker_knows__its_jobs_end_failed__their_room_goes_to_others(
         30, "the jobs of the unregistered task to end failed",
     )  # fmt: skip
     assert "Received unregistered task" in worker.output()
+    failures = DispatchJob.objects.filter(task_id__in=unknown).values_list("failure", flat=True)
+    assert set(failures) == {"unregistered"}
     known = [tasks.dispatched.delay("k").id for _ in range(3)]
     wait_finished(known, timeout=30)
     explained = explanations.explain(unknown[0])
