@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from celery.result import AsyncResult
 from django.db import connection
+from django.db.models import QuerySet
 
 from django_fair_jobs.models import ParkedJob, SlotLease, TenantQueueSlot, WorkerProcess
 from tests.conftest import Worker, wait_for
@@ -39,9 +40,9 @@ def at_the_peak(tenant: str) -> str:
     bound broken under faults is then told from the rows, not guessed at."""
     runs = [
         (t, p, n, s, e)
-        for t, p, n, s, e in JobRun.objects.filter(tenant=tenant, finished_at__isnull=False)
-        .exclude(queue="retry-marker")
-        .values_list("task_id", "pid", "retries", "started_at", "finished_at")
+        for t, p, n, s, e in _finished(tenant).values_list(
+            "task_id", "pid", "retries", "started_at", "finished_at"
+        )
         if e is not None  # filtered to not null: this tells the type checker
     ]
     peak = max_overlap((r[3], r[4]) for r in runs)
@@ -55,12 +56,17 @@ def at_the_peak(tenant: str) -> str:
     return f"peak {peak}"
 
 
+def _finished(tenant: str) -> QuerySet[JobRun]:
+    """The runs of ``tenant`` that finished (its retries' markers left out)."""
+    return JobRun.objects.filter(tenant=tenant, finished_at__isnull=False).exclude(
+        queue="retry-marker"
+    )
+
+
 def finished_runs(tenant: str) -> list[tuple[datetime, datetime]]:
     return [
         (s, e)  # type: ignore[misc]  # finished_at is filtered to not null
-        for s, e in JobRun.objects.filter(tenant=tenant, finished_at__isnull=False)
-        .exclude(queue="retry-marker")
-        .values_list("started_at", "finished_at")
+        for s, e in _finished(tenant).values_list("started_at", "finished_at")
     ]
 
 
