@@ -538,7 +538,8 @@ def cancel(queue: str, tenant: str, task_name: str | None = None, limit: int = B
     the line's counts stay true. Returns their task ids. Jobs already dispatched or
     running are left alone (revoke those). A line blocked at its old head's cap whose new
     head may run stays blocked until :func:`unblock` (``backlog.cancel`` asks for it)."""
-    return _store().cancel(queue, tenant, task_name, limit)  # type: ignore[no-any-return]
+    found: list[str] = _store().cancel(queue, tenant, task_name, limit)
+    return found
 
 
 def lines_of(tenant: str) -> list[str]:

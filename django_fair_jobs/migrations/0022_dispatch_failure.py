@@ -7,7 +7,7 @@ from django.db import migrations, models
 from django_fair_jobs.sql import install_functions
 
 # The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
-FUNCTIONS_DIGEST = "bfc028e229affdc6925c23708c029d154627560fafc44f78ed019cbe67d9e4a4"
+FUNCTIONS_DIGEST = "9667df3983173895f9a2ed94560e34b433624da055477445add65ebf478682af"
 
 
 class Migration(migrations.Migration):

@@ -472,8 +472,8 @@ BEGIN
         RETURNING j.queue, j.tenant, j.cap INTO v_job;
     ELSE
         UPDATE fair_jobs_dispatchjob AS j
-           SET state = CASE p_outcome WHEN 'back' THEN 1 WHEN 'failed' THEN 4
-                                      WHEN 'unregistered' THEN 4 ELSE 0 END,
+           SET state = CASE WHEN p_outcome = 'back' THEN 1
+                            WHEN p_outcome IN ('failed', 'unregistered') THEN 4 ELSE 0 END,
                failure = CASE p_outcome WHEN 'failed' THEN 'publish'
                                         WHEN 'unregistered' THEN 'unregistered' ELSE '' END,
                not_before = CASE WHEN p_outcome = 'later'
