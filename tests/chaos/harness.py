@@ -194,8 +194,15 @@ class Outcome:
     reran_unflushed: int = 0
     """Jobs that ended on the frozen node just before the freeze, their end handed to its
     flusher and not yet committed, and ran again after its processes were reaped: the
-    flusher's at-least-once window, the one kind of second run a freeze may cause. Not in
+    flusher's at-least-once window. Not in :attr:`duplicated`."""
+    reran_reaped: int = 0
+    """Dispatched jobs that were running on the frozen node at the freeze and ran again
+    after its processes were reaped: the reap presumes a stalled process dead and puts its
+    ``acks_late`` jobs back in their lines, as Celery redelivers a dead worker's job. Not in
     :attr:`duplicated`."""
+    frozen_dispatched: int = 0
+    """Dispatched jobs running on the frozen node at the freeze (the bound of
+    :attr:`reran_reaped`)."""
 
     def row(self) -> dict[str, Any]:
         """A JSON-able record for the report."""
@@ -515,13 +522,18 @@ class Cluster:
 
     # -- faults --------------------------------------------------------------------------
 
-    def wait_running(self, node: Node | None = None, count: int = 1, timeout: float = 60) -> None:
-        """Wait until ``count`` jobs are running (on ``node``'s processes if given)."""
+    def wait_running(
+        self, node: Node | None = None, count: int = 1, timeout: float = 60, task: str = ""
+    ) -> None:
+        """Wait until ``count`` jobs are running (on ``node``'s processes if given), one of
+        them a job of ``task`` if given."""
         pids = node.pids() if node else None
+        of_task = {j.id for j in self.jobs if j.task == task}
 
         def running() -> bool:
-            rows = self.sql("SELECT pid FROM testapp_jobrun WHERE finished_at IS NULL")
-            return sum(1 for (pid,) in rows if pids is None or pid in pids) >= count
+            rows = self.sql("SELECT pid, task_id FROM testapp_jobrun WHERE finished_at IS NULL")
+            here = [task_id for pid, task_id in rows if pids is None or pid in pids]
+            return len(here) >= count and (not task or any(i in of_task for i in here))
 
         wait_for(running, timeout, f"{count} running jobs")
 
@@ -619,18 +631,20 @@ class Cluster:
                 )
             }
 
-    def freeze_running(self, node: Node, count: int = 2, tries: int = 20) -> None:
-        """Freeze ``node`` while at least one of its jobs is open: wait until ``count`` of
-        its jobs run, freeze it, and check that a run was still open at the freeze (a
-        frozen process writes nothing, so it is read after). A job can end between the
-        read and the SIGSTOP on a loaded machine; then thaw at once and try again."""
+    def freeze_running(self, node: Node, count: int = 2, tries: int = 20, task: str = "") -> None:
+        """Freeze ``node`` while at least one of its jobs (of ``task``, if given) is open:
+        wait until ``count`` of its jobs run, freeze it, and check that such a run was
+        still open at the freeze (a frozen process writes nothing, so it is read after). A
+        job can end between the read and the SIGSTOP on a loaded machine; then thaw at once
+        and try again."""
+        of_task = [j.id for j in self.jobs if j.task == task or not task]
         for _ in range(tries):
-            self.wait_running(node, count=count)
+            self.wait_running(node, count=count, task=task)
             self.freeze(node)
             (open_runs,) = self.sql(
                 "SELECT count(*) FROM testapp_jobrun WHERE finished_at IS NULL"
-                " AND pid = ANY(%s) AND started_at < %s",
-                (self._frozen_pids, self._frozen_at),
+                " AND pid = ANY(%s) AND started_at < %s AND task_id = ANY(%s)",
+                (self._frozen_pids, self._frozen_at, of_task),
             )[0]
             if open_runs:
                 return
@@ -815,7 +829,13 @@ class Cluster:
                 f"{len(unflushed)} job(s) ended on the frozen node just before the freeze, "
                 "their end not yet flushed, and ran again after the reap (the flusher's window)"
             )
-        twice = {i for i, rs in by_id.items() if len(rs) > 1} - unflushed
+        frozen_dispatched, reaped = self._reran_reaped(by_id, stale, tasks, unflushed)
+        if reaped:
+            notes.append(
+                f"{len(reaped)} dispatched job(s) running on the frozen node ran again after"
+                " the reap put them back in their lines (acks_late: as for a dead worker)"
+            )
+        twice = {i for i, rs in by_id.items() if len(rs) > 1} - unflushed - reaped
         return Outcome(
             fault=fault,
             accepted=len(self.jobs),
@@ -834,6 +854,8 @@ class Cluster:
             notes=notes,
             ran_twice=sorted(tasks[i] for i in twice),
             reran_unflushed=len(unflushed),
+            reran_reaped=len(reaped),
+            frozen_dispatched=len(frozen_dispatched),
         )
 
     @staticmethod
@@ -877,6 +899,20 @@ class Cluster:
             and task_id in self._frozen_tasks
             and any(r.pid in pids and r.finished is not None and r.finished <= start for r in rs)
         }
+
+    @staticmethod
+    def _reran_reaped(
+        by_id: dict[str, list[Run]], stale: set[int], tasks: dict[str, str], unflushed: set[str]
+    ) -> tuple[set[str], set[str]]:
+        """The dispatched jobs with a stale run (running on the frozen node at the freeze),
+        and those of them that ran again (not in the flusher's window): see
+        :attr:`Outcome.reran_reaped`."""
+        frozen = {
+            i
+            for i, rs in by_id.items()
+            if tasks[i] == "chaos_dispatched" and any(id(r) in stale for r in rs)
+        }
+        return frozen, {i for i in frozen if len(by_id[i]) > 1} - unflushed
 
     def _stale(self, runs: list[Run]) -> set[int]:
         """Runs of the frozen node admitted before the freeze that ended after it: their

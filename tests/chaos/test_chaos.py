@@ -65,8 +65,10 @@ def test_sigstop_past_worker_timeout__late_release_frees_nothing(cluster: Cluste
     cluster.start("a", "b")
     a = cluster.node("a")
     with cluster.sampling():
-        cluster.publish(workload())
-        cluster.freeze_running(a, count=2)
+        # A second dispatched tenant with longer jobs, so that one runs on a at the freeze.
+        longer = {"task": "chaos_dispatched", "tenant": "d1", "duration": 0.8, "count": 8}
+        cluster.publish([*workload(), longer])
+        cluster.freeze_running(a, count=2, task="chaos_dispatched")
         frozen_processes = cluster.processes_of(cluster._frozen_pids)
         recovery = cluster.wait_reaped(frozen_processes, cluster._frozen_at, REAP_BOUND)
         time.sleep(1)  # the other node takes the reaped slots while a is still frozen
@@ -79,6 +81,11 @@ def test_sigstop_past_worker_timeout__late_release_frees_nothing(cluster: Cluste
     # run again: at most one per process, as a flush (a round trip) is shorter than any of
     # the workload's jobs, so a process's flusher holds at most the end of its last job.
     assert outcome.reran_unflushed <= len(frozen_processes)
+    # A dispatched job running at the freeze went back to its line when its process was
+    # reaped (acks_late with reject_on_worker_lost, as Celery redelivers a dead worker's
+    # job) and ran again on b; the frozen run ended after the thaw, its end fenced: the
+    # counters are checked back at zero above. No other dispatched job ran twice.
+    assert 1 <= outcome.reran_reaped <= outcome.frozen_dispatched
 
 
 def test_connections_terminated__workers_recover_without_restart(cluster: Cluster) -> None:
