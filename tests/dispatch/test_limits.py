@@ -335,3 +335,25 @@ def test_a_job_the_fence_refused__come_due__its_line_stays_blocked_until_its_roo
     assert published == [job.pk] and DispatchTenant.objects.get(tenant="acme").blocked
     dispatch.unblock(tenant="acme", queue="fair")  # its room came back (maintenance)
     assert published == [job.pk, job.pk]
+
+
+def test_a_start_from_the_line__blocks_the_line_when_it_fills_the_cap__not_before(
+    published: list[int],
+) -> None:
+    # A job put back in its line (a reap, a fence's database error) and started from there
+    # by its redelivered message takes a place of the line's room, so the line is judged
+    # again against its new head's cap: blocked when the start filled it, open otherwise.
+    block_at_the_capped_tasks_cap(published)
+    first, second = published
+    process = uuid.uuid4()
+    dispatch.start(first, process)
+    dispatch.start(second, process)
+    dispatch.end(second, process, outcome="back", limit=0)
+    dispatch.end(first, process, outcome="back", limit=0)
+    line = DispatchTenant.objects.get(tenant="acme")
+    assert (line.in_flight, line.waiting, line.blocked) == (0, 3, False)
+    assert dispatch.start(first, uuid.uuid4()).status == "started"  # its redelivered copy
+    assert not DispatchTenant.objects.get(tenant="acme").blocked  # one place of two left
+    assert dispatch.start(second, uuid.uuid4()).status == "started"
+    line = DispatchTenant.objects.get(tenant="acme")
+    assert (line.in_flight, line.waiting, line.blocked) == (2, 1, True)
