@@ -380,3 +380,24 @@ def test_statements__durable_commits__one_per_writing_transaction() -> None:
         DispatchQueue.objects.create(queue="q4", capacity=1)
     assert statements.commits() == 3
     assert statements.count() >= 7
+
+
+@pytest.mark.django_db(transaction=True)
+def test_statements__on_the_path__up_to_the_last_jobs_end() -> None:
+    # A process's shutdown (retiring its row, a last maintenance pass) sends statements
+    # from the thread that ran its jobs, after the last of them: on no job's path.
+    from django.db import connection
+
+    from bench import statements
+    from django_fair_jobs.dispatch.models import DispatchQueue
+
+    statements.install()
+    connection.ensure_connection()
+    statements._on_connection(None, connection)  # the signal fired before install()
+    statements.reset()
+    list(DispatchQueue.objects.all())  # a job's statement
+    statements.job_ended()
+    list(DispatchQueue.objects.all())  # the shutdown's
+    DispatchQueue.objects.create(queue="q1", capacity=1)
+    assert (statements.on_path(), statements.on_path_to_last_job()) == (3, 1)
+    assert statements.count() == 3

@@ -38,6 +38,7 @@ call of one of fair dispatch's functions that write (``fair_jobs_dispatch_room``
 _lock = threading.Lock()
 _count = 0
 _on_path = 0
+_on_path_to_last_job = 0
 _commits = 0
 
 
@@ -46,6 +47,20 @@ def on_path() -> int:
     process, the thread that runs the jobs (the statements on a job's path); the library's
     own threads (heartbeat, maintenance, the flusher) send the rest."""
     return _on_path
+
+
+def job_ended() -> None:
+    """Note the end of a job in this process: :func:`on_path_to_last_job` counts up to here."""
+    global _on_path_to_last_job
+    with _lock:
+        _on_path_to_last_job = _on_path
+
+
+def on_path_to_last_job() -> int:
+    """Of :func:`on_path`, the statements sent up to the end of this process's last job:
+    what its shutdown sends after it (retiring its row, a last maintenance pass) is on no
+    job's path, so it counts in :func:`count` only."""
+    return _on_path_to_last_job
 
 
 def count() -> int:
@@ -61,9 +76,9 @@ def commits() -> int:
 
 def reset() -> None:
     """Start counting from 0 (a forked worker child inherits its parent's count)."""
-    global _count, _on_path, _commits
+    global _count, _on_path, _on_path_to_last_job, _commits
     with _lock:
-        _count = _on_path = _commits = 0
+        _count = _on_path = _on_path_to_last_job = _commits = 0
 
 
 def _counting(

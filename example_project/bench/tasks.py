@@ -12,7 +12,12 @@ import time
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
+from celery.signals import (
+    task_postrun,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutdown,
+)
 
 from bench import statements
 from bench.models import JobRecord, StatementCount
@@ -166,7 +171,7 @@ def _save_count(**_: Any) -> None:
             mode=mode,
             pid=os.getpid(),
             statements=statements.count(),
-            on_path=statements.on_path(),
+            on_path=statements.on_path_to_last_job(),
             commits=statements.commits(),
         )
 
@@ -174,6 +179,12 @@ def _save_count(**_: Any) -> None:
 @worker_process_init.connect
 def _reset_count(**_: Any) -> None:
     statements.reset()
+
+
+@task_postrun.connect
+def _job_ended(**_: Any) -> None:
+    # The library sends a job's statements in the task's __call__, before this signal.
+    statements.job_ended()
 
 
 # A prefork child saves its count as it exits; the main process (or a solo or threads
