@@ -347,17 +347,26 @@ def test_aggregate__median_and_spread_over_runs() -> None:
     assert "| dispatch | 3 | 1.30x (1.20-1.90) |" in text and "| 2.0% (1.0-3.0) | 1 | 0 |" in text
 
 
-@pytest.mark.django_db(transaction=True)
-def test_statements__durable_commits__one_per_writing_transaction() -> None:
-    from django.db import connection, transaction
+def counting_from_zero() -> None:
+    """The benchmark's statement counts, on this connection, from 0."""
+    from django.db import connection
 
     from bench import statements
-    from django_fair_jobs.dispatch.models import DispatchQueue
 
     statements.install()
     connection.ensure_connection()
     statements._on_connection(None, connection)  # the signal fired before install()
     statements.reset()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_statements__durable_commits__one_per_writing_transaction() -> None:
+    from django.db import transaction
+
+    from bench import statements
+    from django_fair_jobs.dispatch.models import DispatchQueue
+
+    counting_from_zero()
     DispatchQueue.objects.create(queue="q1", capacity=1)  # autocommit: one
     assert statements.commits() == 1
     list(DispatchQueue.objects.all())  # a read: none
@@ -386,15 +395,10 @@ def test_statements__durable_commits__one_per_writing_transaction() -> None:
 def test_statements__on_the_path__up_to_the_last_jobs_end() -> None:
     # A process's shutdown (retiring its row, a last maintenance pass) sends statements
     # from the thread that ran its jobs, after the last of them: on no job's path.
-    from django.db import connection
-
     from bench import statements
     from django_fair_jobs.dispatch.models import DispatchQueue
 
-    statements.install()
-    connection.ensure_connection()
-    statements._on_connection(None, connection)  # the signal fired before install()
-    statements.reset()
+    counting_from_zero()
     list(DispatchQueue.objects.all())  # a job's statement
     statements.job_ended()
     list(DispatchQueue.objects.all())  # the shutdown's
