@@ -39,7 +39,7 @@ from typing import Any
 
 from django.db import DatabaseError, connections
 
-from django_fair_jobs import dispatch, queue_limits
+from django_fair_jobs import dispatch
 from django_fair_jobs.admission import ends
 from django_fair_jobs.admission.ends import LEDGER
 from django_fair_jobs.conf import fair_settings
@@ -144,8 +144,7 @@ def _loop() -> None:
     """The flusher thread: publish at once what the ends a start carried dispatched; flush
     the ends handed to it once ``FAIR_JOBS_DISPATCH_CARRY_WAIT`` has passed without a
     start taking them, at once when the process's last start came later than that after
-    the end before it, or when the process stops; and read the limited queues ahead of
-    the next start (:func:`~django_fair_jobs.queue_limits.refresh_ahead`)."""
+    the end before it, or when the process stops."""
     try:
         deadline: float | None = None
         while True:
@@ -168,8 +167,6 @@ def _loop() -> None:
                 flush(batch)
             if stopping:
                 return
-            # It wakes at every end: the next start finds the limited queues read here.
-            queue_limits.refresh_ahead()
     finally:
         connections.close_all()
 

@@ -69,21 +69,6 @@ def limited_queues(*, refresh: bool = False) -> frozenset[str]:
         return _cache.queues
 
 
-def refresh_ahead() -> None:
-    """Read which queues are limited again once this process's set is half
-    ``REFRESH_SECONDS`` old, from a thread off the job's path (the flusher's, each time it
-    wakes), so that in a steady stream of jobs no start waits for that read. An error is
-    logged and left to the next read on the job's path."""
-    from django.db import DatabaseError
-
-    if _cache.pid == os.getpid() and time.monotonic() - _cache.loaded_at < REFRESH_SECONDS / 2:
-        return
-    try:
-        limited_queues(refresh=True)
-    except DatabaseError:
-        logger.warning("Could not read the queue limits ahead; a job's start reads them")
-
-
 def is_limited(queue: str) -> bool:
     """True if ``queue`` has a cluster-wide or per-worker limit (0 included), or is still
     draining jobs taken under one.

@@ -15,11 +15,10 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from django.db import InterfaceError, OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 
-from django_fair_jobs import admission, dispatch, queue_limits
+from django_fair_jobs import admission, dispatch
 from django_fair_jobs.admission import ends, flusher
 from django_fair_jobs.admission.ends import LEDGER
 from django_fair_jobs.dispatch.models import RUNNING, DispatchJob
-from django_fair_jobs.queue_limits import store as queue_store
 from tests.conftest import runs_sql
 from tests.dispatch.conftest import deliver, job_of, set_capacity
 from tests.testapp import tasks
@@ -203,35 +202,6 @@ def test_the_next_start__carries_the_unflushed_end__one_round_trip(
     flusher.stop()  # publishes what the carried end dispatched
     assert collected[-1] == third.pk
     assert DispatchJob.objects.get(pk=third.pk).state != RUNNING
-
-
-def test_a_stream_of_jobs__the_limited_queues_read_off_their_path(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A process reads which queues are limited again once its set is REFRESH_SECONDS (1 s)
-    # old. That read was a round trip on the path of a job's start once a second in every
-    # worker process; the flusher thread, which wakes at every end, now reads it ahead.
-    set_capacity(8)
-    jobs = [job_of(tasks.dispatched.delay("acme").id) for _ in range(4)]
-    flusher.start()
-    queue_limits.limited_queues(refresh=True)
-    readers: list[str] = []
-    real = queue_store.limits
-
-    def recorded() -> dict[str, tuple[int | None, int | None]]:
-        readers.append(threading.current_thread().name)
-        return real()
-
-    monkeypatch.setattr(queue_store, "limits", recorded)
-    for job in jobs:
-        queue_limits._cache.loaded_at -= 0.6  # as if 0.6 s had passed since the last job
-        read_at = queue_limits._cache.loaded_at
-        assert deliver(job) == "ran"
-        deadline = time.monotonic() + 2
-        while queue_limits._cache.loaded_at <= read_at and time.monotonic() < deadline:
-            time.sleep(0.01)  # the flusher's read, woken by the end just handed to it
-    flusher.stop()
-    assert readers == ["fair-jobs-flusher"] * len(jobs)  # none by the jobs' own thread
 
 
 def start_raising_once(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> list[list[int]]:

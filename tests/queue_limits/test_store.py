@@ -347,37 +347,6 @@ def test_is_limited__database_down_before_any_read__takes_the_slot_path(
     assert queue_limits.is_limited("anything") is True
 
 
-def test_refresh_ahead__reads_only_a_set_half_its_age_old__an_error_keeps_the_last(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    from django.db import OperationalError
-
-    queue_limits.set_limits("hooks", max_jobs=2)
-    queue_limits.limited_queues(refresh=True)
-    reads: list[int] = []
-    real = queue_store.limits
-
-    def counted() -> dict[str, tuple[int | None, int | None]]:
-        reads.append(1)
-        return real()
-
-    monkeypatch.setattr(queue_store, "limits", counted)
-    queue_limits.refresh_ahead()  # just read: nothing to do
-    assert reads == []
-    queue_limits._cache.loaded_at -= queue_limits.REFRESH_SECONDS / 2
-    queue_limits.refresh_ahead()
-    assert reads == [1]
-
-    def down() -> dict[str, tuple[int | None, int | None]]:
-        raise OperationalError("down")
-
-    monkeypatch.setattr(queue_store, "limits", down)
-    queue_limits._cache.loaded_at -= queue_limits.REFRESH_SECONDS / 2
-    queue_limits.refresh_ahead()  # logged, not raised: the flusher thread goes on
-    assert "Could not read the queue limits ahead" in caplog.text
-    assert "hooks" in queue_limits._cache.queues
-
-
 @pytest.mark.parametrize("redelivered", [False, True])
 def test_postpone__keeps_the_wake_mark_only_on_a_woken_copy(
     redelivered: bool, monkeypatch: pytest.MonkeyPatch
