@@ -42,6 +42,16 @@ def intervals(tenant: str | None = None) -> list[tuple[datetime, datetime]]:
     ]
 
 
+def wait_capacity(processes: int) -> None:
+    """Wait until the queue's capacity counts every started process: before that, a test
+    of how jobs share the processes would see fewer of them than it started."""
+    wait_for(
+        lambda: DispatchQueue.objects.filter(queue="fair", capacity=processes).exists(),
+        30,
+        f"the queue's capacity to reach {processes}",
+    )
+
+
 def settled() -> bool:
     """Every row gone and every counter back to zero."""
     return (
@@ -78,9 +88,7 @@ def test_work_conserving__no_process_idles_while_eligible_work_waits(
     # while work waits fails the test. The bound is half the maintenance interval, so
     # that only dispatch at enqueue and at each job's end can keep it.
     start_worker("d", concurrency=2, extra_env=FAST)
-    wait_for(
-        lambda: DispatchQueue.objects.filter(queue="fair", capacity=2).exists(), 30, "capacity"
-    )
+    wait_capacity(2)
     ids = [tasks.dispatched.delay(f"t{i % 4}", 0.05).id for i in range(60)]
     idle_since: float | None = None
     worst = 0.0
@@ -103,6 +111,7 @@ def test_two_nodes_with_a_tenant_cap__never_exceeded__nothing_parked(
 ) -> None:
     start_worker("n1", concurrency=2, extra_env=FAST)
     start_worker("n2", concurrency=2, extra_env=FAST)
+    wait_capacity(4)
     parked = []
     stop = threading.Event()
 
