@@ -76,6 +76,7 @@ class Worker:
     proc: subprocess.Popen[bytes]
     log: Path
     children: list[int] = field(default_factory=list)
+    stopping: bool = False
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -89,10 +90,17 @@ class Worker:
         ).stdout
         return [int(p) for p in out.split()]
 
+    def begin_stop(self) -> None:
+        """Ask for a warm shutdown (SIGTERM) without waiting for it. Sent once: a second
+        signal during the shutdown would not be the same request."""
+        if self.proc.poll() is None and not self.stopping:
+            self.proc.send_signal(signal.SIGTERM)
+            self.stopping = True
+
     def stop(self, timeout: float = 30) -> None:
         """Warm shutdown (SIGTERM), waiting for running jobs to finish."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.begin_stop()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -228,6 +236,10 @@ def start_worker(broker_env: dict[str, str], tmp_path: Path) -> Iterator[Callabl
         return worker
 
     yield start
+    # Every node shuts down at once: a warm shutdown takes seconds (billiard's pool
+    # processes alone sleep one before they exit), and nodes stopped in turn add them up.
+    for worker in workers:
+        worker.begin_stop()
     for worker in workers:
         worker.stop()
 

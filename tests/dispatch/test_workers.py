@@ -230,7 +230,8 @@ def test_worker_killed_mid_job__acks_late_job_runs_again__the_line_goes_on(
     start_worker: Callable[..., Worker],
 ) -> None:
     doomed = start_worker("doomed", concurrency=1, extra_env=FAST)
-    long = tasks.dispatched_late.delay("k", 8)
+    # Long enough to be killed mid-run; its second run is waited out by the teardown.
+    long = tasks.dispatched_late.delay("k", 4)
     wait_for(lambda: JobRun.objects.filter(task_id=long.id).exists(), 30, "the long job to start")
     others = [tasks.dispatched.delay("k2").id for _ in range(3)]
     doomed.kill()

@@ -29,8 +29,10 @@ def broker_proxy() -> Iterator[SilentProxy]:
 
 
 def test_broker_stops_answering_during_maintenance__heartbeat_goes_on__no_lease_reaped(
-    start_worker: Callable[..., Worker], broker_proxy: SilentProxy, settings: Any
+    broker_proxy: SilentProxy, start_worker: Callable[..., Worker], settings: Any
 ) -> None:
+    # broker_proxy comes first, so that it is torn down last: a worker whose broker
+    # vanished before it stopped would wait out its whole shutdown timeout.
     # The worker's maintenance pass publishes the wake-ups it finds. With the broker silent,
     # each publish blocks; when the pass ran on the heartbeat's thread, the process stopped
     # beating, another process reaped it while its job still ran, and the job's slot went
