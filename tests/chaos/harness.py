@@ -522,13 +522,17 @@ class Cluster:
 
     # -- faults --------------------------------------------------------------------------
 
+    def _ids_of(self, task: str) -> list[str]:
+        """The task ids of the run's jobs of ``task``; of all its jobs if ``task`` is empty."""
+        return [j.id for j in self.jobs if j.task == task or not task]
+
     def wait_running(
         self, node: Node | None = None, count: int = 1, timeout: float = 60, task: str = ""
     ) -> None:
         """Wait until ``count`` jobs are running (on ``node``'s processes if given), one of
         them a job of ``task`` if given."""
         pids = node.pids() if node else None
-        of_task = {j.id for j in self.jobs if j.task == task}
+        of_task = set(self._ids_of(task))
 
         def running() -> bool:
             rows = self.sql("SELECT pid, task_id FROM testapp_jobrun WHERE finished_at IS NULL")
@@ -637,7 +641,7 @@ class Cluster:
         still open at the freeze (a frozen process writes nothing, so it is read after). A
         job can end between the read and the SIGSTOP on a loaded machine; then thaw at once
         and try again."""
-        of_task = [j.id for j in self.jobs if j.task == task or not task]
+        of_task = self._ids_of(task)
         for _ in range(tries):
             self.wait_running(node, count=count, task=task)
             self.freeze(node)
