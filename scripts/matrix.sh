@@ -28,9 +28,9 @@ if command -v pyenv >/dev/null; then
 fi
 if [ "${1:-}" = "--ci" ]; then
     # The cell with workers spends most of its time waiting for them, so it runs beside the
-    # fast cells: each kind has a database and broker numbers of its own (noxfile.py). Its
-    # output follows theirs. The cells are installed first, one after the other: two builds
-    # of the package at once would write the same egg-info directory.
+    # fast cell: each kind has a database and broker numbers of its own (noxfile.py). Its
+    # output follows the fast cell's. The cells are installed first, one after the other:
+    # two builds of the package at once would write the same egg-info directory.
     shift
     if [ -n "${DATABASE_URL:-}${CELERY_BROKER_URL:-}${CELERY_RESULT_BACKEND:-}" ]; then
         echo "DATABASE_URL or a broker variable is set and every cell would share it:" \
