@@ -301,12 +301,15 @@ def test_bench_dispatch_wal__measures_each_step_and_leaves_the_tables_empty(
     written = dict(re.findall(r"  (enqueue|start carrying an end): (\d+) bytes", result.stdout))
     assert int(written["enqueue"]) > 0 and int(written["start carrying an end"]) > 0
     # The data model's row updates: a job's row at its dispatch and its start, its line at
-    # its enqueue, at the end before it and at its dispatch; none HOT (each moves a row
-    # between partial indexes).
+    # its enqueue, at the end before it and at its dispatch. The job's are not HOT (each
+    # moves the row between partial indexes); of the line's, the enqueue behind a head is
+    # (it changes only the count of jobs waiting, which no index names).
     assert "fair_jobs_dispatchjob: 2.00 row updates a job, 0.00 of them HOT" in result.stdout, (
         result.stdout
     )
-    assert "fair_jobs_dispatchtenant: 3.00 row updates a job, 0.00 of them HOT" in result.stdout
+    hot = re.search(r"fair_jobs_dispatchtenant: 3\.00 row updates a job, ([\d.]+) of them HOT",
+                    result.stdout)  # fmt: skip
+    assert hot and 0.5 <= float(hot[1]) <= 1.0, result.stdout
     if waldump:
         assert re.search(r"Btree/INSERT_LEAF: [1-9]", result.stdout), result.stdout
     with connection.cursor() as cursor:

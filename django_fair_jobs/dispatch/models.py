@@ -104,18 +104,21 @@ class DispatchTenant(models.Model):
         ]
         indexes = [
             # The selection rule, in index order: fewest in flight per weight (LOAD),
-            # lowest virtual time, oldest job; only tenants with jobs waiting and not
-            # blocked, so that tenants that cannot be chosen are never read. An
-            # expression, not a generated column: Django's check of a generated column
-            # asks the database for its features, so a worker could not start while the
-            # database is down.
+            # lowest virtual time, oldest job; only tenants with jobs waiting (a head) and
+            # not blocked, so that tenants that cannot be chosen are never read. The
+            # condition names the head, not the count of jobs waiting: an enqueue behind
+            # the head changes only that count, which no index names, so PostgreSQL
+            # updates the line in place (HOT) and writes no index entry. An expression,
+            # not a generated column: Django's check of a generated column asks the
+            # database for its features, so a worker could not start while the database
+            # is down.
             models.Index(
                 F("queue"),
                 LOAD,
                 F("pass_value"),
                 F("head_id"),
                 name="fair_jobs_dispatch_next",
-                condition=models.Q(waiting__gt=0, blocked=False),
+                condition=models.Q(head_id__isnull=False, blocked=False),
             ),
             # The queue's virtual time: the highest pass served (fair_jobs_dispatch_vt).
             models.Index(fields=["queue", "served_pass"], name="fair_jobs_dispatch_served"),

@@ -237,7 +237,7 @@ SELECT q.queue FROM unnest(%(queues)s::text[]) AS q(queue)
  WHERE EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
                 WHERE j.queue = q.queue AND j.state = 0 AND j.not_before <= now())
     OR (EXISTS (SELECT 1 FROM fair_jobs_dispatchtenant AS t
-                 WHERE t.queue = q.queue AND t.waiting > 0 AND NOT t.blocked)
+                 WHERE t.queue = q.queue AND t.head_id IS NOT NULL AND NOT t.blocked)
         AND fair_jobs_dispatch_room(q.queue) > 0)
  ORDER BY q.queue;
 

@@ -131,13 +131,13 @@ class Store(pg_store.Store):
             line, _ = self._tenants().get_or_create(
                 queue=queue, tenant=tenant, defaults={"pass_value": vt}
             )
-            if line.waiting == 0 or job_id < (line.head_id or job_id + 1):
+            if line.head_id is None:  # an empty line re-enters at the virtual time
+                line.pass_value = max(line.pass_value, vt)
+            if line.head_id is None or job_id < line.head_id:
                 # Blocked with room under the old head's cap: by the fence, it stays.
                 fenced = line.blocked and self._free(queue, tenant, line.in_flight, line.cap)
                 line.head_id, line.cap = job_id, cap
                 line.blocked = fenced or not self._free(queue, tenant, line.in_flight, cap)
-            if line.waiting == 0:
-                line.pass_value = max(line.pass_value, vt)
             line.waiting += 1
             line.weight = weight if weight is not None else line.weight
             fields = ["waiting", "head_id", "cap", "blocked", "pass_value", "weight"]
@@ -148,7 +148,7 @@ class Store(pg_store.Store):
         room = min(self._room(queue), limit)
         ready: list[Ready] = []
         while room > 0:
-            candidates = self._tenants().filter(queue=queue, waiting__gt=0, blocked=False)
+            candidates = self._tenants().filter(queue=queue, head_id__isnull=False, blocked=False)
             line = candidates.order_by(LOAD, "pass_value", "head_id").first()
             if line is None:
                 break
@@ -244,9 +244,9 @@ class Store(pg_store.Store):
         if not created and job.weight is not None:
             line.weight = job.weight
         if due:
-            if line.waiting == 0:
+            if line.head_id is None:
                 line.pass_value = max(line.pass_value, vt)
-            if line.waiting == 0 or line.head_id is None or row.pk < line.head_id:
+            if line.head_id is None or row.pk < line.head_id:
                 # A job stored before the head whose line it reaches later: it leads.
                 line.head_id, line.cap = row.pk, job.cap
                 line.blocked = not self._free(job.queue, job.tenant, line.in_flight, job.cap)
@@ -365,7 +365,7 @@ class Store(pg_store.Store):
             line = self._tenants().get(queue=job.queue, tenant=job.tenant)
             line.in_flight = max(line.in_flight - 1, 0)
             if outcome == "back":
-                if line.waiting == 0 or job_id < (line.head_id or job_id + 1):
+                if line.head_id is None or job_id < line.head_id:
                     line.head_id, line.cap = job_id, job.cap
                 line.waiting += 1
             line.blocked = block
@@ -490,7 +490,7 @@ class Store(pg_store.Store):
         now = db.database_now(self.alias)  # a value, as in _due
         due = self._jobs().filter(queue__in=queues, state=SCHEDULED, not_before__lte=now)
         found = set(due.values_list("queue", flat=True))
-        lines = self._tenants().filter(queue__in=queues, waiting__gt=0, blocked=False)
+        lines = self._tenants().filter(queue__in=queues, head_id__isnull=False, blocked=False)
         waiting = set(lines.values_list("queue", flat=True)) - found
         return sorted(found | {queue for queue in waiting if self._room(queue) > 0})
 

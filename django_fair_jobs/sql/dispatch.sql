@@ -142,20 +142,20 @@ BEGIN
     )
     UPDATE fair_jobs_dispatchtenant AS t
        SET waiting = t.waiting + m.n,
-           head_id = CASE WHEN t.waiting = 0 OR m.first_id < t.head_id
+           head_id = CASE WHEN t.head_id IS NULL OR m.first_id < t.head_id
                           THEN m.first_id ELSE t.head_id END,
-           cap = CASE WHEN t.waiting = 0 OR m.first_id < t.head_id
+           cap = CASE WHEN t.head_id IS NULL OR m.first_id < t.head_id
                       THEN m.first_cap ELSE t.cap END,
            -- A line blocked though its old head's cap left it room was blocked by the
            -- fence (a refused job, come due now): it stays blocked until its room comes
            -- back, or the job would go round the broker to the same refusal.
-           blocked = CASE WHEN t.waiting = 0 OR m.first_id < t.head_id
+           blocked = CASE WHEN t.head_id IS NULL OR m.first_id < t.head_id
                           THEN NOT fair_jobs_dispatch_free(p_queue, t.tenant, t.in_flight,
                                                            m.first_cap)
                                OR (t.blocked AND fair_jobs_dispatch_free(
                                        p_queue, t.tenant, t.in_flight, t.cap))
                           ELSE t.blocked END,
-           pass_value = CASE WHEN t.waiting = 0 THEN GREATEST(t.pass_value, v_vt)
+           pass_value = CASE WHEN t.head_id IS NULL THEN GREATEST(t.pass_value, v_vt)
                              ELSE t.pass_value END,
            weight = COALESCE(m.weight, t.weight)
       FROM moved AS m
@@ -203,7 +203,7 @@ BEGIN
                  WHERE s.tenant = t.tenant AND s.queue = p_queue) AS slot
           INTO v_line
           FROM fair_jobs_dispatchtenant AS t
-         WHERE t.queue = p_queue AND t.waiting > 0 AND NOT t.blocked
+         WHERE t.queue = p_queue AND t.head_id IS NOT NULL AND NOT t.blocked
          ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id
          LIMIT 1
            FOR UPDATE OF t SKIP LOCKED;
@@ -315,15 +315,15 @@ BEGIN
                   AND NOT fair_jobs_dispatch_free(p_queue, p_tenant, 0, p_cap))
     ON CONFLICT (queue, tenant) DO UPDATE
        SET waiting = t.waiting + CASE WHEN v_due THEN 1 ELSE 0 END,
-           head_id = CASE WHEN v_due AND (t.waiting = 0 OR v_id < t.head_id)
+           head_id = CASE WHEN v_due AND (t.head_id IS NULL OR v_id < t.head_id)
                           THEN v_id ELSE t.head_id END,
-           cap = CASE WHEN v_due AND (t.waiting = 0 OR v_id < t.head_id)
+           cap = CASE WHEN v_due AND (t.head_id IS NULL OR v_id < t.head_id)
                       THEN p_cap ELSE t.cap END,
-           blocked = CASE WHEN v_due AND (t.waiting = 0 OR v_id < t.head_id)
+           blocked = CASE WHEN v_due AND (t.head_id IS NULL OR v_id < t.head_id)
                           THEN NOT fair_jobs_dispatch_free(p_queue, p_tenant, t.in_flight,
                                                            p_cap)
                           ELSE t.blocked END,
-           pass_value = CASE WHEN v_due AND t.waiting = 0
+           pass_value = CASE WHEN v_due AND t.head_id IS NULL
                              THEN GREATEST(t.pass_value, v_vt) ELSE t.pass_value END,
            weight = COALESCE(p_weight, t.weight);
     IF p_dispatch AND v_due THEN
@@ -498,9 +498,9 @@ BEGIN
     UPDATE fair_jobs_dispatchtenant AS t
        SET in_flight = GREATEST(t.in_flight - 1, 0),
            waiting = t.waiting + CASE WHEN v_back THEN 1 ELSE 0 END,
-           head_id = CASE WHEN v_back AND (t.waiting = 0 OR p_job < t.head_id)
+           head_id = CASE WHEN v_back AND (t.head_id IS NULL OR p_job < t.head_id)
                           THEN p_job ELSE t.head_id END,
-           cap = CASE WHEN v_back AND (t.waiting = 0 OR p_job < t.head_id)
+           cap = CASE WHEN v_back AND (t.head_id IS NULL OR p_job < t.head_id)
                       THEN v_job.cap ELSE t.cap END,
            blocked = p_block
      WHERE t.queue = v_job.queue AND t.tenant = v_job.tenant;

@@ -402,6 +402,38 @@ def test_statements__enqueue_start_end__one_each_on_postgresql(published: list[i
     assert (len(enqueue_queries), len(start_queries), len(end_queries)) == (1, 1, 1)
 
 
+def _line_updates() -> tuple[int, int]:
+    """The line table's row updates so far, and how many were HOT (in place, no index
+    entry), this session's counts reported first (PostgreSQL 15 and later)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+            " WHERE relname = 'fair_jobs_dispatchtenant'"
+        )
+        upd, hot = cursor.fetchone()
+    return int(upd), int(hot)
+
+
+def test_enqueue_behind_the_head__its_line_updated_in_place__no_index_entry(
+    published: list[int],
+) -> None:
+    if not is_postgres():
+        pytest.skip("HOT updates are PostgreSQL's")
+    # A line with jobs waiting: an enqueue behind its head changes only the line's count
+    # of jobs waiting, which no index of the line table names, so PostgreSQL updates the
+    # line in place (a HOT update) instead of writing an entry in each of its indexes.
+    enqueue("a", 2)
+    before = _line_updates()
+    enqueue("a", 5)
+    after = _line_updates()
+    assert (after[0] - before[0], after[1] - before[1]) == (5, 5)
+    line = DispatchTenant.objects.get(tenant="a")
+    first = DispatchJob.objects.order_by("id").values_list("pk", flat=True).first()
+    assert (line.waiting, line.head_id) == (7, first)
+
+
 def test_selection__one_index_probe__blocked_tenants_never_read(published: list[int]) -> None:
     if not is_postgres():
         pytest.skip("the plan is PostgreSQL's")
@@ -409,7 +441,12 @@ def test_selection__one_index_probe__blocked_tenants_never_read(published: list[
     # the selection reads its first row from the index, which holds no blocked line.
     rows = [
         DispatchTenant(
-            queue="fair", tenant=f"t{i}", waiting=1 + i % 3, in_flight=i % 5, blocked=i < 2970
+            queue="fair",
+            tenant=f"t{i}",
+            waiting=1 + i % 3,
+            head_id=i + 1,
+            in_flight=i % 5,
+            blocked=i < 2970,
         )
         for i in range(3000)
     ]
@@ -418,7 +455,7 @@ def test_selection__one_index_probe__blocked_tenants_never_read(published: list[
         cursor.execute("ANALYZE fair_jobs_dispatchtenant")
         cursor.execute(
             "EXPLAIN (ANALYZE, COSTS OFF) SELECT t.id FROM fair_jobs_dispatchtenant AS t "
-            "WHERE t.queue = 'fair' AND t.waiting > 0 AND NOT t.blocked "
+            "WHERE t.queue = 'fair' AND t.head_id IS NOT NULL AND NOT t.blocked "
             "ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id "
             "LIMIT 1 FOR UPDATE SKIP LOCKED"
         )

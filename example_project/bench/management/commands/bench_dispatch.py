@@ -52,7 +52,7 @@ DISPATCH = "SELECT job_id FROM fair_jobs_dispatch(%s, 1)"
 END = "SELECT count(*) FROM fair_jobs_dispatch_end(%s, NULL, 'back', 0, false, 0)"
 PLAN = (
     "EXPLAIN SELECT t.id FROM fair_jobs_dispatchtenant AS t "
-    "WHERE t.queue = %s AND t.waiting > 0 AND NOT t.blocked "
+    "WHERE t.queue = %s AND t.head_id IS NOT NULL AND NOT t.blocked "
     "ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id "
     "LIMIT 1 FOR UPDATE SKIP LOCKED"
 )
