@@ -487,11 +487,15 @@ def unblock(
 
 
 def recount() -> int:
-    """Set every line's counts of jobs waiting and in flight from the job rows, logging each
-    that drifted (a count should never drift: each is a sign of a defect); returns how many
-    lines were set."""
+    """Set every line's counts of jobs waiting and in flight, and its head, from the job
+    rows, logging each that drifted (a count or a head should never drift: each is a sign
+    of a defect); returns how many lines were set."""
     drift = _store().recount()
     for queue, tenant, waiting_was, waiting, in_flight_was, in_flight in drift:
+        if (waiting_was, in_flight_was) == (waiting, in_flight):  # its head drifted
+            logger.warning("The line of %s on %s had lost its head; set again",
+                           for_log(tenant), queue)  # fmt: skip
+            continue
         logger.warning(
             "The line of %s on %s counted %s waiting and %s in flight; its jobs say %s and %s",
             for_log(tenant), queue, waiting_was, in_flight_was, waiting, in_flight,

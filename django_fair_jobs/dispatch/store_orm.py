@@ -523,12 +523,12 @@ class Store(pg_store.Store):
                 jobs = self._jobs().filter(queue=line.queue, tenant=line.tenant)
                 waiting = jobs.filter(state=WAITING).count()
                 in_flight = jobs.filter(state__in=[DISPATCHED, RUNNING]).count()
-                if (waiting, in_flight) == (line.waiting, line.in_flight):
+                head, cap = self._head(line.queue, line.tenant)
+                if (waiting, in_flight, head) == (line.waiting, line.in_flight, line.head_id):
                     continue
                 drift.append(
                     (line.queue, line.tenant, line.waiting, waiting, line.in_flight, in_flight)
                 )
-                head, cap = self._head(line.queue, line.tenant)
                 self._tenants().filter(pk=line.pk).update(
                     waiting=waiting, in_flight=in_flight, blocked=False, head_id=head, cap=cap
                 )

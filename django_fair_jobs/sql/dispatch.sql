@@ -568,7 +568,9 @@ $$;
 
 -- Recount every line's waiting and in-flight jobs from the job rows (maintenance), each
 -- line locked first (SKIP LOCKED: one a step holds is recounted at the next pass), so that
--- a count that drifted is set right and returned to be logged, never hidden.
+-- a count that drifted is set right and returned to be logged, never hidden. A head that
+-- is not the line's oldest waiting job is set right too (the selection takes a line by
+-- its head: one that lost it while its jobs wait would never be chosen).
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_recount()
 RETURNS TABLE (queue text, tenant text, waiting_was integer, waiting integer,
                in_flight_was integer, in_flight integer)
@@ -584,6 +586,9 @@ BEGIN
             OR t.in_flight IS DISTINCT FROM (
                    SELECT count(*) FROM fair_jobs_dispatchjob AS j
                     WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state IN (2, 3))
+            OR t.head_id IS DISTINCT FROM (
+                   SELECT min(j.id) FROM fair_jobs_dispatchjob AS j
+                    WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1)
          ORDER BY t.id
     LOOP
         PERFORM 1 FROM fair_jobs_dispatchtenant AS t WHERE t.id = v_line.id
@@ -593,6 +598,10 @@ BEGIN
         RETURN QUERY
             WITH counted AS (
                 SELECT t.id, t.waiting AS waiting_was, t.in_flight AS in_flight_was,
+                       t.head_id AS head_was,
+                       (SELECT min(j.id) FROM fair_jobs_dispatchjob AS j
+                         WHERE j.queue = t.queue AND j.tenant = t.tenant
+                           AND j.state = 1) AS head,
                        (SELECT count(*) FROM fair_jobs_dispatchjob AS j
                          WHERE j.queue = t.queue AND j.tenant = t.tenant
                            AND j.state = 1)::integer AS waiting,
@@ -608,7 +617,8 @@ BEGIN
                                         AND j.state = 1 ORDER BY j.id LIMIT 1)
               FROM counted AS c
              WHERE t.id = c.id
-               AND (c.waiting, c.in_flight) IS DISTINCT FROM (c.waiting_was, c.in_flight_was)
+               AND (c.waiting, c.in_flight, c.head)
+                   IS DISTINCT FROM (c.waiting_was, c.in_flight_was, c.head_was)
             RETURNING t.queue::text, t.tenant::text, c.waiting_was::integer, c.waiting,
                       c.in_flight_was::integer, c.in_flight;
     END LOOP;

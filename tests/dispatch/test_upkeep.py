@@ -145,3 +145,23 @@ def test_d21__counts_that_drifted__recounted_and_logged(caplog: pytest.LogCaptur
     assert (line.waiting, line.in_flight) == (3, 0)
     assert "counted 7 waiting and 2 in flight" in caplog.text
     assert dispatch.recount() == 0
+
+
+def test_d21__a_head_that_drifted__set_from_the_jobs_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A line is chosen by its head (its oldest waiting job): one whose head was lost while
+    # its jobs wait would never be chosen. Maintenance sets it from the job rows, as it
+    # does the counts, and logs it.
+    set_capacity(0)
+    ids = [tasks.dispatched.delay("acme").id for _ in range(3)]
+    first = job_of(ids[0])
+    DispatchTenant.objects.filter(tenant="acme").update(head_id=None)
+    with caplog.at_level(logging.WARNING, logger="django_fair_jobs.dispatch"):
+        assert dispatch.recount() == 1
+    line = DispatchTenant.objects.get(tenant="acme")
+    assert (line.waiting, line.in_flight, line.head_id) == (3, 0, first.pk)
+    assert "had lost its head" in caplog.text
+    assert dispatch.recount() == 0
+    set_capacity(1)
+    assert [r.job_id for r in dispatch.dispatch("fair")] == [first.pk]
