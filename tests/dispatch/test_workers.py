@@ -13,7 +13,9 @@ from celery import chain, shared_task
 
 from django_fair_jobs import dispatch, explanations
 from django_fair_jobs.dispatch.models import (
+    DISPATCHED,
     FAILED,
+    RUNNING,
     WAITING,
     DispatchJob,
     DispatchQueue,
@@ -112,7 +114,7 @@ def test_two_nodes_with_a_tenant_cap__never_exceeded__nothing_parked(
     start_worker("n1", concurrency=2, extra_env=FAST)
     start_worker("n2", concurrency=2, extra_env=FAST)
     wait_capacity(4)
-    parked = []
+    parked, flight = [], []
     stop = threading.Event()
 
     def watch() -> None:
@@ -121,6 +123,7 @@ def test_two_nodes_with_a_tenant_cap__never_exceeded__nothing_parked(
         try:
             while not stop.is_set():
                 parked.append(ParkedJob.objects.count())
+                flight.append(DispatchJob.objects.filter(state__in=[DISPATCHED, RUNNING]).count())
                 time.sleep(0.05)
         finally:
             connections.close_all()
@@ -136,8 +139,11 @@ def test_two_nodes_with_a_tenant_cap__never_exceeded__nothing_parked(
         watcher.join()
     assert max_overlap(intervals("capped")) <= 2
     assert max(parked) == 0
-    # The cap is a filter: while capped waited at its cap, other got the free processes.
-    assert max_overlap(intervals()) >= 3
+    # The cap is a filter: while capped waited at its cap, other's jobs were dispatched
+    # into the room left (counted from the rows: which process runs a message and when
+    # is the broker's and the machine's, and a loaded machine's delivery made the
+    # processes' own overlap a race of the test).
+    assert max(flight) >= 3
 
 
 def test_retry__back_through_the_line__runs_again_and_succeeds(
