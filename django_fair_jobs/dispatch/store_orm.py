@@ -235,17 +235,16 @@ class Store(pg_store.Store):
             not_before = db.database_now(self.alias) + timedelta(seconds=job.delay)
         due = not_before is None or not_before <= db.database_now(self.alias)
         row = self._create(job, WAITING if due else SCHEDULED, not_before)
-        vt = self._vt(job.queue) if due else 0.0
         line, created = self._tenants().get_or_create(
-            queue=job.queue,
-            tenant=job.tenant,
-            defaults={"weight": job.weight or 1.0, "pass_value": vt},
+            queue=job.queue, tenant=job.tenant, defaults={"weight": job.weight or 1.0}
         )
         if not created and job.weight is not None:
             line.weight = job.weight
         if due:
             if line.head_id is None:
-                line.pass_value = max(line.pass_value, vt)
+                # Only a line that was empty reads the virtual time: one read less while
+                # the enqueue holds SQLite's write lock.
+                line.pass_value = max(line.pass_value, self._vt(job.queue))
             if line.head_id is None or row.pk < line.head_id:
                 # A job stored before the head whose line it reaches later: it leads.
                 line.head_id, line.cap = row.pk, job.cap

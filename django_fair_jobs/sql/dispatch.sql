@@ -279,7 +279,6 @@ DECLARE
         p_not_before,
         CASE WHEN p_delay > 0 THEN now() + make_interval(secs => p_delay) END);
     v_due boolean := v_not_before IS NULL OR v_not_before <= now();
-    v_vt double precision := 0;
 BEGIN
     IF p_by IS NOT NULL AND NOT p_again THEN
         INSERT INTO fair_jobs_dispatchreceipt (drawn, stored_at) VALUES (p_by, now());
@@ -300,32 +299,42 @@ BEGIN
             CASE WHEN v_due THEN 1 ELSE 0 END, v_not_before, now(), 0, 0, p_cap,
             p_weight, p_on_loss)
     RETURNING id INTO v_id;
-    IF v_due THEN
-        v_vt := fair_jobs_dispatch_vt(p_queue);
-    END IF;
-    INSERT INTO fair_jobs_dispatchtenant AS t
-           (queue, tenant, weight, cap, waiting, in_flight, pass_value, served_pass, head_id,
-            dispatched_total, blocked)
-    VALUES (p_queue, p_tenant, COALESCE(p_weight, 1.0), CASE WHEN v_due THEN p_cap END,
-            CASE WHEN v_due THEN 1 ELSE 0 END, 0, v_vt, 0, CASE WHEN v_due THEN v_id END, 0,
-            -- A new line under a tenant slot is blocked by the rule (the probe alone, not
-            -- the call, for the tenants without one: the VALUES are computed every time).
-            v_due AND EXISTS (SELECT 1 FROM fair_jobs_tenantqueueslot AS s
-                               WHERE s.tenant = p_tenant AND s.queue = p_queue)
-                  AND NOT fair_jobs_dispatch_free(p_queue, p_tenant, 0, p_cap))
-    ON CONFLICT (queue, tenant) DO UPDATE
-       SET waiting = t.waiting + CASE WHEN v_due THEN 1 ELSE 0 END,
-           head_id = CASE WHEN v_due AND (t.head_id IS NULL OR v_id < t.head_id)
-                          THEN v_id ELSE t.head_id END,
-           cap = CASE WHEN v_due AND (t.head_id IS NULL OR v_id < t.head_id)
-                      THEN p_cap ELSE t.cap END,
-           blocked = CASE WHEN v_due AND (t.head_id IS NULL OR v_id < t.head_id)
-                          THEN NOT fair_jobs_dispatch_free(p_queue, p_tenant, t.in_flight,
-                                                           p_cap)
-                          ELSE t.blocked END,
-           pass_value = CASE WHEN v_due AND t.head_id IS NULL
-                             THEN GREATEST(t.pass_value, v_vt) ELSE t.pass_value END,
-           weight = COALESCE(p_weight, t.weight);
+    -- The line: updated if it exists (most enqueues), else created; an insert another
+    -- enqueue's made first (ON CONFLICT) is updated on the next turn. Only a line that
+    -- was empty reads the queue's virtual time (the CASE calls it for that branch only):
+    -- an enqueue behind a head leaves its pass as it was.
+    LOOP
+        UPDATE fair_jobs_dispatchtenant AS t
+           SET waiting = t.waiting + CASE WHEN v_due THEN 1 ELSE 0 END,
+               head_id = CASE WHEN v_due AND (t.head_id IS NULL OR v_id < t.head_id)
+                              THEN v_id ELSE t.head_id END,
+               cap = CASE WHEN v_due AND (t.head_id IS NULL OR v_id < t.head_id)
+                          THEN p_cap ELSE t.cap END,
+               blocked = CASE WHEN v_due AND (t.head_id IS NULL OR v_id < t.head_id)
+                              THEN NOT fair_jobs_dispatch_free(p_queue, p_tenant,
+                                                               t.in_flight, p_cap)
+                              ELSE t.blocked END,
+               pass_value = CASE WHEN v_due AND t.head_id IS NULL
+                                 THEN GREATEST(t.pass_value, fair_jobs_dispatch_vt(p_queue))
+                                 ELSE t.pass_value END,
+               weight = COALESCE(p_weight, t.weight)
+         WHERE t.queue = p_queue AND t.tenant = p_tenant;
+        EXIT WHEN FOUND;
+        INSERT INTO fair_jobs_dispatchtenant
+               (queue, tenant, weight, cap, waiting, in_flight, pass_value, served_pass,
+                head_id, dispatched_total, blocked)
+        VALUES (p_queue, p_tenant, COALESCE(p_weight, 1.0), CASE WHEN v_due THEN p_cap END,
+                CASE WHEN v_due THEN 1 ELSE 0 END, 0,
+                CASE WHEN v_due THEN fair_jobs_dispatch_vt(p_queue) ELSE 0 END, 0,
+                CASE WHEN v_due THEN v_id END, 0,
+                -- A new line under a tenant slot is blocked by the rule (the probe alone,
+                -- not the call, for the tenants without one).
+                v_due AND EXISTS (SELECT 1 FROM fair_jobs_tenantqueueslot AS s
+                                   WHERE s.tenant = p_tenant AND s.queue = p_queue)
+                      AND NOT fair_jobs_dispatch_free(p_queue, p_tenant, 0, p_cap))
+        ON CONFLICT (queue, tenant) DO NOTHING;
+        EXIT WHEN FOUND;
+    END LOOP;
     IF p_dispatch AND v_due THEN
         RETURN QUERY SELECT d.job_id, d.job_message
                        FROM fair_jobs_dispatch(p_queue, 1000, p_by) AS d;
@@ -598,23 +607,22 @@ BEGIN
         RETURN QUERY
             WITH counted AS (
                 SELECT t.id, t.waiting AS waiting_was, t.in_flight AS in_flight_was,
-                       t.head_id AS head_was,
-                       (SELECT min(j.id) FROM fair_jobs_dispatchjob AS j
-                         WHERE j.queue = t.queue AND j.tenant = t.tenant
-                           AND j.state = 1) AS head,
+                       t.head_id AS head_was, h.id AS head, h.cap AS head_cap,
                        (SELECT count(*) FROM fair_jobs_dispatchjob AS j
                          WHERE j.queue = t.queue AND j.tenant = t.tenant
                            AND j.state = 1)::integer AS waiting,
                        (SELECT count(*) FROM fair_jobs_dispatchjob AS j
                          WHERE j.queue = t.queue AND j.tenant = t.tenant
                            AND j.state IN (2, 3))::integer AS in_flight
-                  FROM fair_jobs_dispatchtenant AS t WHERE t.id = v_line.id
+                  FROM fair_jobs_dispatchtenant AS t
+                  LEFT JOIN LATERAL (SELECT j.id, j.cap FROM fair_jobs_dispatchjob AS j
+                                      WHERE j.queue = t.queue AND j.tenant = t.tenant
+                                        AND j.state = 1 ORDER BY j.id LIMIT 1) AS h ON true
+                 WHERE t.id = v_line.id
             )
             UPDATE fair_jobs_dispatchtenant AS t
                SET waiting = c.waiting, in_flight = c.in_flight, blocked = false,
-                   (head_id, cap) = (SELECT j.id, j.cap FROM fair_jobs_dispatchjob AS j
-                                      WHERE j.queue = t.queue AND j.tenant = t.tenant
-                                        AND j.state = 1 ORDER BY j.id LIMIT 1)
+                   head_id = c.head, cap = c.head_cap
               FROM counted AS c
              WHERE t.id = c.id
                AND (c.waiting, c.in_flight, c.head)

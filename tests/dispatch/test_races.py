@@ -156,3 +156,26 @@ def test_two_dispatches_at_once__a_queue_limit_holds_at_dispatch(collected: list
     )
     assert second == []
     assert DispatchJob.objects.filter(state=DISPATCHED).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_first_enqueues_of_a_tenant_at_once__one_line_both_jobs_in_it() -> None:
+    # The first two jobs of a tenant with no line, enqueued at once: the second's insert
+    # of the line waits on the first's (same key), finds it when the first commits, and
+    # must update it on its next turn, neither failing on the duplicate key nor leaving
+    # its job out of the line.
+    DispatchQueue.objects.create(queue="fair", capacity=0)
+    other = session()
+    other.execute(
+        "SELECT * FROM fair_jobs_enqueue('fair', 'new', 'tests.dispatched', 'x-1', '{}',"
+        " 0, NULL, NULL, NULL, 0::smallint, true)"
+    ).fetchall()  # uncommitted: its transaction is open, its line inserted
+    run_while_open(
+        other,
+        lambda: tasks.dispatched.delay("new"),
+        "the second enqueue to wait on the first's line",
+    )
+    first = DispatchJob.objects.get(task_id="x-1")
+    line = _line("new")
+    assert (line.waiting, line.head_id) == (2, first.pk)
+    assert DispatchJob.objects.filter(tenant="new", state=WAITING).count() == 2

@@ -14,6 +14,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from bench.management.commands.bench_dispatch_wal import row_updates, statistics
 from django_fair_jobs import dispatch
 from django_fair_jobs.dispatch.models import (
     DISPATCHED,
@@ -295,8 +296,6 @@ def test_countdown__not_dispatched_before_it_is_due(published: list[int]) -> Non
     tasks.dispatched.apply_async(("a",), countdown=3600)
     late = tasks.dispatched.apply_async(("a",), countdown=0.2)
     assert published == []
-    import time
-
     time.sleep(0.3)
     pump()
     assert [DispatchJob.objects.get(pk=j).task_id for j in published] == [late.id]
@@ -404,22 +403,8 @@ def test_statements__enqueue_start_end__one_each_on_postgresql(published: list[i
 
 
 def _line_updates() -> tuple[int, int]:
-    """The line table's row updates so far, and how many were HOT (in place, no index
-    entry), this session's counts reported first: from PostgreSQL 15 at the end of a
-    statement that asks for it; before, by the statistics collector, about half a second
-    after the session went idle."""
-    with connection.cursor() as cursor:
-        if connection.pg_version >= 150000:  # type: ignore[attr-defined]
-            cursor.execute("SELECT pg_stat_force_next_flush()")
-        else:
-            time.sleep(1.0)
-        cursor.execute("SELECT pg_stat_clear_snapshot()")
-        cursor.execute(
-            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
-            " WHERE relname = 'fair_jobs_dispatchtenant'"
-        )
-        upd, hot = cursor.fetchone()
-    return int(upd), int(hot)
+    """The line table's row updates so far, and how many were HOT."""
+    return row_updates(("fair_jobs_dispatchtenant",))["fair_jobs_dispatchtenant"]
 
 
 def test_enqueue_behind_the_head__its_line_updated_in_place__no_index_entry(
@@ -438,6 +423,55 @@ def test_enqueue_behind_the_head__its_line_updated_in_place__no_index_entry(
     line = DispatchTenant.objects.get(tenant="a")
     first = DispatchJob.objects.order_by("id").values_list("pk", flat=True).first()
     assert (line.waiting, line.head_id) == (7, first)
+
+
+class _VirtualTimeReads:
+    """How many times the steps inside it read a queue's virtual time: calls of
+    ``fair_jobs_dispatch_vt`` (PostgreSQL's statistics, which count a function's calls
+    from another) on the SQL store, the ORM store's reads of the highest pass."""
+
+    def __enter__(self) -> _VirtualTimeReads:
+        self.sql = runs_sql()
+        if self.sql:
+            with connection.cursor() as cursor:
+                cursor.execute("SET track_functions = 'pl'")
+            self.before = self._calls()
+        else:
+            self.queries = CaptureQueriesContext(connection).__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sql:
+            self.count = self._calls() - self.before
+            with connection.cursor() as cursor:
+                cursor.execute("RESET track_functions")
+        else:
+            self.queries.__exit__(None, None, None)
+            self.count = sum(
+                'MAX("fair_jobs_dispatchtenant"."served_pass")' in q["sql"]
+                for q in self.queries.captured_queries
+            )
+
+    @staticmethod
+    def _calls() -> int:
+        rows = statistics(
+            "SELECT calls FROM pg_stat_user_functions WHERE funcname = %s",
+            ["fair_jobs_dispatch_vt"],
+        )
+        return int(rows[0][0]) if rows else 0
+
+
+def test_enqueue_behind_the_head__the_virtual_time_not_read(published: list[int]) -> None:
+    # Only a line that was empty re-enters at the queue's virtual time; an enqueue behind
+    # a head leaves the line's pass as it was, so it need not read it (one probe less,
+    # and on SQLite one read less while the enqueue holds the database's write lock).
+    enqueue("a", 1)
+    with _VirtualTimeReads() as behind:
+        enqueue("a", 3)
+    with _VirtualTimeReads() as new_line:
+        enqueue("b", 1)
+    assert (behind.count, new_line.count) == (0, 1)
+    assert DispatchTenant.objects.get(tenant="a").waiting == 4
 
 
 def test_selection__one_index_probe__blocked_tenants_never_read(published: list[int]) -> None:

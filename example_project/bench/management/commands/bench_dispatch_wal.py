@@ -73,7 +73,7 @@ class Command(BaseCommand):
         written = {"enqueue": 0, "start carrying an end": 0}
         ended = ready.pop(0).job_id
         store.start(ended, process)  # the first start: nothing to carry yet
-        before, start_lsn = self._tables(), self._lsn()
+        before, start_lsn = row_updates(TABLES), self._lsn()
         for i in range(options["jobs"]):
             mark = self._lsn()
             ready += store.enqueue(_job(i % options["tenants"], message), self._draw())
@@ -120,25 +120,8 @@ class Command(BaseCommand):
             cursor.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn")
             return int(cursor.fetchone()[0])
 
-    def _tables(self) -> dict[str, tuple[int, int]]:
-        # A session's counts reach the shared view when it reports them: from PostgreSQL
-        # 15, at the end of a statement that asked for it; before, through the statistics
-        # collector, about half a second after the session went idle.
-        with connection.cursor() as cursor:
-            if connection.pg_version >= 150000:  # type: ignore[attr-defined]
-                cursor.execute("SELECT pg_stat_force_next_flush()")
-            else:
-                time.sleep(1.0)
-            cursor.execute("SELECT pg_stat_clear_snapshot()")
-            cursor.execute(
-                "SELECT relname, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
-                " WHERE relname = ANY(%s)",
-                [list(TABLES)],
-            )
-            return {name: (int(upd), int(hot)) for name, upd, hot in cursor.fetchall()}
-
     def _print_updates(self, before: dict[str, tuple[int, int]], jobs: int) -> None:
-        after = self._tables()
+        after = row_updates(TABLES)
         for table in TABLES:
             updates = after[table][0] - before[table][0]
             hot = after[table][1] - before[table][1]
@@ -165,6 +148,31 @@ class Command(BaseCommand):
                 self.stdout.write(f"  {parts[0]}: {count:.2f} records, {size:.0f} bytes a job")
         if run.returncode:
             self.stderr.write(run.stderr.strip())
+
+
+def statistics(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+    """The rows of ``sql`` over PostgreSQL's cumulative statistics views, read after this
+    session reported its own counts: from PostgreSQL 15 at the end of a statement that
+    asks for it; before, by the statistics collector, about half a second after the
+    session went idle."""
+    with connection.cursor() as cursor:
+        if connection.pg_version >= 150000:  # type: ignore[attr-defined]
+            cursor.execute("SELECT pg_stat_force_next_flush()")
+        else:
+            time.sleep(1.0)
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(sql, params)
+        return [tuple(row) for row in cursor.fetchall()]
+
+
+def row_updates(tables: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """Each of ``tables``' row updates so far, and how many were HOT (in place, no index
+    entry)."""
+    rows = statistics(
+        "SELECT relname, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = ANY(%s)",
+        [list(tables)],
+    )
+    return {name: (int(upd), int(hot)) for name, upd, hot in rows}
 
 
 def _message() -> str:
