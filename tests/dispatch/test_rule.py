@@ -14,7 +14,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from bench.management.commands.bench_dispatch_wal import row_updates, statistics
+from bench.pgstats import row_updates, statistics
 from django_fair_jobs import dispatch
 from django_fair_jobs.dispatch.models import (
     DISPATCHED,
