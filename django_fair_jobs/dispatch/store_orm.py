@@ -10,8 +10,8 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import Exists, F, Max, OuterRef, Q
-from django.db.models.functions import Now
+from django.db.models import Case, Exists, F, Max, OuterRef, Q, When
+from django.db.models.functions import Greatest, Now
 from django.utils import timezone
 
 from django_fair_jobs import db
@@ -64,6 +64,19 @@ class Store(pg_store.Store):
             .first()
         )
         return (None, None) if first is None else (int(first[0]), first[1])
+
+    def _claimed(self, queue: str, tenant: str, job_id: int) -> tuple[int | None, Any, str]:
+        """The line's next head and its cap once ``job_id`` (its head) is dispatched, and
+        ``job_id``'s message, in one read: the claimed job's row first, then the oldest
+        job still waiting."""
+        rows = list(
+            self._jobs()
+            .filter(Q(pk=job_id) | Q(queue=queue, tenant=tenant, state=WAITING))
+            .order_by(Case(When(pk=job_id, then=0), default=1), "id")
+            .values_list("id", "cap", "message")[:2]
+        )
+        following = rows[1] if len(rows) > 1 else (None, None, "")
+        return following[0], following[1], rows[0][2]
 
     def _vt(self, queue: str) -> float:
         """See ``fair_jobs_dispatch_vt``."""
@@ -120,8 +133,10 @@ class Store(pg_store.Store):
         """See ``fair_jobs_dispatch_due``."""
         # Against the clock read as a value: SQLite's clock gives milliseconds, a stored
         # time microseconds, and a job stored within the same millisecond would not be due.
-        now = db.database_now(self.alias)
-        due = self._jobs().filter(queue=queue, state=SCHEDULED, not_before__lte=now)
+        scheduled = self._jobs().filter(queue=queue, state=SCHEDULED)
+        if not scheduled.exists():  # most dispatches: one probe, not the clock and a read
+            return
+        due = scheduled.filter(not_before__lte=db.database_now(self.alias))
         moved = list(due.order_by("id").values_list("id", "tenant", "cap", "weight"))
         if not moved:
             return
@@ -170,7 +185,7 @@ class Store(pg_store.Store):
                 )
                 line.save(update_fields=["head_id", "cap", "waiting"])
                 continue
-            head, head_cap = self._head(queue, line.tenant)
+            head, head_cap, message = self._claimed(queue, line.tenant, job_id)
             cap_next = slot if slot is not None else head_cap
             self._tenants().filter(pk=line.pk).update(
                 in_flight=F("in_flight") + 1,
@@ -182,7 +197,6 @@ class Store(pg_store.Store):
                 cap=head_cap,
                 blocked=cap_next is not None and line.in_flight + 1 >= cap_next,
             )
-            message = self._jobs().filter(pk=job_id).values_list("message", flat=True).get()
             ready.append(Ready(int(job_id), message))
             room -= 1
         return ready
@@ -382,16 +396,17 @@ class Store(pg_store.Store):
     ) -> list[Ready]:
         """See :func:`django_fair_jobs.dispatch.end_many` (``async_commit`` as in
         :meth:`start`)."""
-        with transaction.atomic(using=self.alias):
+        # No savepoint inside a start's transaction: an error rolls back the start with it.
+        with transaction.atomic(using=self.alias, savepoint=False):
             held = self._jobs().filter(pk__in=job_ids, state=RUNNING, process_id=process_id)
             rows = sorted(held.values_list("queue", "tenant"))
             held.delete()
             ready = self._sent_again(job_ids) if again and len(rows) < len(job_ids) else []
             for queue, tenant in sorted(set(rows)):
-                line = self._tenants().get(queue=queue, tenant=tenant)
-                line.in_flight = max(line.in_flight - rows.count((queue, tenant)), 0)
-                line.blocked = False
-                line.save(update_fields=["in_flight", "blocked"])
+                self._tenants().filter(queue=queue, tenant=tenant).update(
+                    in_flight=Greatest(F("in_flight") - rows.count((queue, tenant)), 0),
+                    blocked=False,
+                )
             if limit <= 0:
                 return ready
             for queue in sorted({queue for queue, _ in rows}):
