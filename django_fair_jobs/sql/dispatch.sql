@@ -173,16 +173,24 @@ $$;
 -- p_by: the job whose end made the room (an end's step), or the negative number a
 -- dispatch that is not an end's drew (an enqueue's too); kept on each job dispatched
 -- (dispatched_by), so that the step sent again after a lost reply finds them. NULL for a
--- bulk enqueue's dispatch.
+-- bulk enqueue's dispatch. p_ended_line, p_ended: a line its caller holds whose count in
+-- flight is p_ended too high (the jobs of an end, not yet taken off): the selection keys
+-- it by its true count, and if it is chosen one update of the line says the end and the
+-- dispatch, instead of two new versions of it (each an entry in every index of the line
+-- table); else, or if nothing is chosen, the end's update is made on its own.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch(
-    p_queue text, p_max integer, p_by bigint DEFAULT NULL
+    p_queue text, p_max integer, p_by bigint DEFAULT NULL, p_ended_line bigint DEFAULT NULL,
+    p_ended integer DEFAULT 0
 )
 RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
     v_room integer;
     v_line record;
+    v_found boolean;
+    v_mine boolean;
     v_limit integer;
+    v_less integer := CASE WHEN p_ended_line IS NULL THEN 0 ELSE p_ended END;
 BEGIN
     -- The probe alone, not the call: a call costs more than the probe, and most
     -- dispatches find nothing due.
@@ -198,7 +206,7 @@ BEGIN
     END IF;
     v_room := LEAST(COALESCE(fair_jobs_dispatch_room(p_queue), 0), p_max);
     WHILE v_room > 0 LOOP
-        SELECT t.id, t.tenant, t.head_id, t.in_flight, t.cap,
+        SELECT t.id, t.tenant, t.head_id, t.in_flight, t.cap, t.weight, t.pass_value,
                (SELECT s.max_jobs FROM fair_jobs_tenantqueueslot AS s
                  WHERE s.tenant = t.tenant AND s.queue = p_queue) AS slot
           INTO v_line
@@ -207,10 +215,42 @@ BEGIN
          ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id
          LIMIT 1
            FOR UPDATE OF t SKIP LOCKED;
-        EXIT WHEN NOT FOUND;
+        v_found := FOUND;
+        IF v_less > 0 THEN
+            -- The ended line, keyed by its true count in flight (and unblocked, as the
+            -- end makes it), against the index's first line (which may be the ended line
+            -- by its old key): the lower key is chosen.
+            SELECT t.head_id IS NOT NULL
+                   AND (NOT v_found OR v_line.id = t.id
+                        OR (floor(GREATEST(t.in_flight - v_less, 0) / t.weight),
+                            t.pass_value, t.head_id)
+                           <= (floor(v_line.in_flight / v_line.weight), v_line.pass_value,
+                               v_line.head_id))
+              INTO v_mine FROM fair_jobs_dispatchtenant AS t WHERE t.id = p_ended_line;
+            IF v_mine THEN
+                SELECT t.id, t.tenant, t.head_id, GREATEST(t.in_flight - v_less, 0) AS in_flight,
+                       t.cap, t.weight, t.pass_value,
+                       (SELECT s.max_jobs FROM fair_jobs_tenantqueueslot AS s
+                         WHERE s.tenant = t.tenant AND s.queue = p_queue) AS slot
+                  INTO v_line FROM fair_jobs_dispatchtenant AS t WHERE t.id = p_ended_line;
+                v_found := true;
+            ELSE
+                -- Not chosen: the end's update on its own, then the index's first line,
+                -- or a choice made again if that was the ended line by its old key.
+                UPDATE fair_jobs_dispatchtenant AS t
+                   SET in_flight = GREATEST(t.in_flight - v_less, 0), blocked = false
+                 WHERE t.id = p_ended_line;
+                v_less := 0;
+                CONTINUE WHEN v_found AND v_line.id = p_ended_line;
+            END IF;
+        END IF;
+        EXIT WHEN NOT v_found;
         v_limit := COALESCE(v_line.slot, v_line.cap);
         IF v_limit IS NOT NULL AND v_line.in_flight >= v_limit THEN
-            UPDATE fair_jobs_dispatchtenant AS t SET blocked = true WHERE t.id = v_line.id;
+            UPDATE fair_jobs_dispatchtenant AS t
+               SET blocked = true, in_flight = GREATEST(t.in_flight - v_less, 0)
+             WHERE t.id = v_line.id;
+            v_less := 0;
             CONTINUE;
         END IF;
         -- One statement: the head job is dispatched and its line moves on to its oldest
@@ -227,14 +267,15 @@ BEGIN
              ORDER BY j.id LIMIT 1
         )
         UPDATE fair_jobs_dispatchtenant AS t
-           SET in_flight = t.in_flight + 1,
+           SET in_flight = GREATEST(t.in_flight - v_less, 0) + 1,
                waiting = t.waiting - 1,
                pass_value = t.pass_value + 1.0 / t.weight,
                served_pass = t.pass_value,
                dispatched_total = t.dispatched_total + 1,
                head_id = f.id,
                cap = f.cap,
-               blocked = COALESCE(t.in_flight + 1 >= COALESCE(v_line.slot, f.cap), false)
+               blocked = COALESCE(GREATEST(t.in_flight - v_less, 0) + 1
+                                  >= COALESCE(v_line.slot, f.cap), false)
           FROM taken LEFT JOIN following AS f ON true
          WHERE t.id = v_line.id
         RETURNING taken.id, taken.message INTO job_id, job_message;
@@ -245,13 +286,22 @@ BEGIN
                                       WHERE j.queue = t.queue AND j.tenant = t.tenant
                                         AND j.state = 1 ORDER BY j.id LIMIT 1),
                    waiting = (SELECT count(*) FROM fair_jobs_dispatchjob AS j
-                               WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1)
+                               WHERE j.queue = t.queue AND j.tenant = t.tenant AND j.state = 1),
+                   in_flight = GREATEST(t.in_flight - v_less, 0),
+                   blocked = t.blocked AND v_less = 0
              WHERE t.id = v_line.id;
+            v_less := 0;
             CONTINUE;
         END IF;
+        v_less := 0;
         RETURN NEXT;
         v_room := v_room - 1;
     END LOOP;
+    IF v_less > 0 THEN
+        UPDATE fair_jobs_dispatchtenant AS t
+           SET in_flight = GREATEST(t.in_flight - v_less, 0), blocked = false
+         WHERE t.id = p_ended_line;
+    END IF;
 END;
 $$;
 
@@ -522,7 +572,8 @@ $$;
 
 -- End many jobs that ran under p_process (a process's ends, flushed together by its
 -- flusher thread): their rows go, their lines' counts drop, then each queue they left
--- dispatches up to p_max jobs into its room. The job rows first, then their lines in
+-- dispatches up to p_max jobs into its room (the jobs of one line: its count drops in
+-- the dispatch, with the dispatch's own update of it if it is chosen). The job rows first, then their lines in
 -- (queue, tenant) order by byte value, as enqueue_many takes them, so two flushes or a
 -- flush and a bulk enqueue never wait for each other out of order. A job not running
 -- under p_process (ended already, or reaped) is skipped. Returns the jobs to publish.
@@ -538,6 +589,7 @@ DECLARE
     v_counts integer[];
     v_queue text;
     v_gone integer;
+    v_line bigint;
 BEGIN
     WITH gone AS (
         DELETE FROM fair_jobs_dispatchjob AS j
@@ -559,6 +611,32 @@ BEGIN
     END IF;
     IF v_queues IS NULL THEN
         RETURN;
+    END IF;
+    IF p_max > 0 AND array_length(v_queues, 1) = 1 THEN
+        -- One line (a start carrying the end before it) that the dispatch is likely to
+        -- choose (it has jobs waiting and, by its count after the end, its key is not
+        -- above the first of the selection's index, read without a lock): held now, in
+        -- the order above, and its count taken off by the dispatch, in one update with
+        -- the dispatch's if the dispatch chooses it. Else its update as below: a line
+        -- held and then updated anyway would log its lock as well.
+        SELECT t.id INTO v_line FROM fair_jobs_dispatchtenant AS t
+          LEFT JOIN LATERAL (
+              SELECT floor(o.in_flight / o.weight) AS load, o.pass_value, o.head_id
+                FROM fair_jobs_dispatchtenant AS o
+               WHERE o.queue = t.queue AND o.head_id IS NOT NULL AND NOT o.blocked
+               ORDER BY floor(o.in_flight / o.weight), o.pass_value, o.head_id
+               LIMIT 1) AS f ON true
+         WHERE t.queue = v_queues[1] AND t.tenant = v_tenants[1] AND t.head_id IS NOT NULL
+           AND (f.head_id IS NULL
+                OR (floor(GREATEST(t.in_flight - v_counts[1], 0) / t.weight), t.pass_value,
+                    t.head_id) <= (f.load, f.pass_value, f.head_id));
+        IF FOUND THEN
+            PERFORM 1 FROM fair_jobs_dispatchtenant AS t WHERE t.id = v_line FOR UPDATE;
+            RETURN QUERY SELECT d.job_id, d.job_message
+                           FROM fair_jobs_dispatch(v_queues[1], p_max, p_jobs[1], v_line,
+                                                   v_counts[1]) AS d;
+            RETURN;
+        END IF;
     END IF;
     FOR i IN 1 .. array_length(v_queues, 1) LOOP
         UPDATE fair_jobs_dispatchtenant AS t

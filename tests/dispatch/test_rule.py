@@ -291,6 +291,69 @@ def test_end_many__one_round_trip__only_its_own_running_jobs__room_dispatched(
         assert len(queries) == 1
 
 
+def _ended_and_dispatched(ended: int) -> tuple[list[str], int]:
+    """End ``ended`` (running under PROCESS) as a flush does; the tenants of the jobs it
+    dispatched, and how many row updates of the line table it made."""
+    before = _line_updates()[0]
+    ready = dispatch.end_many([ended], PROCESS)
+    return [tenant_of(r.job_id) for r in ready], _line_updates()[0] - before
+
+
+def test_an_end_whose_line_is_chosen_next__one_update_of_that_line(
+    published: list[int],
+) -> None:
+    if not runs_sql():
+        pytest.skip("row updates of one statement are the PostgreSQL store's figure")
+    # The end's room goes to the ended job's own line: its count in flight goes down by
+    # the end and up by the dispatch, so one new version of the line says both, instead
+    # of two (each a new entry in every index of the line table).
+    set_capacity(1)
+    enqueue("a", 3)
+    first = published[0]
+    assert dispatch.start(first, PROCESS).status == "started"
+    tenants, updates = _ended_and_dispatched(first)
+    assert (tenants, updates) == (["a"], 1)
+    line = DispatchTenant.objects.get(tenant="a")
+    jobs = list(DispatchJob.objects.order_by("id").values_list("pk", "state"))
+    assert jobs[0][1] == DISPATCHED and jobs[1] == (line.head_id, WAITING)
+    assert (line.in_flight, line.waiting, line.pass_value, line.served_pass) == (1, 1, 2.0, 1.0)
+    assert not line.blocked and line.dispatched_total == 2
+
+
+def test_an_end_whose_line_is_not_chosen__the_lowest_key_wins(published: list[int]) -> None:
+    if not runs_sql():
+        pytest.skip("row updates of one statement are the PostgreSQL store's figure")
+    # a has two in flight and b none: the room goes to b, and a's line still drops to 1.
+    set_capacity(2)
+    enqueue("a", 4)
+    enqueue("b", 1)
+    first = published[0]
+    assert dispatch.start(first, PROCESS).status == "started"
+    tenants, updates = _ended_and_dispatched(first)
+    assert (tenants, updates) == (["b"], 2)
+    lines = dict(DispatchTenant.objects.values_list("tenant", "in_flight"))
+    assert lines == {"a": 1, "b": 1}
+
+
+def test_an_end_that_unblocks_its_capped_line__its_next_job_dispatched_in_one_update(
+    published: list[int],
+) -> None:
+    if not runs_sql():
+        pytest.skip("row updates of one statement are the PostgreSQL store's figure")
+    # At its cap the line is out of the selection's index; the end brings it back with
+    # room for one, which its next job takes, and it is at its cap (blocked) again.
+    enqueue("capped", 4, task=tasks.dispatched_capped)  # fair_max_jobs=2
+    set_capacity(4)
+    pump()
+    first = published[0]
+    assert DispatchTenant.objects.get(tenant="capped").blocked
+    assert dispatch.start(first, PROCESS).status == "started"
+    tenants, updates = _ended_and_dispatched(first)
+    assert (tenants, updates) == (["capped"], 1)
+    line = DispatchTenant.objects.get(tenant="capped")
+    assert (line.in_flight, line.waiting, line.blocked) == (2, 1, True)
+
+
 def test_countdown__not_dispatched_before_it_is_due(published: list[int]) -> None:
     set_capacity(2)
     tasks.dispatched.apply_async(("a",), countdown=3600)
