@@ -174,10 +174,12 @@ $$;
 -- dispatch that is not an end's drew (an enqueue's too); kept on each job dispatched
 -- (dispatched_by), so that the step sent again after a lost reply finds them. NULL for a
 -- bulk enqueue's dispatch. p_ended_line, p_ended: a line its caller holds whose count in
--- flight is p_ended too high (the jobs of an end, not yet taken off): the selection keys
--- it by its true count, and if it is chosen one update of the line says the end and the
--- dispatch, instead of two new versions of it (each an entry in every index of the line
--- table); else, or if nothing is chosen, the end's update is made on its own.
+-- flight is p_ended too high (the jobs of an end, not yet taken off) and which, by its
+-- true count, its caller found first in the selection's index: it is chosen first,
+-- without the selection (which would lock the index's first line for nothing), and one
+-- update of it says the end and the dispatch, instead of two new versions of it (each an
+-- entry in every index of the line table); if it is not dispatched into (no room, at its
+-- cap, its head gone), the end's update is made on its own.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch(
     p_queue text, p_max integer, p_by bigint DEFAULT NULL, p_ended_line bigint DEFAULT NULL,
     p_ended integer DEFAULT 0
@@ -186,9 +188,8 @@ RETURNS TABLE (job_id bigint, job_message text)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
     v_room integer;
-    v_line record;
-    v_found boolean;
-    v_mine boolean;
+    v_line fair_jobs_dispatchtenant%ROWTYPE;
+    v_slot integer;
     v_limit integer;
     v_less integer := CASE WHEN p_ended_line IS NULL THEN 0 ELSE p_ended END;
 BEGIN
@@ -206,46 +207,31 @@ BEGIN
     END IF;
     v_room := LEAST(COALESCE(fair_jobs_dispatch_room(p_queue), 0), p_max);
     WHILE v_room > 0 LOOP
-        SELECT t.id, t.tenant, t.head_id, t.in_flight, t.cap, t.weight, t.pass_value,
-               (SELECT s.max_jobs FROM fair_jobs_tenantqueueslot AS s
-                 WHERE s.tenant = t.tenant AND s.queue = p_queue) AS slot
-          INTO v_line
-          FROM fair_jobs_dispatchtenant AS t
-         WHERE t.queue = p_queue AND t.head_id IS NOT NULL AND NOT t.blocked
-         ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id
-         LIMIT 1
-           FOR UPDATE OF t SKIP LOCKED;
-        v_found := FOUND;
         IF v_less > 0 THEN
-            -- The ended line, keyed by its true count in flight (and unblocked, as the
-            -- end makes it), against the index's first line (which may be the ended line
-            -- by its old key): the lower key is chosen.
-            SELECT t.head_id IS NOT NULL
-                   AND (NOT v_found OR v_line.id = t.id
-                        OR (floor(GREATEST(t.in_flight - v_less, 0) / t.weight),
-                            t.pass_value, t.head_id)
-                           <= (floor(v_line.in_flight / v_line.weight), v_line.pass_value,
-                               v_line.head_id))
-              INTO v_mine FROM fair_jobs_dispatchtenant AS t WHERE t.id = p_ended_line;
-            IF v_mine THEN
-                SELECT t.id, t.tenant, t.head_id, GREATEST(t.in_flight - v_less, 0) AS in_flight,
-                       t.cap, t.weight, t.pass_value,
-                       (SELECT s.max_jobs FROM fair_jobs_tenantqueueslot AS s
-                         WHERE s.tenant = t.tenant AND s.queue = p_queue) AS slot
-                  INTO v_line FROM fair_jobs_dispatchtenant AS t WHERE t.id = p_ended_line;
-                v_found := true;
-            ELSE
-                -- Not chosen: the end's update on its own, then the index's first line,
-                -- or a choice made again if that was the ended line by its old key.
+            -- The ended line, which the caller holds and found first by its true count:
+            -- taken without the selection, which would lock the index's first line.
+            SELECT t.* INTO v_line FROM fair_jobs_dispatchtenant AS t
+             WHERE t.id = p_ended_line AND t.head_id IS NOT NULL;
+            IF NOT FOUND THEN
+                -- Its head left meanwhile (cancelled): the end's update on its own.
                 UPDATE fair_jobs_dispatchtenant AS t
                    SET in_flight = GREATEST(t.in_flight - v_less, 0), blocked = false
                  WHERE t.id = p_ended_line;
                 v_less := 0;
-                CONTINUE WHEN v_found AND v_line.id = p_ended_line;
+                CONTINUE;
             END IF;
+            v_line.in_flight := GREATEST(v_line.in_flight - v_less, 0);
+        ELSE
+            SELECT t.* INTO v_line FROM fair_jobs_dispatchtenant AS t
+             WHERE t.queue = p_queue AND t.head_id IS NOT NULL AND NOT t.blocked
+             ORDER BY floor(t.in_flight / t.weight), t.pass_value, t.head_id
+             LIMIT 1
+               FOR UPDATE OF t SKIP LOCKED;
+            EXIT WHEN NOT FOUND;
         END IF;
-        EXIT WHEN NOT v_found;
-        v_limit := COALESCE(v_line.slot, v_line.cap);
+        SELECT s.max_jobs INTO v_slot FROM fair_jobs_tenantqueueslot AS s
+         WHERE s.tenant = v_line.tenant AND s.queue = p_queue;
+        v_limit := COALESCE(v_slot, v_line.cap);
         IF v_limit IS NOT NULL AND v_line.in_flight >= v_limit THEN
             UPDATE fair_jobs_dispatchtenant AS t
                SET blocked = true, in_flight = GREATEST(t.in_flight - v_less, 0)
@@ -275,7 +261,7 @@ BEGIN
                head_id = f.id,
                cap = f.cap,
                blocked = COALESCE(GREATEST(t.in_flight - v_less, 0) + 1
-                                  >= COALESCE(v_line.slot, f.cap), false)
+                                  >= COALESCE(v_slot, f.cap), false)
           FROM taken LEFT JOIN following AS f ON true
          WHERE t.id = v_line.id
         RETURNING taken.id, taken.message INTO job_id, job_message;
@@ -572,8 +558,8 @@ $$;
 
 -- End many jobs that ran under p_process (a process's ends, flushed together by its
 -- flusher thread): their rows go, their lines' counts drop, then each queue they left
--- dispatches up to p_max jobs into its room (the jobs of one line: its count drops in
--- the dispatch, with the dispatch's own update of it if it is chosen). The job rows first, then their lines in
+-- dispatches up to p_max jobs into its room (the jobs of one line that comes first: its
+-- count drops in the dispatch's own update of it). The job rows first, then their lines in
 -- (queue, tenant) order by byte value, as enqueue_many takes them, so two flushes or a
 -- flush and a bulk enqueue never wait for each other out of order. A job not running
 -- under p_process (ended already, or reaped) is skipped. Returns the jobs to publish.
@@ -613,12 +599,12 @@ BEGIN
         RETURN;
     END IF;
     IF p_max > 0 AND array_length(v_queues, 1) = 1 THEN
-        -- One line (a start carrying the end before it) that the dispatch is likely to
-        -- choose (it has jobs waiting and, by its count after the end, its key is not
-        -- above the first of the selection's index, read without a lock): held now, in
-        -- the order above, and its count taken off by the dispatch, in one update with
-        -- the dispatch's if the dispatch chooses it. Else its update as below: a line
-        -- held and then updated anyway would log its lock as well.
+        -- One line (a start carrying the end before it) that comes first (it has jobs
+        -- waiting and, by its count after the end, its key is not above the first of
+        -- the selection's index, read without a lock): held now, in the order above, and
+        -- dispatched into first, its count taken off in the dispatch's update of it.
+        -- Else its update as below: a line held and then updated anyway would log its
+        -- lock as well.
         SELECT t.id INTO v_line FROM fair_jobs_dispatchtenant AS t
           LEFT JOIN LATERAL (
               SELECT floor(o.in_flight / o.weight) AS load, o.pass_value, o.head_id

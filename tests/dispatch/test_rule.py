@@ -320,6 +320,35 @@ def test_an_end_whose_line_is_chosen_next__one_update_of_that_line(
     assert not line.blocked and line.dispatched_total == 2
 
 
+def _row_marks(tenant: str) -> str:
+    """The xmax of the line's current row version: the last transaction that locked it or
+    carried a lock onto it (each lock a WAL record); unchanged while none does."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT xmax::text FROM fair_jobs_dispatchtenant WHERE tenant = %s", [tenant]
+        )
+        return str(cursor.fetchone()[0])
+
+
+def test_an_end_whose_line_is_chosen__the_index_first_line_not_locked(
+    published: list[int],
+) -> None:
+    if not runs_sql():
+        pytest.skip("row locks are the PostgreSQL store's")
+    # b leads the index by a's old key (its head is older) and a by its true count: the
+    # room goes to a, and b, which nothing changes, is not locked on the way.
+    enqueue("b", 2)
+    enqueue("a", 2)
+    set_capacity(2)
+    pump()
+    ended = next(j for j in published if tenant_of(j) == "a")
+    assert dispatch.start(ended, PROCESS).status == "started"
+    marks = _row_marks("b")
+    tenants, updates = _ended_and_dispatched(ended)
+    assert (tenants, updates) == (["a"], 1)
+    assert _row_marks("b") == marks
+
+
 def test_an_end_whose_line_is_not_chosen__the_lowest_key_wins(published: list[int]) -> None:
     if not runs_sql():
         pytest.skip("row updates of one statement are the PostgreSQL store's figure")
