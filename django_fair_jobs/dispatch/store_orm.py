@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import Case, Exists, F, Max, OuterRef, Q, When
+from django.db.models import Case, Count, Exists, F, Max, Min, OuterRef, Q, TextField, Value, When
 from django.db.models.functions import Greatest, Now
 from django.utils import timezone
 
@@ -54,26 +54,29 @@ class Store(pg_store.Store):
     def _queues(self) -> Any:
         return DispatchQueue.objects.using(self.alias)
 
+    def _waiting(self, queue: str, tenant: str) -> Any:
+        """``tenant``'s waiting jobs on ``queue``: its line."""
+        return self._jobs().filter(queue=queue, tenant=tenant, state=WAITING)
+
     def _head(self, queue: str, tenant: str) -> tuple[int | None, int | None]:
         """The id and cap of ``tenant``'s oldest waiting job on ``queue``."""
-        first = (
-            self._jobs()
-            .filter(queue=queue, tenant=tenant, state=WAITING)
-            .order_by("id")
-            .values_list("id", "cap")
-            .first()
-        )
+        first = self._waiting(queue, tenant).order_by("id").values_list("id", "cap").first()
         return (None, None) if first is None else (int(first[0]), first[1])
 
     def _claimed(self, queue: str, tenant: str, job_id: int) -> tuple[int | None, Any, str]:
         """The line's next head and its cap once ``job_id`` (its head) is dispatched, and
         ``job_id``'s message, in one read: the claimed job's row first, then the oldest
-        job still waiting."""
+        job still waiting (whose message is not read)."""
+        claimed = Q(pk=job_id)
         rows = list(
-            self._jobs()
-            .filter(Q(pk=job_id) | Q(queue=queue, tenant=tenant, state=WAITING))
-            .order_by(Case(When(pk=job_id, then=0), default=1), "id")
-            .values_list("id", "cap", "message")[:2]
+            (self._jobs().filter(claimed) | self._waiting(queue, tenant))
+            .annotate(
+                body=Case(
+                    When(claimed, then="message"), default=Value(""), output_field=TextField()
+                )
+            )
+            .order_by(Case(When(claimed, then=0), default=1), "id")
+            .values_list("id", "cap", "body")[:2]
         )
         following = rows[1] if len(rows) > 1 else (None, None, "")
         return following[0], following[1], rows[0][2]
@@ -180,9 +183,7 @@ class Store(pg_store.Store):
             )
             if not claimed:
                 line.head_id, line.cap = self._head(queue, line.tenant)
-                line.waiting = (
-                    self._jobs().filter(queue=queue, tenant=line.tenant, state=WAITING).count()
-                )
+                line.waiting = self._waiting(queue, line.tenant).count()
                 line.save(update_fields=["head_id", "cap", "waiting"])
                 continue
             head, head_cap, message = self._claimed(queue, line.tenant, job_id)
@@ -530,19 +531,29 @@ class Store(pg_store.Store):
         return sorted(freed)
 
     def recount(self) -> list[tuple[Any, ...]]:
-        """See :func:`django_fair_jobs.dispatch.recount`."""
+        """See :func:`django_fair_jobs.dispatch.recount`: the jobs counted for every line
+        in one grouped read; only a line that drifted is written (its head's cap read)."""
         drift: list[tuple[Any, ...]] = []
         with transaction.atomic(using=self.alias):
+            counted = {
+                (row["queue"], row["tenant"]): (row["waiting"], row["in_flight"], row["head"])
+                for row in self._jobs()
+                .order_by()
+                .values("queue", "tenant")
+                .annotate(
+                    waiting=Count("id", filter=Q(state=WAITING)),
+                    in_flight=Count("id", filter=Q(state__in=[DISPATCHED, RUNNING])),
+                    head=Min("id", filter=Q(state=WAITING)),
+                )
+            }
             for line in self._tenants():
-                jobs = self._jobs().filter(queue=line.queue, tenant=line.tenant)
-                waiting = jobs.filter(state=WAITING).count()
-                in_flight = jobs.filter(state__in=[DISPATCHED, RUNNING]).count()
-                head, cap = self._head(line.queue, line.tenant)
+                waiting, in_flight, head = counted.get((line.queue, line.tenant), (0, 0, None))
                 if (waiting, in_flight, head) == (line.waiting, line.in_flight, line.head_id):
                     continue
                 drift.append(
                     (line.queue, line.tenant, line.waiting, waiting, line.in_flight, in_flight)
                 )
+                cap = self._jobs().filter(pk=head).values_list("cap", flat=True).first()
                 self._tenants().filter(pk=line.pk).update(
                     waiting=waiting, in_flight=in_flight, blocked=False, head_id=head, cap=cap
                 )
