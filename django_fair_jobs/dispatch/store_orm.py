@@ -10,8 +10,8 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import Case, Count, Exists, F, Max, Min, OuterRef, Q, TextField, Value, When
-from django.db.models.functions import Greatest, Now
+from django.db.models import Case, Count, Exists, F, Max, Min, OuterRef, Q, Subquery, When
+from django.db.models.functions import Coalesce, Greatest, Now
 from django.utils import timezone
 
 from django_fair_jobs import db
@@ -39,6 +39,8 @@ _STATE_OF: dict[str, int] = {
     "unregistered": FAILED,
 }
 _FAILURE_OF: dict[str, str] = {"failed": "publish", "unregistered": "unregistered"}
+_LIMIT_FIELDS = ("id", "max_jobs", "current_jobs", "max_jobs_per_worker")
+"""The fields of a queue's limit that bound its room."""
 
 
 class Store(pg_store.Store):
@@ -70,11 +72,7 @@ class Store(pg_store.Store):
         claimed = Q(pk=job_id)
         rows = list(
             (self._jobs().filter(claimed) | self._waiting(queue, tenant))
-            .annotate(
-                body=Case(
-                    When(claimed, then="message"), default=Value(""), output_field=TextField()
-                )
-            )
+            .annotate(body=Case(When(claimed, then="message")))
             .order_by(Case(When(claimed, then=0), default=1), "id")
             .values_list("id", "cap", "body")[:2]
         )
@@ -112,24 +110,43 @@ class Store(pg_store.Store):
         return limit is None or (in_flight < limit and slot[1] < limit)
 
     def _room(self, queue: str) -> int:
-        """See ``fair_jobs_dispatch_room``."""
+        """See ``fair_jobs_dispatch_room``: the queue's row, its jobs in flight and its
+        queue limit in one read (a step holds the database's one write lock through it)."""
         from django_fair_jobs.models import QueueLimit, SlotLease
 
-        row = self._queues().filter(queue=queue).first()
+        flight = self._jobs().filter(queue=queue, state__in=[DISPATCHED, RUNNING])
+        limit = QueueLimit.objects.using(self.alias).filter(queue=OuterRef("queue"))
+        row = (
+            self._queues()
+            .filter(queue=queue)
+            .annotate(
+                in_flight=Coalesce(
+                    Subquery(flight.order_by().values("queue").annotate(n=Count("id")).values("n")),
+                    0,
+                ),
+                **{f"limit_{f}": Subquery(limit.values(f)[:1]) for f in _LIMIT_FIELDS},
+            )
+            .values(
+                "capacity", "slack", "nodes", "in_flight", *(f"limit_{f}" for f in _LIMIT_FIELDS)
+            )
+            .first()
+        )
         if row is None:
             return 0
-        flight = self._jobs().filter(queue=queue, state__in=[DISPATCHED, RUNNING])
-        in_flight = flight.count()
-        bounds = [row.capacity + row.slack - in_flight]
-        limit = QueueLimit.objects.using(self.alias).filter(queue=queue).first()
-        if limit is not None and limit.max_jobs is not None:
+        in_flight = row["in_flight"]
+        bounds = [row["capacity"] + row["slack"] - in_flight]
+        if row["limit_max_jobs"] is not None:
             running = flight.filter(
                 state=RUNNING, task_id=OuterRef("task_id"), process_id=OuterRef("process_id")
             )
-            placed = SlotLease.objects.using(self.alias).filter(Exists(running), queue_limit=limit)
-            bounds.append(limit.max_jobs - limit.current_jobs - in_flight + placed.count())
-        if limit is not None and limit.max_jobs_per_worker is not None:
-            bounds.append(row.nodes * limit.max_jobs_per_worker - in_flight)
+            placed = SlotLease.objects.using(self.alias).filter(
+                Exists(running), queue_limit_id=row["limit_id"]
+            )
+            bounds.append(
+                row["limit_max_jobs"] - row["limit_current_jobs"] - in_flight + placed.count()
+            )
+        if row["limit_max_jobs_per_worker"] is not None:
+            bounds.append(row["nodes"] * row["limit_max_jobs_per_worker"] - in_flight)
         return max(int(min(bounds)), 0)
 
     def _due(self, queue: str) -> None:

@@ -15,7 +15,13 @@ from django.db import connection
 from django.utils import timezone
 
 from django_fair_jobs import admission, dispatch, queue_limits, slots
-from django_fair_jobs.dispatch.models import DISPATCHED, RUNNING, DispatchJob, DispatchTenant
+from django_fair_jobs.dispatch.models import (
+    DISPATCHED,
+    RUNNING,
+    DispatchJob,
+    DispatchQueue,
+    DispatchTenant,
+)
 from django_fair_jobs.models import QueueLimit
 from tests.dispatch.conftest import deliver, job_of, set_capacity
 from tests.sessions import session
@@ -53,6 +59,21 @@ def test_d2__a_queue_limit_bounds_the_queues_room(published: list[int]) -> None:
     for tenant in ("a", "b", "c"):
         tasks.dispatched.delay(tenant)
     assert len(published) == 1
+
+
+def test_d2__a_limit_per_worker_bounds_the_queues_room_by_its_nodes(published: list[int]) -> None:
+    # Two nodes with at most one job each: two dispatched of four, whatever the capacity;
+    # with a global limit of one beside it, the lower bound holds.
+    queue_limits.set_limits("fair", max_jobs_per_worker=1)
+    DispatchQueue.objects.update_or_create(queue="fair", defaults={"capacity": 4, "nodes": 2})
+    for tenant in ("a", "b", "c", "d"):
+        tasks.dispatched.delay(tenant)
+    assert len(published) == 2
+    assert dispatch.room() == {"fair": 0}
+    queue_limits.set_limits("fair", max_jobs=3)
+    assert dispatch.room() == {"fair": 0}  # 3 - 2 in flight = 1, but 2 x 1 - 2 = 0
+    queue_limits.set_limits("fair", max_jobs_per_worker=2)  # room for 1: dispatched at once
+    assert (len(published), dispatch.room()) == (3, {"fair": 0})  # 2 x 2 - 2, but 3 - 2
 
 
 def test_d2__a_job_without_a_cap__takes_its_queue_place__refused_when_paused(
