@@ -331,7 +331,13 @@ class Store(pg_store.Store):
 
     def _start(self, job_id: int, process_id: uuid.UUID) -> Started:
         """The start alone, inside :meth:`start`'s transaction."""
-        job = self._jobs().filter(pk=job_id).first()
+        from django_fair_jobs.models import TenantQueueSlot
+
+        # The fence's cap read with the job: its tenant slot's override, if it has one.
+        slots = TenantQueueSlot.objects.using(self.alias)
+        slot = slots.filter(tenant=OuterRef("tenant"), queue=OuterRef("queue"))
+        job = self._jobs().filter(pk=job_id).annotate(slot=Subquery(slot.values("max_jobs")[:1]))
+        job = job.first()
         if job is None or job.state not in (WAITING, DISPATCHED, RUNNING):
             return Started("duplicate")
         status = "started"
@@ -352,8 +358,7 @@ class Store(pg_store.Store):
                 job.queue, job.tenant, line.in_flight, cap
             )
             line.save(update_fields=["waiting", "in_flight", "head_id", "cap", "blocked"])
-        slot = self._slot_max(job.tenant, job.queue)
-        return Started(status, slot if slot is not None else job.cap)
+        return Started(status, job.slot if job.slot is not None else job.cap)
 
     def end(
         self,

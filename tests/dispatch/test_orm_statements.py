@@ -54,7 +54,7 @@ def test_a_start_carrying_an_end__no_savepoint__the_due_read_one_probe() -> None
     assert started.ready[0].message == DispatchJob.objects.get(pk=ids[2]).message
     statements = _statements(queries)
     assert not [s for s in statements if "SAVEPOINT" in s], statements
-    assert len(statements) == 13, "\n".join(statements)
+    assert len(statements) == 12, "\n".join(statements)
 
 
 def test_an_enqueue_into_a_full_queue__the_due_read_one_probe() -> None:
