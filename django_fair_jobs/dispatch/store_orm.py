@@ -84,26 +84,19 @@ class Store(pg_store.Store):
         served = self._tenants().filter(queue=queue).aggregate(v=Max("served_pass"))["v"]
         return float(served or 0.0)
 
-    def _slot_max(self, tenant: str, queue: str) -> int | None:
+    def _slot(self, tenant: Any, queue: Any) -> Any:
+        """``tenant``'s tenant slot on ``queue`` (values, or ``OuterRef`` in a subquery)."""
         from django_fair_jobs.models import TenantQueueSlot
 
-        return (
-            TenantQueueSlot.objects.using(self.alias)
-            .filter(tenant=tenant, queue=queue)
-            .values_list("max_jobs", flat=True)
-            .first()
-        )
+        return TenantQueueSlot.objects.using(self.alias).filter(tenant=tenant, queue=queue)
+
+    def _slot_max(self, tenant: str, queue: str) -> int | None:
+        found: int | None = self._slot(tenant, queue).values_list("max_jobs", flat=True).first()
+        return found
 
     def _free(self, queue: str, tenant: str, in_flight: int, cap: int | None) -> bool:
         """See ``fair_jobs_dispatch_free``: whether a line may be chosen."""
-        from django_fair_jobs.models import TenantQueueSlot
-
-        slot = (
-            TenantQueueSlot.objects.using(self.alias)
-            .filter(tenant=tenant, queue=queue)
-            .values_list("max_jobs", "current_jobs")
-            .first()
-        )
+        slot = self._slot(tenant, queue).values_list("max_jobs", "current_jobs").first()
         if slot is None:
             return cap is None or in_flight < cap
         limit = slot[0] if slot[0] is not None else cap
@@ -331,13 +324,9 @@ class Store(pg_store.Store):
 
     def _start(self, job_id: int, process_id: uuid.UUID) -> Started:
         """The start alone, inside :meth:`start`'s transaction."""
-        from django_fair_jobs.models import TenantQueueSlot
-
         # The fence's cap read with the job: its tenant slot's override, if it has one.
-        slots = TenantQueueSlot.objects.using(self.alias)
-        slot = slots.filter(tenant=OuterRef("tenant"), queue=OuterRef("queue"))
-        job = self._jobs().filter(pk=job_id).annotate(slot=Subquery(slot.values("max_jobs")[:1]))
-        job = job.first()
+        slot = self._slot(OuterRef("tenant"), OuterRef("queue")).values("max_jobs")[:1]
+        job = self._jobs().filter(pk=job_id).annotate(slot=Subquery(slot)).first()
         if job is None or job.state not in (WAITING, DISPATCHED, RUNNING):
             return Started("duplicate")
         status = "started"
