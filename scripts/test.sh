@@ -10,7 +10,8 @@
 # its own PostgreSQL server (the server binaries must be installed) and needs RabbitMQ on
 # 127.0.0.1:5672 (FAIR_JOBS_CHAOS_BROKER). The whole of it: bash scripts/chaos.sh.
 # Installs Debian's chromium and chromium-driver (apt-get) if missing, for the admin's
-# browser test (tests/test_browser.py), and pgbouncer for tests/deploy/test_pgbouncer.py.
+# browser test (tests/test_browser.py), pgbouncer for tests/deploy/test_pgbouncer.py, and
+# prometheus (its promtool) for tests/test_alerts.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/venv.sh dev
@@ -68,6 +69,20 @@ if [ ! -x /usr/sbin/pgbouncer ] && ! command -v pgbouncer >/dev/null; then
         || { $SUDO apt-get update -q && $SUDO apt-get install -y -q pgbouncer; } \
         || { echo "Could not install pgbouncer (needed by tests/deploy/test_pgbouncer.py);" \
                   "install it: apt-get install pgbouncer" >&2; exit 1; }
+fi
+
+# Prometheus' promtool, for the alert rules' unit tests (tests/test_alerts.py); the package's
+# server is not used.
+if ! command -v promtool >/dev/null; then
+    SUDO=
+    if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then
+        SUDO=sudo
+    fi
+    echo "Installing prometheus (for promtool) for the alert rules' tests..."
+    $SUDO apt-get install -y -q --no-install-recommends prometheus \
+        || { $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends prometheus; } \
+        || { echo "Could not install prometheus (its promtool is needed by tests/test_alerts.py);" \
+                  "install it: apt-get install prometheus" >&2; exit 1; }
 fi
 
 SQLITE_DIR=$(mktemp -d)
