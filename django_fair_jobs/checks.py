@@ -94,13 +94,15 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "QUEUE_LIMITS",
         "fair_jobs.E013",
         lambda v: _queue_limits(v),
-        'a dict of queue names to whole numbers >= 0, e.g. {"webhooks": 2} (0 pauses)',
+        f"a dict of queue names to whole numbers from 0 to {MAX_LIMIT} (0 pauses), "
+        f'e.g. {{"webhooks": 2}}',
     ),
     (
         "QUEUE_LIMITS_PER_WORKER",
         "fair_jobs.E013",
         lambda v: _queue_limits(v),
-        'a dict of queue names to whole numbers >= 0, e.g. {"webhooks": 1} (0 pauses)',
+        f"a dict of queue names to whole numbers from 0 to {MAX_LIMIT} (0 pauses), "
+        f'e.g. {{"webhooks": 1}}',
     ),
     ("LIMIT_PLAIN_TASKS", "fair_jobs.E014", lambda v: isinstance(v, bool), "True or False"),
     ("ENFORCE", "fair_jobs.E017", lambda v: isinstance(v, bool), "True or False (False: shadow)"),

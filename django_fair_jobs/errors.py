@@ -52,7 +52,8 @@ class PublishFailedError(Exception):
 
 
 class LimitError(ValueError):
-    """A queue limit that cannot be stored (not a whole number >= 0, or no queue name)."""
+    """A queue limit that cannot be stored (not a whole number from 0 to 2147483647, or no
+    queue name)."""
 
 
 class DispatchError(ValueError):

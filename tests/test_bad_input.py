@@ -763,6 +763,29 @@ def test_defer__arguments_json_cannot_store__job_waits_through_the_broker(
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("option", ["--max-jobs", "--per-worker"])
+def test_limit_command__queue_limit_above_the_column__clear_error__nothing_changed(
+    option: str,
+) -> None:
+    # Above what the column holds, a limit used to pass the check and fail in the
+    # database with its own error.
+    with pytest.raises(CommandError, match="2147483647"):
+        call_command("fair_jobs_limit", "hooks", option, str(2**31))
+    assert not QueueLimit.objects.exists() and not LimitChange.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("field", ["max_jobs", "max_jobs_per_worker"])
+def test_set_limits__above_the_column__limit_error__nothing_changed(field: str) -> None:
+    from django_fair_jobs import queue_limits
+
+    with pytest.raises(queue_limits.LimitError, match="2147483647"):
+        queue_limits.set_limits("hooks", **{field: 2**31})
+    assert not QueueLimit.objects.exists() and not LimitChange.objects.exists()
+    assert queue_limits.set_limits("hooks", **{field: 2**31 - 1}).pk  # the largest that fits
+
+
+@pytest.mark.django_db
 def test_limit_command__tenant_max_jobs_above_the_column__clear_error() -> None:
     with pytest.raises(CommandError, match="2147483647"):
         call_command("fair_jobs_limit", "fair", "--tenant", "a", "--max-jobs", str(10**12))

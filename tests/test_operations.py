@@ -732,10 +732,10 @@ def test_limit_command__options_that_do_not_apply_to_a_tenant__refused(args: lis
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["q", "--tenant", "acme", "--max-jobs", "-2"], "whole number >= 0"),
-        (["q", "--tenant", "acme", "--max-jobs", "lots"], "whole number >= 0"),
+        (["q", "--tenant", "acme", "--max-jobs", "-2"], "whole number from 0"),
+        (["q", "--tenant", "acme", "--max-jobs", "lots"], "whole number from 0"),
         (["q", "--tenant", "acme", "--boost", "3"], "--for SECONDS or --until"),
-        (["q", "--tenant", "acme", "--boost", "x", "--for", "5"], "whole number >= 0"),
+        (["q", "--tenant", "acme", "--boost", "x", "--for", "5"], "whole number from 0"),
         (["q", "--tenant", "acme", "--boost", "3", "--for", "-5"], "must end in the future"),
         (["q", "--tenant", "acme", "--boost", "3", "--until", "soon"], "ISO time"),
         (["q", "--tenant", "acme", "--boost", "3", "--until", "2099-01-01T00:00"], "aware"),

@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from django_fair_jobs import db, events, identity, messages
-from django_fair_jobs.conf import fair_settings
+from django_fair_jobs.conf import MAX_LIMIT, fair_settings
 from django_fair_jobs.errors import (
     LimitError as LimitError,
 )
@@ -92,10 +92,10 @@ def validate(value: Any, what: str) -> int | None:
     """Return ``value`` as a limit (None: no limit), or raise :class:`LimitError`."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LIMIT:
         raise LimitError(
-            f"{what} must be a whole number >= 0 (0 pauses the queue) or None for no limit; "
-            f"got {value!r}."
+            f"{what} must be a whole number from 0 (0 pauses the queue) to {MAX_LIMIT}, or "
+            f"None for no limit; got {value!r}."
         )
     return value
 

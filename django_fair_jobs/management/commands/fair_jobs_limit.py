@@ -9,6 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_fair_jobs import db
+from django_fair_jobs.conf import MAX_LIMIT
 from django_fair_jobs.management import command_user
 from django_fair_jobs.queue_limits import LimitError
 
@@ -18,14 +19,15 @@ def _limit(text: str, of: str = "queue") -> int:
         value = int(text)
     except ValueError:
         value = -1
-    if value < 0:
+    if not 0 <= value <= MAX_LIMIT:
         remove = (
             "Use --clear to remove a queue's limits."
             if of == "queue"
             else "Use --max-jobs default for the task's own limit."
         )
         raise CommandError(
-            f"A limit must be a whole number >= 0 (0 pauses the {of}); got {text!r}. {remove}"
+            f"A limit must be a whole number from 0 (0 pauses the {of}) to {MAX_LIMIT}; "
+            f"got {text!r}. {remove}"
         )
     return value
 
