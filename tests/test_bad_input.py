@@ -779,10 +779,12 @@ def test_limit_command__queue_limit_above_the_column__clear_error__nothing_chang
 def test_set_limits__above_the_column__limit_error__nothing_changed(field: str) -> None:
     from django_fair_jobs import queue_limits
 
+    too_many: dict[str, Any] = {field: 2**31}
     with pytest.raises(queue_limits.LimitError, match="2147483647"):
-        queue_limits.set_limits("hooks", **{field: 2**31})
+        queue_limits.set_limits("hooks", **too_many)
     assert not QueueLimit.objects.exists() and not LimitChange.objects.exists()
-    assert queue_limits.set_limits("hooks", **{field: 2**31 - 1}).pk  # the largest that fits
+    largest: dict[str, Any] = {field: 2**31 - 1}  # the largest that fits
+    assert queue_limits.set_limits("hooks", **largest).pk
 
 
 @pytest.mark.django_db
