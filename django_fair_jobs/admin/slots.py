@@ -207,7 +207,9 @@ class TenantQueueSlotAdmin(_CancelsBacklog, _BoundedLimits, _SlotAdmin):
         for row in rows:
             set_tenant_limit(row.tenant, row.queue, 0, user=_user(request), source="admin")
         self.message_user(
-            request, f"Paused {len(rows)} slot(s); running jobs finish, new ones park."
+            request,
+            f"Paused {len(rows)} slot(s); running jobs finish, new ones wait (in their tenant's "
+            "line under fair dispatch, else parked).",
         )
 
     @admin.action(
@@ -310,7 +312,9 @@ class QueueLimitAdmin(_BoundedLimits, _QueueAdmin):
         for name in names:
             set_limits(name, max_jobs=0, user=_user(request), source="admin")
         self.message_user(
-            request, f"Paused {len(names)} queue(s); running jobs finish, new ones park."
+            request,
+            f"Paused {len(names)} queue(s); running jobs finish, new ones wait (in their tenant's "
+            "line under fair dispatch, else parked).",
         )
 
     @admin.action(description="Reap the leases of dead workers now", permissions=["change"])
@@ -325,7 +329,8 @@ def _reap(model_admin: Any, request: HttpRequest) -> None:
     model_admin.message_user(
         request,
         f"Reaped {report.leases_reaped} lease(s) of dead workers; woke {report.jobs_woken} "
-        "parked job(s). Live workers are never reaped.",
+        f"parked job(s); fair dispatch: put {report.dispatch_requeued} job(s) of dead workers "
+        f"back in line, dropped {report.dispatch_dropped}. Live workers are never reaped.",
         messages.SUCCESS,
     )
 

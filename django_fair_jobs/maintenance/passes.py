@@ -90,7 +90,7 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         dispatch.prune_receipts()
     else:
         decisions_pruned = 0
-    repaired = _repair_dispatch()
+    repaired = _repair_dispatch(timeout)
     report = MaintenanceReport(
         leases_reaped=reaped.leases,
         slots_reaped=len(reaped.slots),
@@ -159,13 +159,13 @@ def retry_pending_ends() -> int:
     return admission.retry_pending_ends(current_app)
 
 
-def _repair_dispatch() -> Any:
+def _repair_dispatch(timeout: float) -> Any:
     from celery import current_app
 
     try:
         return dispatch.repair(
             current_app,
-            timeout=fair_settings.WORKER_TIMEOUT,
+            timeout=timeout,
             lost_after=fair_settings.DISPATCH_LOST_AFTER,
             slack_per_node=fair_settings.DISPATCH_SLACK,
         )

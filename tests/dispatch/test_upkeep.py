@@ -16,7 +16,7 @@ from django.utils import timezone
 from kombu.utils.json import loads
 
 from django_fair_jobs import db, dispatch, identity
-from django_fair_jobs.dispatch.models import DISPATCHED, DispatchJob, DispatchTenant
+from django_fair_jobs.dispatch.models import DISPATCHED, WAITING, DispatchJob, DispatchTenant
 from django_fair_jobs.maintenance import passes, threads
 from django_fair_jobs.models import WorkerProcess
 from tests.conftest import wait_for
@@ -165,3 +165,23 @@ def test_d21__a_head_that_drifted__set_from_the_jobs_and_logged(
     assert dispatch.recount() == 0
     set_capacity(1)
     assert [r.job_id for r in dispatch.dispatch("fair")] == [first.pk]
+
+
+def test_reap_command__its_timeout_reaches_fair_dispatch__the_report_says_what_it_did(
+    settings: Any,
+) -> None:
+    # The process silent for 5 s is dead by --timeout 2, not by the setting's 60 s; the
+    # report used to leave fair dispatch's part of the pass out.
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    settings.FAIR_JOBS_WORKER_TIMEOUT = 60.0
+    job = running_under(tasks.dispatched_late, node_alive=False)
+    WorkerProcess.objects.filter(last_heartbeat_at__lt=db.database_now()).update(
+        last_heartbeat_at=db.database_now() - timedelta(seconds=5)
+    )
+    out = StringIO()
+    call_command("fair_jobs_reap", "--timeout", "2", stdout=out)
+    assert DispatchJob.objects.get(pk=job.pk).state == WAITING  # back in its line
+    assert "fair dispatch: put 1 job(s) of dead workers back in line" in out.getvalue()

@@ -10,11 +10,14 @@ from django_fair_jobs.conf import fair_settings
 
 
 class Command(BaseCommand):
-    """Reap the leases of dead workers and wake parked jobs that can run."""
+    """Run one maintenance pass: reap dead workers' leases and fair dispatch's jobs, wake
+    parked jobs that can run, and repair fair dispatch's lines."""
 
     help = (
         "Release the slots held by worker processes silent for FAIR_JOBS_WORKER_TIMEOUT "
-        "seconds, put lost wake-ups back in line, and wake parked jobs that have room. "
+        "seconds, put lost wake-ups back in line, wake parked jobs that have room, end "
+        "due boosts, and repair fair dispatch (dead workers' jobs back in line or dropped, "
+        "as Celery would; lost messages published again; queues with room dispatched). "
         "Workers do this on their own every FAIR_JOBS_HEARTBEAT_INTERVAL; this is for "
         "operators and for deployments with no worker running."
     )
@@ -47,5 +50,8 @@ class Command(BaseCommand):
             f"{report.jobs_woken} parked job(s); requeued {report.wakes_requeued} lost "
             f"wake-up(s); fixed {report.counters_fixed} counter(s); pruned "
             f"{report.windows_pruned} idle rerouting window(s); ended {report.boosts_ended} "
-            f"boost(s)."
+            f"boost(s). fair dispatch: put {report.dispatch_requeued} job(s) of dead workers "
+            f"back in line, dropped {report.dispatch_dropped} (as Celery would), published "
+            f"{report.dispatch_republished} again (not started in time), dispatched "
+            f"{report.dispatch_dispatched}."
         )
