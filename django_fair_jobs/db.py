@@ -300,6 +300,7 @@ def not_migrated(alias: str, missing: list[str]) -> NotMigratedError:
         f"django-fair-jobs: the database {alias!r} has not applied the migrations "
         f"{', '.join(missing)} of the app fair_jobs, so the library's tables or functions "
         "are missing or out of date. Run: python manage.py migrate fair_jobs"
+        + ("" if alias == "default" else f" --database {alias}")
     )
 
 

@@ -27,6 +27,7 @@ Every age is read on the database clock.
 from __future__ import annotations
 
 import logging
+import shlex
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -262,7 +263,9 @@ def _planned(planned: Any, now: datetime) -> Explanation:
             planned.task_id, "failed",
             f"The planner failed to publish it {planned.attempts} times and will not try "
             f"again: {planned.last_error}. Remove the cause, then put it back in line in the "
-            "admin (planned jobs, failed), or delete it.",
+            "admin (planned jobs, failed), or cancel it with its tenant's waiting jobs of "
+            f"that task (manage.py fair_jobs_cancel {shlex.quote(planned.tenant)} --task "
+            f"{planned.task_name}).",
             details,
         )  # fmt: skip
     if planned.promoted_at is not None:
@@ -392,8 +395,7 @@ def _failed(job: Any) -> str:
         )
     return (
         f"{cause}: it will not run. Fix the cause, then put it back in its line (the "
-        "admin's action 'Put the selected failed jobs back in line'), cancel it (manage.py "
-        "fair_jobs_cancel) or delay() it again."
+        "admin's action 'Put the selected failed jobs back in line' on fair dispatch's jobs)."
     )
 
 

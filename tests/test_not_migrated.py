@@ -193,3 +193,13 @@ def test_w006__a_fair_task_with_no_way_to_find_its_tenant(
     if warned:
         assert "shop.tasks.sync_catalog" in done.stderr
         assert "FAIR_JOBS_DEFAULT_TENANT" in done.stderr
+
+
+def test_not_migrated__another_database__the_command_names_it() -> None:
+    # Where a router puts the library's tables in another database, migrating "default"
+    # would not help: the command the error gives must migrate that one.
+    from django_fair_jobs import db
+
+    other = str(db.not_migrated("jobs", ["0026_x"]))
+    assert f"{MIGRATE} --database jobs" in other
+    assert str(db.not_migrated("default", ["0026_x"])).endswith(MIGRATE)
