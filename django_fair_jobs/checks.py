@@ -145,7 +145,12 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
         "True or False (True: slot releases commit without waiting for the disk)",
     ),
     ("PLANNER_QUEUE", "fair_jobs.E016", lambda v: isinstance(v, str) and bool(v), "a queue name"),
-    ("DEFAULT_TENANT", "fair_jobs.E024", lambda v: v is None or _tenant(v), "None or a tenant"),
+    (
+        "DEFAULT_TENANT",
+        "fair_jobs.E024",
+        lambda v: v is None or _tenant(v),
+        "None or a tenant: a non-blank string of at most 255 characters, without NUL",
+    ),
     (
         "PLANNER_TENANT_WEIGHTS",
         "fair_jobs.E016",

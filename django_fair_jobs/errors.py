@@ -40,9 +40,10 @@ class RuleError(ValueError):
 
 
 class PlanError(ValueError):
-    """A ``fair_plan`` that cannot work, or ``bulk_enqueue`` on a task that neither plans
-    nor dispatches; raised at publish. An invalid ``fair_plan`` is also system check E015,
-    so a worker refuses to start with one."""
+    """A ``fair_plan`` that cannot work, raised when its planner runs (the job is stored at
+    publish), or ``bulk_enqueue`` on a task that neither plans nor dispatches, raised at
+    once. An invalid ``fair_plan`` is also system check E015, so a worker refuses to start
+    with one."""
 
 
 class PublishFailedError(Exception):

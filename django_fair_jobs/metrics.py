@@ -129,8 +129,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("fair_jobs_queue_parked", Q, "Jobs parked in the queue's line."),
     _gauge("fair_jobs_queue_oldest_parked_seconds", Q, "Age of the oldest job parked in the "
            "queue's line, in seconds; absent when none is."),
-    _counter("fair_jobs_queue_deferrals_total", Q, "Jobs ever parked because the queue was "
-             "at a limit."),
+    _counter("fair_jobs_queue_deferrals_total", Q, "Jobs ever deferred (parked or postponed) "
+             "because the queue was at a limit."),
     _histogram("fair_jobs_wait_seconds", (*Q, "tenant_class"), "Seconds from enqueue (or "
                "ETA) to start of the queue's jobs, by tenant class "
                "(FAIR_JOBS_METRICS_TENANT_CLASS); flushed by each worker process once per "

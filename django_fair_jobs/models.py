@@ -60,14 +60,16 @@ class TenantQueueSlot(models.Model):
         null=True,
         blank=True,
         validators=[MinValueValidator(0)],
-        help_text="Override of the task's limit for this tenant. Empty: use the task's "
-        "fair_max_jobs or FAIR_JOBS_DEFAULT_MAX_JOBS. 0 pauses the tenant on this queue.",
+        help_text="Override of the task's limit for this tenant. Empty: the task's "
+        "fair_max_jobs (without one: FAIR_JOBS_DEFAULT_MAX_JOBS on tenant slots, no cap "
+        "under fair dispatch). 0 pauses the tenant on this queue.",
     )
     default_max_jobs = models.PositiveIntegerField(
         default=1,
         editable=False,
-        help_text="The limit the last acquiring task brought (its fair_max_jobs or the "
-        "default setting); used when max_jobs is empty.",
+        help_text="The limit the last acquiring job brought (a rerouting rule's max_jobs "
+        "for a job it rerouted, else its task's fair_max_jobs, else the default setting); "
+        "used when max_jobs is empty.",
     )
     current_jobs = models.PositiveIntegerField(default=0, editable=False)
     parked_jobs = models.PositiveIntegerField(
@@ -221,7 +223,9 @@ class QueueLimit(models.Model):
         "release sees a concurrent park under the row lock).",
     )
     deferred_total = models.PositiveBigIntegerField(
-        default=0, editable=False, help_text="Jobs ever parked because the queue was at a limit."
+        default=0,
+        editable=False,
+        help_text="Jobs ever deferred (parked or postponed) because the queue was at a limit.",
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     updated_at = models.DateTimeField(db_default=Now(), editable=False)
@@ -464,7 +468,9 @@ class LimitChange(models.Model):
 
     at = models.DateTimeField(db_default=Now())
     user = models.CharField(max_length=150, blank=True, help_text="Empty: not a person.")
-    source = models.CharField(max_length=32, help_text="admin, command or python.")
+    source = models.CharField(
+        max_length=32, help_text="admin, command, python or maintenance (a boost that ended)."
+    )
     tenant = models.CharField(
         max_length=TENANT_MAX_LENGTH, blank=True, help_text="Empty: a queue's limit."
     )

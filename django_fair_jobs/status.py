@@ -541,7 +541,7 @@ def _planner_lines(planners: list[dict[str, Any]]) -> list[str]:
         )
         for t in plan["tenants"]:
             oldest = t["oldest_pending_seconds"]
-            wait = "" if oldest is None else f", oldest waiting {oldest:g} s"
+            wait = "" if oldest is None else f", oldest pending {oldest:g} s"
             paused = " PAUSED" if t["paused"] else ""
             failed = f", {t['failed']} failed (see the admin)" if t.get("failed") else ""
             lines.append(f"    {t['tenant']}{paused}: {t['pending']} pending{wait}{failed}")

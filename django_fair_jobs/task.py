@@ -269,7 +269,9 @@ class FairTask(DjangoTask):  # type: ignore[type-arg]
         if dispatching and decisions.enforcing() and not self.app.conf.task_always_eager:
             if "task_id" in options:
                 raise dispatch.DispatchError(
-                    f"{self.name}: bulk_enqueue gives each job a task id of its own."
+                    f"{self.name}: bulk_enqueue gives each job a task id of its own; remove "
+                    "task_id= from its options (apply_async(task_id=...) publishes a job "
+                    "with an id you choose)."
                 )
             held = [self._fair_dispatch_item(tuple(a), dict(k), options) for a, k in items]
             return publishing.hold_many_for_dispatch(self, held)

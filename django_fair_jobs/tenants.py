@@ -57,7 +57,7 @@ def normalize_tenant(value: Any) -> str | None:
     if len(text) > TENANT_MAX_LENGTH:
         raise TenantError(
             f"Tenant value is {len(text)} characters long; the limit is {TENANT_MAX_LENGTH}. "
-            "Return a shorter identifier (an id or a hash) from fair_tenant()."
+            "Use a shorter identifier (an id or a hash) as the tenant."
         )
     if "\x00" in text:
         raise TenantError(

@@ -164,7 +164,10 @@ def bulk_enqueue(
 
     options = dict(options)
     if options.get("task_id") is not None:
-        raise PlanError(f"{task.name}: bulk_enqueue gives each job a task id of its own.")
+        raise PlanError(
+            f"{task.name}: bulk_enqueue gives each job a task id of its own; remove task_id= "
+            "from its options (apply_async(task_id=...) publishes a job with an id you choose)."
+        )
     explicit = options.pop("fair_tenant", None)
     rows = []
     for a, k in items:

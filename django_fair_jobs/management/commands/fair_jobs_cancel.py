@@ -24,7 +24,13 @@ class Command(BaseCommand):
         parser.add_argument("tenant", metavar="TENANT")
         parser.add_argument("--queue", metavar="QUEUE", help="Only this queue's jobs.")
         parser.add_argument("--task", metavar="NAME", help="Only this task's jobs.")
-        parser.add_argument("--batch", metavar="N", default=str(backlog.BATCH))
+        parser.add_argument(
+            "--batch",
+            metavar="N",
+            default=str(backlog.BATCH),
+            help="At most N jobs per place (line, parked, planned) and queue in each "
+            f"transaction (default {backlog.BATCH}).",
+        )
         parser.add_argument("--reason", default="", help="Kept in the history.")
         parser.add_argument("--dry-run", action="store_true", help="Count, change nothing.")
 

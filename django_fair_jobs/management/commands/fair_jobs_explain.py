@@ -12,12 +12,15 @@ class Command(BaseCommand):
     """Print :func:`django_fair_jobs.explain` for one or more task ids."""
 
     help = (
-        "Say where each TASK_ID is and why: running (node, since when, slots held), "
+        "Say where each TASK_ID is and why: under fair dispatch scheduled, waiting in its "
+        "tenant's line (the jobs ahead of it, its cap, the queue's room), dispatched, "
+        "running or failed; running (node, since when, slots held), "
         "reserved or woken (on its way through the broker), parked (behind which tenant "
         "slot or queue limit, held by which jobs, its place in line), pending, promoted "
         "or failed by the planner (place, weight, last run, backpressure; the publish "
         "error of a failed one), rerouted (which rule, the "
-        "count), shadow-mode decisions, or unknown."
+        "count), shadow-mode decisions; finished (the result backend's end state), queued "
+        "(found in a Redis broker), or unknown."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:

@@ -16,7 +16,8 @@ class Command(BaseCommand):
 
     help = (
         "Check that the database answers, that every django-fair-jobs migration is "
-        "applied, that the FAIR_JOBS_* settings pass their system checks, and that worker "
+        "applied, that the FAIR_JOBS_* settings and the fair tasks' fair_* options pass "
+        "their system checks, and that worker "
         "nodes beat (with --require-workers: at least one live node). Prints one line per "
         "check and exits non-zero if any fails: usable as a container health check."
     )

@@ -50,16 +50,35 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("queue", nargs="?", metavar="QUEUE")
-        parser.add_argument("--per-worker", dest="per_worker", metavar="N", type=str)
+        parser.add_argument(
+            "--per-worker",
+            dest="per_worker",
+            metavar="N",
+            type=str,
+            help="Jobs of QUEUE at once on each worker node (0 pauses).",
+        )
         parser.add_argument("--clear", action="store_true", help="No limit on QUEUE.")
         parser.add_argument(
             "--reset", action="store_true", help="Stored limits back to the settings."
         )
         parser.add_argument("--tenant", metavar="TENANT", help="Change this tenant's limit.")
-        parser.add_argument("--max-jobs", dest="max_jobs", metavar="N|default")
+        parser.add_argument(
+            "--max-jobs",
+            dest="max_jobs",
+            metavar="N|default",
+            help="Jobs of QUEUE at once across the cluster (0 pauses); with --tenant, that "
+            "tenant's limit on QUEUE (default: its task's own).",
+        )
         parser.add_argument("--boost", metavar="N", help="Temporary limit of --tenant.")
-        parser.add_argument("--for", dest="boost_for", metavar="SECONDS", type=float)
-        parser.add_argument("--until", dest="boost_until", metavar="ISO-TIME")
+        parser.add_argument(
+            "--for", dest="boost_for", metavar="SECONDS", type=float, help="How long --boost lasts."
+        )
+        parser.add_argument(
+            "--until",
+            dest="boost_until",
+            metavar="ISO-TIME",
+            help="When --boost ends, with its time zone (e.g. 2026-11-22T18:00+00:00).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         from django_fair_jobs import queue_limits

@@ -16,12 +16,19 @@ class Command(BaseCommand):
         "lock. Workers run planners on their own; this is for operators and tests. "
         "--requeue-promoted SECONDS first puts the jobs promoted more than SECONDS ago "
         "and not started back in line (after a celery purge: 0), so that the run "
-        "publishes them again instead of waiting for maintenance to presume them lost."
+        "publishes them again instead of waiting for a planner run to presume them lost "
+        "(at least an hour after their promotion)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("task", nargs="?", metavar="TASK")
-        parser.add_argument("--requeue-promoted", metavar="SECONDS", dest="requeue")
+        parser.add_argument(
+            "--requeue-promoted",
+            metavar="SECONDS",
+            dest="requeue",
+            help="First put the jobs promoted more than SECONDS ago and not started back in "
+            "line (0 after a celery purge).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         from django_fair_jobs.planner import planned_tasks, run

@@ -13,8 +13,11 @@ class Command(BaseCommand):
     fairness index and the totals (see :func:`django_fair_jobs.status.snapshot`)."""
 
     help = (
-        "Show per tenant: slots (running / limit, boosts), jobs parked and pending, the "
-        "oldest wait and reroutes in the last hour; per limited queue: its limits (0: "
+        "Show per tenant: per queue its jobs running against the cap in force (boosts), "
+        "jobs waiting in fair dispatch's lines, parked and pending, the oldest wait and "
+        "reroutes in the last hour; per fair dispatch queue: its capacity and slack, jobs "
+        "in flight, room, jobs waiting and scheduled, tenants blocked, jobs failed; per "
+        "limited queue: its limits (0: "
         "paused), jobs running in all and per worker node, parked; per planned task: its "
         "last run and each tenant's backlog; worker nodes and their last heartbeat; Jain's "
         "fairness index of the small tenants' waits; totals. Ages use the database clock."
