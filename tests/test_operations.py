@@ -738,7 +738,10 @@ def test_limit_command__options_that_do_not_apply_to_a_tenant__refused(args: lis
         (["q", "--tenant", "acme", "--boost", "x", "--for", "5"], "whole number from 0"),
         (["q", "--tenant", "acme", "--boost", "3", "--for", "-5"], "must end in the future"),
         (["q", "--tenant", "acme", "--boost", "3", "--until", "soon"], "ISO time"),
-        (["q", "--tenant", "acme", "--boost", "3", "--until", "2099-01-01T00:00"], "aware"),
+        (
+            ["q", "--tenant", "acme", "--boost", "3", "--until", "2099-01-01T00:00"],
+            "with its time zone",
+        ),
         (["q", "--tenant", "acme", "--boost", "3", "--max-jobs", "2"], "cannot be combined"),
         (["--tenant", "acme", "--max-jobs", "2"], "Name the QUEUE"),
         (["q", "--boost", "2", "--for", "5"], "needs --tenant"),

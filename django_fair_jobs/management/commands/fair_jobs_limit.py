@@ -185,12 +185,17 @@ def _boost_end(options: dict[str, Any]) -> datetime:
     if not options["boost_until"]:
         raise CommandError("--boost needs --for SECONDS or --until ISO-TIME.")
     try:
-        return datetime.fromisoformat(options["boost_until"])
+        until = datetime.fromisoformat(options["boost_until"])
     except ValueError:
+        until = None
+    if until is None or until.tzinfo is None:
+        # A time without its zone is refused rather than read in one the operator did not
+        # mean: the boost would end hours early or late.
         raise CommandError(
-            f"--until wants an ISO time like 2026-11-22T18:00+00:00; got "
-            f"{options['boost_until']!r}."
-        ) from None
+            f"--until wants an ISO time with its time zone, like 2026-11-22T18:00+00:00; "
+            f"got {options['boost_until']!r}."
+        )
+    return until
 
 
 def _show(limit: int | None) -> str:
