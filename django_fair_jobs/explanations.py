@@ -264,8 +264,8 @@ def _planned(planned: Any, now: datetime) -> Explanation:
             f"The planner failed to publish it {planned.attempts} times and will not try "
             f"again: {planned.last_error}. Remove the cause, then put it back in line in the "
             "admin (planned jobs, failed), or cancel it with its tenant's waiting jobs of "
-            f"that task (manage.py fair_jobs_cancel {shlex.quote(planned.tenant)} --task "
-            f"{planned.task_name}).",
+            f"that task (manage.py fair_jobs_cancel --task {shlex.quote(planned.task_name)} -- "
+            f"{shlex.quote(planned.tenant)}).",
             details,
         )  # fmt: skip
     if planned.promoted_at is not None:

@@ -255,3 +255,22 @@ def test_stale_promoted_row_of_another_task__ignored_in_the_latency__left_to_its
     assert not report.skipped_for_backpressure and report.counts == {"acme": 1}
     assert report.depth == 0  # measured before this run's promotion, without the stale row
     assert PlannedJob.objects.get(task_id="gone-1").promoted_at is not None  # not ours
+
+
+def test_a_failed_planned_job__the_command_explain_gives__cancels_it() -> None:
+    # Explain's advice for a failed planned job is a command: copied as it is, it must
+    # work, here for a tenant that an unquoted command line would read as an option.
+    import io
+    import re
+    import shlex
+
+    bad = tasks.planned.apply_async(("-bad",), serializer="no-such-serializer")
+    for _ in range(planner.PUBLISH_ATTEMPTS):
+        run_planner()
+    found = explain(bad.id)
+    assert found.state == "failed"
+    command = re.search(r"manage\.py (fair_jobs_cancel [^)]*)\)", found.summary)
+    assert command is not None, found.summary
+    name, *args = shlex.split(command.group(1))
+    call_command(name, *args, stdout=io.StringIO())
+    assert not PlannedJob.objects.filter(task_id=bad.id).exists()
