@@ -32,6 +32,7 @@ from django_fair_jobs.conf import (
     PREFIX,
     SETTING_NAMES,
     fair_settings,
+    is_limit,
 )
 from django_fair_jobs.dispatch import option_errors as dispatch_option_errors
 from django_fair_jobs.errors import TenantError
@@ -63,12 +64,7 @@ def _tenant(value: Any) -> bool:
 
 def _queue_limits(value: Any) -> bool:
     return isinstance(value, dict) and all(
-        isinstance(queue, str)
-        and queue
-        and isinstance(limit, int)
-        and not isinstance(limit, bool)
-        and 0 <= limit <= MAX_LIMIT
-        for queue, limit in value.items()
+        isinstance(queue, str) and queue and is_limit(limit) for queue, limit in value.items()
     )
 
 
@@ -163,7 +159,7 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     (
         "METRICS_TENANTS",
         "fair_jobs.E017",
-        lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_LIMIT,
+        lambda v: is_limit(v),
         "a whole number of tenants >= 0 (default 1000; 0: no per-tenant gauges)",
     ),
     (

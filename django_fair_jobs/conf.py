@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar
 
 import environ
 from django.conf import settings as django_settings
@@ -31,6 +31,13 @@ MAX_LIMIT = 2_147_483_647
 """The largest limit, threshold or window (seconds) an option or setting may hold: the
 largest value of the integer columns the limits are stored in, so that no value that
 passes validation can fail in the database later, in a worker."""
+
+
+def is_limit(value: Any) -> TypeGuard[int]:
+    """True if ``value`` can be stored as a limit: a whole number (not a bool) from 0 to
+    :data:`MAX_LIMIT`. The one check of tenant limits, queue limits and their settings."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LIMIT
+
 
 MAX_SLOT_HANDOFF = 5.0
 """The most seconds ``FAIR_JOBS_SLOT_HANDOFF`` may keep a finished job's slot: past that, a

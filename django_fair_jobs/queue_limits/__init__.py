@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from django_fair_jobs import db, events, identity, messages
-from django_fair_jobs.conf import MAX_LIMIT, fair_settings
+from django_fair_jobs.conf import MAX_LIMIT, fair_settings, is_limit
 from django_fair_jobs.errors import (
     LimitError as LimitError,
 )
@@ -92,7 +92,7 @@ def validate(value: Any, what: str) -> int | None:
     """Return ``value`` as a limit (None: no limit), or raise :class:`LimitError`."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LIMIT:
+    if not is_limit(value):
         raise LimitError(
             f"{what} must be a whole number from 0 (0 pauses the queue) to {MAX_LIMIT}, or "
             f"None for no limit; got {value!r}."

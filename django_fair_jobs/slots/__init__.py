@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from django_fair_jobs import db, events, messages
 from django_fair_jobs import headers as fair_headers
-from django_fair_jobs.conf import MAX_LIMIT
+from django_fair_jobs.conf import MAX_LIMIT, is_limit
 from django_fair_jobs.db import after_commit
 from django_fair_jobs.errors import (
     TenantLimitError as TenantLimitError,
@@ -70,9 +70,7 @@ def wake(slot_id: int, limit: int | None = 1, app: Celery | None = None) -> int:
 
 
 def _check_limit(value: Any, what: str) -> None:
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LIMIT
-    ):
+    if value is not None and not is_limit(value):
         raise TenantLimitError(
             f"{what} must be a whole number from 0 (0 pauses the tenant) to {MAX_LIMIT},"
             f" or None; got {value!r}."

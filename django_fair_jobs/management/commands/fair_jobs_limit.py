@@ -9,7 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_fair_jobs import db
-from django_fair_jobs.conf import MAX_LIMIT
+from django_fair_jobs.conf import MAX_LIMIT, is_limit
 from django_fair_jobs.management import command_user
 from django_fair_jobs.queue_limits import LimitError
 
@@ -19,7 +19,7 @@ def _limit(text: str, of: str = "queue") -> int:
         value = int(text)
     except ValueError:
         value = -1
-    if not 0 <= value <= MAX_LIMIT:
+    if not is_limit(value):
         remove = (
             "Use --clear to remove a queue's limits."
             if of == "queue"
