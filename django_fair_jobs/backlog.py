@@ -1,9 +1,11 @@
 """Cancel a tenant's backlog: every job of a tenant that waits for its turn, on one queue or
-all, of one task or all, in bounded batches.
+all, of one task or all, in bounded batches; and failed jobs picked one by one.
 
 A waiting job is one the library holds and has not handed to the broker yet: in fair
-dispatch's line (scheduled or waiting), parked behind a tenant slot or a queue limit (not
-woken), or in a planner's virtual queue (pending or failed). Each batch deletes at most
+dispatch (scheduled, waiting in its line, or failed), parked behind a tenant slot or a
+queue limit (not woken), or in a planner's virtual queue (pending or failed). A failed job
+is one that will not run unless an operator puts it back; cancelling it discards it. Each
+batch deletes at most
 ``batch`` rows per place and queue, each in its own short transaction that keeps the
 counters true, so a flood of 300,000 jobs is cancelled without one long lock. Each
 cancelled job's result is marked ``REVOKED`` in the result backend, so ``AsyncResult``
@@ -38,6 +40,8 @@ class Cancelled:
     queue: str | None
     task: str | None
     dispatch: int = 0
+    failed: int = 0
+    """Of :attr:`dispatch`, the jobs that had failed (see the admin's failed jobs)."""
     parked: int = 0
     planned: int = 0
     batches: int = 0
@@ -53,9 +57,10 @@ class Cancelled:
     def __str__(self) -> str:
         where = f"on {self.queue}" if self.queue else "on every queue"
         what = f"of {self.task}" if self.task else "of every task"
+        failed = f" ({self.failed} of them failed)" if self.failed else ""
         return (
             f"{self.total} waiting job(s) of {self.tenant} {where} {what}: {self.dispatch} "
-            f"in fair dispatch's line, {self.parked} parked, {self.planned} planned"
+            f"in fair dispatch{failed}, {self.parked} parked, {self.planned} planned"
         )
 
 
@@ -63,9 +68,10 @@ def _batch_of(cancelled: Cancelled, tenant: str, queue: str | None, task: str | 
               batch: int) -> list[str]:  # fmt: skip
     ids: list[str] = []
     for line in [queue] if queue is not None else dispatch.lines_of(tenant):
-        found = dispatch.cancel(line, tenant, task, batch)
-        cancelled.dispatch += len(found)
-        ids += found
+        gone = dispatch.cancel(line, tenant, task, batch)
+        cancelled.dispatch += len(gone)
+        cancelled.failed += sum(1 for _, failed in gone if failed)
+        ids += [task_id for task_id, _ in gone]
     found = lease_store.drop_parked_of(tenant, queue, task, batch)
     cancelled.parked += len(found)
     ids += found
@@ -121,7 +127,8 @@ def cancel(
         LimitChange.record(
             queue=queue or ALL_QUEUES, field="cancelled", old=None, new=cancelled.total,
             tenant=tenant, user=user, source=source,
-            note=(f"{cancelled.dispatch} in line, {cancelled.parked} parked, "
+            note=(f"{cancelled.dispatch} in fair dispatch ({cancelled.failed} failed), "
+                  f"{cancelled.parked} parked, "
                   f"{cancelled.planned} planned" + (f" of {task}" if task else "")
                   + (f": {reason}" if reason else "")),
         )  # fmt: skip
@@ -138,10 +145,10 @@ def cancel(
 
 def count(tenant: str, *, queue: str | None = None, task: str | None = None) -> Cancelled:
     """What :func:`cancel` would cancel now, without changing anything."""
-    from django_fair_jobs.dispatch.models import SCHEDULED, WAITING, DispatchJob
+    from django_fair_jobs.dispatch.models import FAILED, SCHEDULED, WAITING, DispatchJob
     from django_fair_jobs.models import ParkedJob, PlannedJob
 
-    lines = DispatchJob.objects.filter(tenant=tenant, state__in=[SCHEDULED, WAITING])
+    lines = DispatchJob.objects.filter(tenant=tenant, state__in=[SCHEDULED, WAITING, FAILED])
     parked = ParkedJob.objects.filter(slot__tenant=tenant, woken_at__isnull=True)
     planned = PlannedJob.objects.filter(tenant=tenant, promoted_at__isnull=True)
     if queue is not None:
@@ -150,4 +157,32 @@ def count(tenant: str, *, queue: str | None = None, task: str | None = None) -> 
     if task is not None:
         lines, parked = lines.filter(task_name=task), parked.filter(task_name=task)
         planned = planned.filter(task_name=task)
-    return Cancelled(tenant, queue, task, lines.count(), parked.count(), planned.count())
+    failed = lines.filter(state=FAILED).count()
+    return Cancelled(tenant, queue, task, lines.count(), failed, parked.count(), planned.count())
+
+
+def cancel_failed(job_ids: list[int], *, user: str = "", source: str = "python") -> int:
+    """Cancel the failed jobs of fair dispatch among the rows ``job_ids`` (the rest are
+    left alone): each is discarded, its result marked ``REVOKED``, and one line of the
+    history written per tenant and queue. A failed job is in no line and holds no room, so
+    no count changes. Returns how many were cancelled."""
+    from django.db import transaction
+
+    from django_fair_jobs.dispatch.models import FAILED, DispatchJob
+    from django_fair_jobs.models import LimitChange
+
+    jobs = DispatchJob.objects.using(dispatch.alias())
+    with transaction.atomic(using=dispatch.alias()):
+        rows = jobs.select_for_update().filter(pk__in=job_ids, state=FAILED)
+        found = list(rows.values_list("pk", "task_id", "tenant", "queue"))
+        jobs.filter(pk__in=[pk for pk, _, _, _ in found]).delete()
+    _mark_revoked([task_id for _, task_id, _, _ in found], "cancelled after it failed")
+    per_line: dict[tuple[str, str], int] = {}
+    for _, _, tenant, queue in found:
+        per_line[tenant, queue] = per_line.get((tenant, queue), 0) + 1
+    for (tenant, queue), n in sorted(per_line.items()):
+        LimitChange.record(
+            queue=queue, field="cancelled", old=None, new=n, tenant=tenant, user=user,
+            source=source, note=f"{n} failed in fair dispatch",
+        )  # fmt: skip
+    return len(found)

@@ -395,7 +395,8 @@ def _failed(job: Any) -> str:
         )
     return (
         f"{cause}: it will not run. Fix the cause, then put it back in its line (the "
-        "admin's action 'Put the selected failed jobs back in line' on fair dispatch's jobs)."
+        "admin's action 'Put the selected failed jobs back in line' on fair dispatch's jobs), "
+        "or cancel it (the admin's action 'Cancel the selected failed jobs' there)."
     )
 
 

@@ -16,10 +16,11 @@ from django.db import connection, transaction
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from django_fair_jobs import backlog
+from django_fair_jobs import backlog, dispatch, explanations
 from django_fair_jobs.db import database_now
 from django_fair_jobs.dispatch.models import (
     DISPATCHED,
+    FAILED,
     SCHEDULED,
     WAITING,
     DispatchJob,
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("
 
 LINES = "/admin/fair_jobs/dispatchtenant/"
 SLOTS = "/admin/fair_jobs/tenantqueueslot/"
+JOBS = "/admin/fair_jobs/dispatchjob/"
 
 
 def line(tenant: str) -> DispatchTenant:
@@ -246,3 +248,85 @@ def test_admin__slot_rows_action__cancels_that_queue_only(
 def test_unknown_ids_are_not_touched() -> None:
     assert backlog.cancel(str(uuid.uuid4())).total == 0
     assert PROCESS is not None
+
+
+def failed(tenant: str) -> DispatchJob:
+    """One of ``tenant``'s jobs dispatched, then rejected by a worker that has no such task:
+    it ends failed, in no line and holding no room."""
+    from celery import current_app
+
+    set_capacity(1)
+    job = DispatchJob.objects.get(task_id=tasks.dispatched.delay(tenant).id)
+    dispatch.unregistered(current_app, job.pk, tasks.dispatched.name)
+    job.refresh_from_db()
+    assert job.state == FAILED
+    return job
+
+
+def test_failed_dispatched_job__cancelled_with_the_backlog__revoked(
+    published: list[int],  # noqa: F811
+) -> None:
+    # A failed job could be put back in line and nothing else: a cancel of the tenant's
+    # backlog left it (as it cancels the planner's failed jobs), and no command or action
+    # removed it.
+    job = failed("acme")
+    tasks.dispatched.delay("acme")  # dispatched into the room the failed job gave back
+    tasks.dispatched.delay("acme")  # waiting in line
+    assert backlog.count("acme").dispatch == 2
+    done = backlog.cancel("acme", reason="bad payload")
+    assert (done.dispatch, done.failed) == (2, 1)
+    assert "1 of them failed" in str(done)
+    assert not DispatchJob.objects.filter(tenant="acme").exclude(state=DISPATCHED).exists()
+    assert str(AsyncResult(job.task_id).state) == "REVOKED"
+    assert "1 failed" in LimitChange.objects.get(field="cancelled").note
+
+
+def test_failed_job_on_a_queue_without_its_line__found_by_a_cancel_of_every_queue(
+    published: list[int],  # noqa: F811
+) -> None:
+    job = failed("gone")
+    DispatchTenant.objects.filter(tenant="gone").delete()  # an empty line is dropped
+    out = StringIO()
+    call_command("fair_jobs_cancel", "gone", stdout=out)
+    assert "1 of them failed" in out.getvalue()
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()
+
+
+def test_admin__failed_jobs_cancelled_by_selection__others_left(
+    client: Client,
+    published: list[int],  # noqa: F811
+) -> None:
+    job = failed("acme")
+    other = DispatchJob.objects.get(task_id=tasks.dispatched.delay("acme").id)
+    chosen = {"action": "cancel_failed", "_selected_action": [str(job.pk), str(other.pk)]}
+    login(client, "viewer", perms=("view_dispatchjob",))
+    assert "cancel_failed" not in client.get(JOBS).content.decode()
+    client.post(JOBS, chosen)
+    assert DispatchJob.objects.filter(pk=job.pk).exists()  # not offered, not done
+
+    client.logout()
+    login(client, "lead", perms=("view_dispatchjob", "cancel_backlog"))
+    # First a page that lists what would go (the failed job only); nothing goes yet.
+    html = client.post(JOBS, chosen).content.decode()
+    assert 'id="fair-cancel-failed"' in html and job.task_id in html
+    assert other.task_id not in html
+    assert 'id="fair-cancel-total">1 failed job(s)' in html
+    assert DispatchJob.objects.filter(pk=job.pk).exists()
+    answer = client.post(JOBS, {**chosen, "post": "yes"}, follow=True)
+    assert "Cancelled 1 failed job(s)" in answer.content.decode()
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()
+    assert DispatchJob.objects.filter(pk=other.pk).exists()  # not failed: left
+    assert str(AsyncResult(job.task_id).state) == "REVOKED"
+    change = LimitChange.objects.get(field="cancelled")
+    assert (change.tenant, change.queue, change.user, change.source) == (
+        "acme", "fair", "lead", "admin",
+    )  # fmt: skip
+
+
+def test_explain__a_failed_job__says_how_to_cancel_it(
+    published: list[int],  # noqa: F811
+) -> None:
+    job = failed("acme")
+    summary = explanations.explain(job.task_id).summary
+    assert "put it back in its line" in summary
+    assert "or cancel it (the admin's action 'Cancel the selected failed jobs'" in summary

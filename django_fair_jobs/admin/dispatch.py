@@ -8,15 +8,17 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
-from django_fair_jobs import caps, dispatch
+from django_fair_jobs import backlog, caps, dispatch
 from django_fair_jobs.admin.base import (
+    CANCEL_COUNTED,
     EstimatedCountPaginator,
     RecentValuesFilter,
     _CancelsBacklog,
     _cap_text,
     _ReadOnly,
+    _user,
 )
-from django_fair_jobs.dispatch.models import DispatchJob, DispatchTenant
+from django_fair_jobs.dispatch.models import FAILED, DispatchJob, DispatchTenant
 from django_fair_jobs.models import QueueLimit, TenantQueueSlot
 
 
@@ -84,7 +86,7 @@ class DispatchJobAdmin(_ReadOnly, admin.ModelAdmin):  # type: ignore[type-arg]
     """Fair dispatch's jobs, from ``delay()`` to their end: scheduled, waiting, dispatched,
     running, and failed (their publish failed too often, or the worker that received them
     had no such task: ``failure``; read-only, and a failed job can be put back in line once
-    its cause is removed)."""
+    its cause is removed, or cancelled)."""
 
     list_display = ("task_id", "task_name", "tenant", "queue", "state", "enqueued_at",
                     "publish_failures", "failure")  # fmt: skip
@@ -94,7 +96,7 @@ class DispatchJobAdmin(_ReadOnly, admin.ModelAdmin):  # type: ignore[type-arg]
     list_per_page = 100
     paginator = EstimatedCountPaginator
     show_full_result_count = False
-    actions = ("put_back_failed",)
+    actions = ("put_back_failed", "cancel_failed")
 
     def has_retry_permission(self, request: HttpRequest) -> bool:
         """Putting a failed job back in line needs the change permission on its rows."""
@@ -106,3 +108,32 @@ class DispatchJobAdmin(_ReadOnly, admin.ModelAdmin):  # type: ignore[type-arg]
 
         count = dispatch.put_back_failed(current_app, list(queryset.values_list("pk", flat=True)))
         self.message_user(request, f"Put {count} failed job(s) back in line.")
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        """Cancelling failed jobs needs the permission that cancels a tenant's backlog."""
+        return bool(request.user.has_perm("fair_jobs.cancel_backlog"))
+
+    @admin.action(description="Cancel the selected failed jobs", permissions=["cancel"])
+    def cancel_failed(
+        self, request: HttpRequest, queryset: QuerySet[DispatchJob]
+    ) -> TemplateResponse | None:
+        from django.contrib.admin import helpers
+
+        failed = queryset.filter(state=FAILED).order_by("id")
+        if request.POST.get("post") != "yes":  # first a page that says what would go
+            context = {
+                **self.admin_site.each_context(request),
+                "title": "Cancel failed jobs?",
+                "opts": self.model._meta,
+                "failed": list(failed[:CANCEL_COUNTED]),
+                "total": failed.count(),
+                "action": request.POST.get("action", ""),
+                "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+                "select_across": request.POST.get("select_across") == "1",
+                "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            }
+            return TemplateResponse(request, "admin/fair_jobs/cancel_failed.html", context)
+        ids = list(failed.values_list("pk", flat=True))
+        count = backlog.cancel_failed(ids, user=_user(request), source="admin")
+        self.message_user(request, f"Cancelled {count} failed job(s); their results are REVOKED.")
+        return None

@@ -536,24 +536,23 @@ def room() -> dict[str, int]:
     return _store().room()  # type: ignore[no-any-return]
 
 
-def cancel(queue: str, tenant: str, task_name: str | None = None, limit: int = BATCH) -> list[str]:
+def cancel(queue: str, tenant: str, task: str | None = None, limit: int = BATCH) -> list[Any]:
     """Delete up to ``limit`` of ``tenant``'s jobs not yet dispatched (scheduled or waiting
-    in its line) on ``queue``, of the task ``task_name`` or of every task, oldest first;
-    the line's counts stay true. Returns their task ids. Jobs already dispatched or
-    running are left alone (revoke those). A line blocked at its old head's cap whose new
-    head may run stays blocked until :func:`unblock` (``backlog.cancel`` asks for it)."""
-    found: list[str] = _store().cancel(queue, tenant, task_name, limit)
-    return found
+    in its line) or failed on ``queue``, of the task named ``task`` or of every task, oldest
+    first; the line's counts stay true. Returns ``(task id, had it failed)`` of each. Jobs
+    dispatched or running are left alone (revoke those). A line blocked at its old head's
+    cap whose new head may run stays blocked until :func:`unblock` (``backlog.cancel`` asks
+    for it)."""
+    return _store().cancel(queue, tenant, task, limit)  # type: ignore[no-any-return]
 
 
 def lines_of(tenant: str) -> list[str]:
-    """The queues on which ``tenant`` has a line, or jobs not yet dispatched: a countdown
-    stored inside its caller's transaction has no line until it comes due."""
-    from django_fair_jobs.dispatch.models import SCHEDULED, DispatchJob, DispatchTenant
+    """The queues on which ``tenant`` has a line, or jobs scheduled or failed (a countdown
+    stored in its caller's transaction, or a failed job, may have none)."""
+    from django_fair_jobs.dispatch.models import FAILED, SCHEDULED, DispatchJob, DispatchTenant
 
     lines = DispatchTenant.objects.using(alias()).filter(tenant=tenant)
-    # A waiting job is in its line: only scheduled ones may have none.
-    staged = DispatchJob.objects.using(alias()).filter(tenant=tenant, state=SCHEDULED)
+    staged = DispatchJob.objects.using(alias()).filter(tenant=tenant, state__in=(SCHEDULED, FAILED))
     queues = set(lines.values_list("queue", flat=True))
     return sorted(queues | set(staged.values_list("queue", flat=True).distinct()))
 

@@ -184,12 +184,15 @@ class Store:
         rows = self._rows("dispatch_task_rows", {"task_id": task_id, "states": states})
         return [(int(job_id), process_id) for job_id, process_id in rows]
 
-    def cancel(self, queue: str, tenant: str, task_name: str | None, limit: int) -> list[str]:
+    def cancel(
+        self, queue: str, tenant: str, task_name: str | None, limit: int
+    ) -> list[tuple[str, bool]]:
         """See :func:`django_fair_jobs.dispatch.cancel`."""
         params = {"queue": queue, "tenant": tenant, "task_name": task_name, "max": limit}
         with transaction.atomic(using=self.alias):
             self._rows("dispatch_lock_line", params)
-            return [str(task_id) for (task_id,) in self._rows("dispatch_cancel", params)]
+            rows = self._rows("dispatch_cancel", params)
+            return [(str(task_id), bool(failed)) for task_id, failed in rows]
 
     def refresh_capacity(self, slack_per_node: int, timeout: float) -> dict[str, int]:
         """See :func:`django_fair_jobs.dispatch.refresh_capacity`: each queue's row in a

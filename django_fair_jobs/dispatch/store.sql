@@ -259,17 +259,19 @@ RETURNING t.id;
 
 -- name: dispatch_cancel
 -- Cancel, second step: delete up to %(max)s of the tenant's jobs not yet dispatched
--- (scheduled or waiting) on the queue, of one task or of all (%(task_name)s NULL); the
+-- (scheduled or waiting) or failed on the queue, of one task or of all (%(task_name)s
+-- NULL); a failed job is in no line and holds no room. The
 -- line's waiting count lowers by the waiting rows deleted and its head moves to the
 -- oldest waiting row left (the subquery sees the rows as before the DELETE, so it leaves
--- out the deleted ones). Returns the cancelled task ids, oldest first.
+-- out the deleted ones). Returns the cancelled task ids and whether each had failed,
+-- oldest first.
 WITH gone AS (
     DELETE FROM fair_jobs_dispatchjob AS j
      WHERE j.id IN (SELECT c.id FROM fair_jobs_dispatchjob AS c
-                     WHERE c.queue = %(queue)s AND c.tenant = %(tenant)s AND c.state IN (0, 1)
+                     WHERE c.queue = %(queue)s AND c.tenant = %(tenant)s AND c.state IN (0, 1, 4)
                        AND (%(task_name)s::text IS NULL OR c.task_name = %(task_name)s)
                      ORDER BY c.id LIMIT %(max)s)
-       AND j.state IN (0, 1)
+       AND j.state IN (0, 1, 4)
     RETURNING j.id, j.task_id, j.state
 ), line AS (
     UPDATE fair_jobs_dispatchtenant AS t
@@ -281,4 +283,4 @@ WITH gone AS (
      WHERE t.queue = %(queue)s AND t.tenant = %(tenant)s
        AND EXISTS (SELECT 1 FROM gone)
 )
-SELECT task_id FROM gone ORDER BY id;
+SELECT task_id, state = 4 AS failed FROM gone ORDER BY id;

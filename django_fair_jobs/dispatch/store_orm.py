@@ -444,11 +444,14 @@ class Store(pg_store.Store):
         rows = self._jobs().filter(task_id=task_id, state__in=states)
         return [(int(job_id), process) for job_id, process in rows.values_list("id", "process_id")]
 
-    def cancel(self, queue: str, tenant: str, task_name: str | None, limit: int) -> list[str]:
+    def cancel(
+        self, queue: str, tenant: str, task_name: str | None, limit: int
+    ) -> list[tuple[str, bool]]:
         """See :func:`django_fair_jobs.dispatch.cancel`."""
         with transaction.atomic(using=self.alias):
             list(self._tenants().select_for_update().filter(queue=queue, tenant=tenant))
-            rows = self._jobs().filter(queue=queue, tenant=tenant, state__in=[SCHEDULED, WAITING])
+            states = [SCHEDULED, WAITING, FAILED]
+            rows = self._jobs().filter(queue=queue, tenant=tenant, state__in=states)
             if task_name is not None:
                 rows = rows.filter(task_name=task_name)
             picked = list(rows.order_by("id").values_list("id", "task_id", "state")[:limit])
@@ -460,7 +463,7 @@ class Store(pg_store.Store):
             self._tenants().filter(queue=queue, tenant=tenant).update(
                 waiting=F("waiting") - waiting, head_id=head, cap=cap
             )
-            return [str(task_id) for _, task_id, _ in picked]
+            return [(str(task_id), state == FAILED) for _, task_id, state in picked]
 
     def refresh_capacity(self, slack_per_node: int, timeout: float) -> dict[str, int]:
         """See :func:`django_fair_jobs.dispatch.refresh_capacity`."""

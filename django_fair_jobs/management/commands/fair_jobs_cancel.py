@@ -14,7 +14,8 @@ class Command(BaseCommand):
 
     help = (
         "Cancel every job of TENANT that waits for its turn (in fair dispatch's line, "
-        "parked, or in a planner's virtual queue), on --queue Q or every queue, of --task "
+        "parked, or in a planner's virtual queue) or failed (in fair dispatch or a "
+        "planner's virtual queue), on --queue Q or every queue, of --task "
         "NAME or every task, --batch N rows at a time. Their results become REVOKED and "
         "the cancel goes into the limit history. Jobs in the broker or running are left "
         "alone (revoke those). --dry-run prints what would be cancelled."
