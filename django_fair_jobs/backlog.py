@@ -1,11 +1,11 @@
 """Cancel a tenant's backlog: every job of a tenant that waits for its turn, on one queue or
 all, of one task or all, in bounded batches; and failed jobs picked one by one.
 
-A waiting job is one the library holds and has not handed to the broker yet: in fair
-dispatch (scheduled, waiting in its line, or failed), parked behind a tenant slot or a
-queue limit (not woken), or in a planner's virtual queue (pending or failed). A failed job
-is one that will not run unless an operator puts it back; cancelling it discards it. Each
-batch deletes at most
+A waiting job is one the library holds and no worker runs: in fair dispatch (scheduled,
+waiting in its line, or failed), parked behind a tenant slot or a queue limit (not woken),
+or in a planner's virtual queue (pending or failed). A failed job (its publish failed too
+often, or a worker rejected it as a task it does not know) runs only if an operator puts
+it back in line; cancelling it discards it. Each batch deletes at most
 ``batch`` rows per place and queue, each in its own short transaction that keeps the
 counters true, so a flood of 300,000 jobs is cancelled without one long lock. Each
 cancelled job's result is marked ``REVOKED`` in the result backend, so ``AsyncResult``
@@ -161,11 +161,21 @@ def count(tenant: str, *, queue: str | None = None, task: str | None = None) -> 
     return Cancelled(tenant, queue, task, lines.count(), failed, parked.count(), planned.count())
 
 
-def cancel_failed(job_ids: list[int], *, user: str = "", source: str = "python") -> int:
+def cancel_failed(
+    job_ids: list[int], *, user: str = "", source: str = "python", reason: str = ""
+) -> int:
     """Cancel the failed jobs of fair dispatch among the rows ``job_ids`` (the rest are
-    left alone): each is discarded, its result marked ``REVOKED``, and one line of the
-    history written per tenant and queue. A failed job is in no line and holds no room, so
-    no count changes. Returns how many were cancelled."""
+    left alone), :data:`BATCH` rows per transaction: each is discarded, one line of the
+    history is written per tenant and queue, then each result is marked ``REVOKED``. A
+    failed job is in no line and holds no room, so no count changes. Returns how many
+    were cancelled."""
+    cancelled = 0
+    for at in range(0, len(job_ids), BATCH):
+        cancelled += _cancel_failed_batch(job_ids[at : at + BATCH], user, source, reason)
+    return cancelled
+
+
+def _cancel_failed_batch(job_ids: list[int], user: str, source: str, reason: str) -> int:
     from django.db import transaction
 
     from django_fair_jobs.dispatch.models import FAILED, DispatchJob
@@ -176,13 +186,13 @@ def cancel_failed(job_ids: list[int], *, user: str = "", source: str = "python")
         rows = jobs.select_for_update().filter(pk__in=job_ids, state=FAILED)
         found = list(rows.values_list("pk", "task_id", "tenant", "queue"))
         jobs.filter(pk__in=[pk for pk, _, _, _ in found]).delete()
-    _mark_revoked([task_id for _, task_id, _, _ in found], "cancelled after it failed")
     per_line: dict[tuple[str, str], int] = {}
     for _, _, tenant, queue in found:
         per_line[tenant, queue] = per_line.get((tenant, queue), 0) + 1
     for (tenant, queue), n in sorted(per_line.items()):
         LimitChange.record(
             queue=queue, field="cancelled", old=None, new=n, tenant=tenant, user=user,
-            source=source, note=f"{n} failed in fair dispatch",
+            source=source, note=f"{n} failed in fair dispatch" + (f": {reason}" if reason else ""),
         )  # fmt: skip
+    _mark_revoked([task_id for _, task_id, _, _ in found], reason or "cancelled after it failed")
     return len(found)

@@ -132,6 +132,10 @@ def test_dashboard__tenants_queues_nodes_and_refresh(ops: Client, process: uuid.
     html = page.content.decode()
     assert '<meta http-equiv="refresh" content="10">' in html
     assert 'data-tenant="acme"' in html and "q: 1 / 2" in html
+    # Beside the tenant's name, links to its rows of both mechanisms: fair dispatch's
+    # lines (the default) and tenant slots; its name led to the tenant slots only.
+    assert 'href="/admin/fair_jobs/dispatchtenant/?q=acme">lines</a>' in html
+    assert 'href="/admin/fair_jobs/tenantqueueslot/?q=acme">tenant slots</a>' in html
     assert 'data-queue="hooks"' in html
     assert "n1@host" in html and "alive" in html
     assert 'id="fair-shadow"' not in html

@@ -3,9 +3,9 @@ slots (limits, boosts), queue limits, leases, parked jobs, workers, rerouting wi
 counts, the planner's virtual queues, the limit history and recorded decisions.
 
 Every page and action needs the app's model permissions: view to see a page, change to
-act (pause, resume, boost, reap, reset a window); cancelling a tenant's waiting jobs needs
-``fair_jobs.cancel_backlog``. Every limit change and cancel is recorded with the user who
-made it."""
+act (pause, resume, boost, reap, reset a window, put failed jobs back); cancelling a
+tenant's waiting jobs, or fair dispatch's failed jobs, needs ``fair_jobs.cancel_backlog``.
+Every limit change and cancel is recorded with the user who made it."""
 
 from __future__ import annotations
 

@@ -117,23 +117,33 @@ class DispatchJobAdmin(_ReadOnly, admin.ModelAdmin):  # type: ignore[type-arg]
     def cancel_failed(
         self, request: HttpRequest, queryset: QuerySet[DispatchJob]
     ) -> TemplateResponse | None:
-        from django.contrib.admin import helpers
-
-        failed = queryset.filter(state=FAILED).order_by("id")
-        if request.POST.get("post") != "yes":  # first a page that says what would go
-            context = {
-                **self.admin_site.each_context(request),
-                "title": "Cancel failed jobs?",
-                "opts": self.model._meta,
-                "failed": list(failed[:CANCEL_COUNTED]),
-                "total": failed.count(),
-                "action": request.POST.get("action", ""),
-                "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
-                "select_across": request.POST.get("select_across") == "1",
-                "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            }
-            return TemplateResponse(request, "admin/fair_jobs/cancel_failed.html", context)
-        ids = list(failed.values_list("pk", flat=True))
-        count = backlog.cancel_failed(ids, user=_user(request), source="admin")
+        failed = list(queryset.filter(state=FAILED).order_by("id").values_list("pk", flat=True))
+        if not failed:
+            self.message_user(request, "None of the selected jobs has failed: nothing cancelled.")
+            return None
+        if request.POST.get("post") != "yes":
+            return self._confirm_cancel_failed(request, failed)
+        count = backlog.cancel_failed(
+            failed, user=_user(request), source="admin",
+            reason=request.POST.get("reason", "").strip()[:200],
+        )  # fmt: skip
         self.message_user(request, f"Cancelled {count} failed job(s); their results are REVOKED.")
         return None
+
+    def _confirm_cancel_failed(self, request: HttpRequest, failed: list[int]) -> TemplateResponse:
+        """The page that lists the failed jobs the action would cancel and asks to go on;
+        it posts their ids back (not the selection: a filter may match more by then)."""
+        from django.contrib.admin import helpers
+
+        shown = DispatchJob.objects.using(dispatch.alias()).filter(pk__in=failed[:CANCEL_COUNTED])
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Cancel failed jobs?",
+            "opts": self.model._meta,
+            "failed": list(shown.order_by("id")),
+            "total": len(failed),
+            "ids": failed,
+            "action": request.POST.get("action", ""),
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/fair_jobs/cancel_failed.html", context)

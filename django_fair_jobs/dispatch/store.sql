@@ -244,8 +244,9 @@ SELECT q.queue FROM unnest(%(queues)s::text[]) AS q(queue)
 -- name: dispatch_lock_line
 -- Cancel, first step: lock the tenant's line row, in the lock order of every step that
 -- takes waiting jobs (the line, then its jobs). A tenant with jobs stored inside their
--- caller's transaction may have no line yet: it is made here, as dispatch_make_lines
--- would, so that no dispatch makes it and moves the jobs in while the cancel runs.
+-- caller's transaction may have no line yet, nor one with only failed jobs (a failed job
+-- put back meanwhile goes to its line): it is made here, as dispatch_make_lines would, so
+-- that no dispatch makes it and moves the jobs in while the cancel runs.
 INSERT INTO fair_jobs_dispatchtenant AS t
        (queue, tenant, weight, cap, waiting, in_flight, pass_value, served_pass, head_id,
         dispatched_total, blocked)
@@ -253,7 +254,7 @@ SELECT %(queue)s::text, %(tenant)s::text, 1.0, NULL, 0, 0,
        fair_jobs_dispatch_vt(%(queue)s::text), 0, NULL, 0, false
  WHERE EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
                 WHERE j.queue = %(queue)s::text AND j.tenant = %(tenant)s::text
-                  AND j.state IN (0, 1))
+                  AND j.state IN (0, 1, 4))
 ON CONFLICT (queue, tenant) DO UPDATE SET blocked = t.blocked
 RETURNING t.id;
 
