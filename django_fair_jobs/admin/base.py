@@ -135,7 +135,7 @@ class _CancelsBacklog:
             "total": sum(c.total for c in counted),
             "not_counted": max(len(rows) - CANCEL_COUNTED, 0),
             "action": request.POST.get("action", ""),
-            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+            "ids": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
             "select_across": request.POST.get("select_across") == "1",
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
         }
