@@ -536,14 +536,15 @@ def room() -> dict[str, int]:
     return _store().room()  # type: ignore[no-any-return]
 
 
-def cancel(queue: str, tenant: str, task: str | None = None, limit: int = BATCH) -> list[Any]:
-    """Delete up to ``limit`` of ``tenant``'s jobs not yet dispatched (scheduled or waiting
-    in its line) or failed on ``queue``, of the task named ``task`` or of every task, oldest
-    first; the line's counts stay true. Returns ``(task id, had it failed)`` of each. Jobs
-    dispatched or running are left alone (revoke those). A line blocked at its old head's
-    cap whose new head may run stays blocked until :func:`unblock` (``backlog.cancel`` asks
-    for it)."""
-    return _store().cancel(queue, tenant, task, limit)  # type: ignore[no-any-return]
+def cancel(
+    queue: str, tenant: str, task: str | None = None, limit: int = BATCH
+) -> list[tuple[str, bool]]:
+    """Delete up to ``limit`` of ``tenant``'s jobs scheduled, waiting in its line or failed
+    on ``queue``, of the task named ``task`` or of every task, oldest first; the line's
+    counts stay true. Returns ``(task id, had it failed)`` of each. Jobs dispatched or
+    running are left alone (revoke those). A line blocked at its old head's cap whose new
+    head may run stays blocked until :func:`unblock` (``backlog.cancel`` asks for it)."""
+    return list(_store().cancel(queue, tenant, task, limit))
 
 
 def lines_of(tenant: str) -> list[str]:

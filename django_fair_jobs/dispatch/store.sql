@@ -260,12 +260,11 @@ RETURNING t.id;
 
 -- name: dispatch_cancel
 -- Cancel, second step: delete up to %(max)s of the tenant's jobs not yet dispatched
--- (scheduled or waiting) or failed on the queue, of one task or of all (%(task_name)s
--- NULL); a failed job is in no line and holds no room. The
--- line's waiting count lowers by the waiting rows deleted and its head moves to the
--- oldest waiting row left (the subquery sees the rows as before the DELETE, so it leaves
--- out the deleted ones). Returns the cancelled task ids and whether each had failed,
--- oldest first.
+-- (scheduled or waiting) or failed (in no line, holding no room) on the queue, of one
+-- task or of all (%(task_name)s NULL); the line's waiting count lowers by the waiting rows
+-- deleted and its head moves to the oldest waiting row left (the subquery sees the rows
+-- as before the DELETE, so it leaves out the deleted ones). Returns the cancelled task
+-- ids and whether each had failed, oldest first.
 WITH gone AS (
     DELETE FROM fair_jobs_dispatchjob AS j
      WHERE j.id IN (SELECT c.id FROM fair_jobs_dispatchjob AS c
