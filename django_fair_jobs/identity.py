@@ -43,6 +43,9 @@ class Identity:
     node: str
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    beaten_at: float = field(default_factory=time.monotonic)
+    """When its row was last written (``time.monotonic()``, read before the statement, so
+    the row's heartbeat is no older): see :func:`current_process_id`."""
 
 
 _identity: Identity | None = None
@@ -104,15 +107,48 @@ def current_node_id() -> uuid.UUID:
 
 
 def current_process_id(node: str | None = None) -> uuid.UUID:
-    """Return this process's id, registering it and starting its heartbeat on first use."""
+    """Return this process's id, registering it and starting its heartbeat on first use.
+    After a stall that may have let the others reap it (no beat for
+    ``FAIR_JOBS_WORKER_TIMEOUT`` minus one ``FAIR_JOBS_HEARTBEAT_INTERVAL``: the process
+    was stopped, its machine paused), it beats first, and registers again if it was
+    reaped, so that no job starts under a reaped id (the next reap would take that job for
+    a dead process's and put it back in line, to run twice)."""
     global _identity
     ident = _identity
     if ident is not None and ident.pid == os.getpid():
+        if time.monotonic() - ident.beaten_at > _stale_after():
+            _revive(ident)
         return ident.process_id
     with _lock:
         if _identity is None or _identity.pid != os.getpid():
             _identity = _register(node or _node_name or f"celery@{socket.gethostname()}")
         return _identity.process_id
+
+
+def _stale_after() -> float:
+    return float(fair_settings.WORKER_TIMEOUT - fair_settings.HEARTBEAT_INTERVAL)
+
+
+def _revive(ident: Identity) -> None:
+    """Beat now after a stall, and register again if this process was reaped meanwhile.
+    A database that does not answer is left to the statement the id was asked for."""
+    from django.db import DatabaseError
+
+    with _lock:
+        at = time.monotonic()
+        if at - ident.beaten_at <= _stale_after():
+            return  # another thread of this process did it meanwhile
+        try:
+            if not beat(ident.process_id):
+                logger.warning(
+                    "Worker process %s was reaped while it was stopped; re-registering",
+                    ident.process_id,
+                )
+                register_row(ident)
+        except DatabaseError:
+            logger.warning("Could not beat after a stall; going on", exc_info=True)
+            return
+        ident.beaten_at = at
 
 
 def registered_process_id() -> uuid.UUID | None:

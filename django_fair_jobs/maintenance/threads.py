@@ -105,6 +105,7 @@ def _heartbeat_loop(ident: identity.Identity) -> None:
                 return  # a forked copy of this thread's owner; the child registers itself
             try:
                 close_old_connections()
+                at = time.monotonic()
                 if not identity.beat(ident.process_id):
                     if ident.stop.is_set():
                         return  # retired by this process's shutdown, not reaped
@@ -114,6 +115,7 @@ def _heartbeat_loop(ident: identity.Identity) -> None:
                         "Worker process %s was reaped while alive; re-registering", ident.process_id
                     )
                     identity.register_row(ident)
+                ident.beaten_at = at
             except Exception:
                 # A database outage must not kill the heartbeat: drop the connection and
                 # try again next interval.
