@@ -159,7 +159,7 @@ _RULES: list[tuple[str, str, Callable[[Any], bool], str]] = [
     (
         "METRICS_TENANTS",
         "fair_jobs.E017",
-        lambda v: is_limit(v),
+        is_limit,
         "a whole number of tenants >= 0 (default 1000; 0: no per-tenant gauges)",
     ),
     (

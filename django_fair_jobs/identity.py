@@ -135,20 +135,27 @@ def _revive(ident: Identity) -> None:
     from django.db import DatabaseError
 
     with _lock:
-        at = time.monotonic()
-        if at - ident.beaten_at <= _stale_after():
+        if time.monotonic() - ident.beaten_at <= _stale_after():
             return  # another thread of this process did it meanwhile
         try:
-            if not beat(ident.process_id):
-                logger.warning(
-                    "Worker process %s was reaped while it was stopped; re-registering",
-                    ident.process_id,
-                )
-                register_row(ident)
+            keep_registered(ident)
         except DatabaseError:
             logger.warning("Could not beat after a stall; going on", exc_info=True)
-            return
-        ident.beaten_at = at
+
+
+def keep_registered(ident: Identity) -> bool:
+    """Beat for ``ident``; if its row is gone (it was presumed dead after a stall longer
+    than the timeout, and reaped: its old leases are gone and its late releases fenced),
+    write the row again. False, with nothing written, if ``ident`` is stopping: its own
+    shutdown retired the row. Raises what the database raises."""
+    at = time.monotonic()
+    if not beat(ident.process_id):
+        if ident.stop.is_set():
+            return False
+        logger.warning("Worker process %s was reaped while alive; re-registering", ident.process_id)
+        register_row(ident)
+    ident.beaten_at = at
+    return True
 
 
 def registered_process_id() -> uuid.UUID | None:

@@ -105,17 +105,8 @@ def _heartbeat_loop(ident: identity.Identity) -> None:
                 return  # a forked copy of this thread's owner; the child registers itself
             try:
                 close_old_connections()
-                at = time.monotonic()
-                if not identity.beat(ident.process_id):
-                    if ident.stop.is_set():
-                        return  # retired by this process's shutdown, not reaped
-                    # We were presumed dead (a stall longer than the timeout) and reaped:
-                    # our old leases are gone and our late releases are fenced; come back.
-                    logger.warning(
-                        "Worker process %s was reaped while alive; re-registering", ident.process_id
-                    )
-                    identity.register_row(ident)
-                ident.beaten_at = at
+                if not identity.keep_registered(ident):
+                    return  # retired by this process's shutdown, not reaped
             except Exception:
                 # A database outage must not kill the heartbeat: drop the connection and
                 # try again next interval.
