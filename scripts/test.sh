@@ -83,6 +83,11 @@ if ! command -v promtool >/dev/null; then
         || { $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends prometheus; } \
         || { echo "Could not install prometheus (its promtool is needed by tests/test_alerts.py);" \
                   "install it: apt-get install prometheus" >&2; exit 1; }
+    # On a machine run by systemd the package starts its server (port 9090) and enables it
+    # at boot; only promtool is wanted, and nothing ran it before this install.
+    if [ -d /run/systemd/system ]; then
+        $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
 fi
 
 SQLITE_DIR=$(mktemp -d)

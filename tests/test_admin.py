@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -149,14 +150,19 @@ def test_parked_and_process_pages__render_read_only(staff: Client, process: uuid
 
 
 def test_reap_command__prints_report(
-    process: uuid.UUID, capsys: pytest.CaptureFixture[str]
+    process: uuid.UUID, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     acquire(process, "j1")
     WorkerProcess.objects.update(last_heartbeat_at="2000-01-01T00:00:00Z")
     SlotLease.objects.update(acquired_at="2000-01-01T00:00:00Z")
-    call_command("fair_jobs_reap")
-    assert "Reaped 1 lease(s) on 1 tenant slot(s) and 0 queue(s)" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="django_fair_jobs.maintenance"):
+        call_command("fair_jobs_reap")
+    out = capsys.readouterr().out
+    assert "Reaped 1 lease(s) on 1 tenant slot(s) and 0 queue(s)" in out
     assert TenantQueueSlot.objects.get().current_jobs == 0
+    # The log says what the command printed, in the same words.
+    logged = [r.getMessage() for r in caplog.records if r.name == "django_fair_jobs.maintenance"]
+    assert logged == [f"Maintenance: {out.split(' (timeout')[0]}"], (logged, out)
 
 
 def test_reap_command__bad_timeout__command_error() -> None:

@@ -328,9 +328,7 @@ def _reap(model_admin: Any, request: HttpRequest) -> None:
     report = run_maintenance()
     model_admin.message_user(
         request,
-        f"Reaped {report.leases_reaped} lease(s) of dead workers; woke {report.jobs_woken} "
-        f"parked job(s); fair dispatch: put {report.dispatch_requeued} job(s) of dead workers "
-        f"back in line, dropped {report.dispatch_dropped}. Live workers are never reaped.",
+        f"{report.summary()}. Live workers are never reaped.",
         messages.SUCCESS,
     )
 

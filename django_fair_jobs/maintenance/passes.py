@@ -43,6 +43,30 @@ class MaintenanceReport:
     dispatch_republished: int = 0
     dispatch_dispatched: int = 0
 
+    @property
+    def did_anything(self) -> bool:
+        """Whether the pass mended or pruned anything: only such a pass is logged (jobs
+        dispatched into free room alone are routine, a pass a heartbeat interval)."""
+        return any(
+            getattr(self, name)
+            for name in self.__dataclass_fields__
+            if name not in ("slots_reaped", "queues_reaped", "dispatch_dispatched")
+        )
+
+    def summary(self) -> str:
+        """What the pass did, in the words the log, ``fair_jobs_reap`` and the admin share."""
+        return (
+            f"Reaped {self.leases_reaped} lease(s) on {self.slots_reaped} tenant slot(s) "
+            f"and {self.queues_reaped} queue(s); woke {self.jobs_woken} parked job(s); "
+            f"requeued {self.wakes_requeued} lost wake-up(s); fixed {self.counters_fixed} "
+            f"counter(s); pruned {self.windows_pruned} idle rerouting window(s) and "
+            f"{self.decisions_pruned} old decision(s); ended {self.boosts_ended} boost(s); "
+            f"fair dispatch: put {self.dispatch_requeued} job(s) of dead workers back in "
+            f"line, dropped {self.dispatch_dropped} (not acks_late), published "
+            f"{self.dispatch_republished} again (not started in time), dispatched "
+            f"{self.dispatch_dispatched}"
+        )
+
 
 def maybe_run_maintenance() -> MaintenanceReport | None:
     """Run a maintenance pass if no process in the cluster ran one within the last
@@ -112,25 +136,8 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
 
 def _log_maintenance(report: MaintenanceReport) -> None:
     """Log what a maintenance pass did, if it did anything."""
-    if report.dispatch_requeued or report.dispatch_dropped or report.dispatch_republished:
-        logger.info(
-            "Maintenance: fair dispatch put %s jobs of dead workers back in line, dropped %s "
-            "(not acks_late), published %s again (not started in time), dispatched %s",
-            report.dispatch_requeued, report.dispatch_dropped, report.dispatch_republished,
-            report.dispatch_dispatched,
-        )  # fmt: skip
-    if (
-        report.leases_reaped or report.jobs_woken or report.wakes_requeued or report.counters_fixed
-        or report.windows_pruned or report.boosts_ended or report.decisions_pruned
-    ):  # fmt: skip
-        logger.info(
-            "Maintenance: reaped %s leases on %s tenant slots and %s queues, requeued %s "
-            "lost wake-ups, woke %s parked jobs, fixed %s counters, pruned %s idle windows "
-            "and %s old decisions, ended %s boosts",
-            report.leases_reaped, report.slots_reaped, report.queues_reaped,
-            report.wakes_requeued, report.jobs_woken, report.counters_fixed,
-            report.windows_pruned, report.decisions_pruned, report.boosts_ended,
-        )  # fmt: skip
+    if report.did_anything:
+        logger.info("Maintenance: %s", report.summary())
 
 
 def refresh_capacity() -> dict[str, int]:

@@ -44,14 +44,5 @@ class Command(BaseCommand):
             )
         report = run_maintenance(timeout)
         self.stdout.write(
-            f"Reaped {report.leases_reaped} lease(s) on {report.slots_reaped} tenant slot(s) "
-            f"and {report.queues_reaped} queue(s) "
-            f"(timeout {timeout or fair_settings.WORKER_TIMEOUT} s); woke "
-            f"{report.jobs_woken} parked job(s); requeued {report.wakes_requeued} lost "
-            f"wake-up(s); fixed {report.counters_fixed} counter(s); pruned "
-            f"{report.windows_pruned} idle rerouting window(s); ended {report.boosts_ended} "
-            f"boost(s). fair dispatch: put {report.dispatch_requeued} job(s) of dead workers "
-            f"back in line, dropped {report.dispatch_dropped} (as Celery would), published "
-            f"{report.dispatch_republished} again (not started in time), dispatched "
-            f"{report.dispatch_dispatched}."
+            f"{report.summary()} (timeout {timeout or fair_settings.WORKER_TIMEOUT} s)."
         )
