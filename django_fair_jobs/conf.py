@@ -305,7 +305,8 @@ class Settings:
         """The tenant of a job whose tenant resolves to None (no ``fair_tenant=`` option,
         nothing from ``fair_tenant()`` or the resolver), under every mechanism. Default
         None: such a job has no tenant (under fair dispatch it waits in the one line of
-        jobs without a tenant; a planned one is refused at publish)."""
+        jobs without a tenant; a planned one in its task's virtual queue of the jobs without
+        a tenant, the tenant ``""``)."""
         value: str | None = self._get("DEFAULT_TENANT", None, str)
         return value
 
