@@ -168,11 +168,10 @@ def prepare(
     kwargs: Any,
     publish_options: dict[str, Any],
 ) -> Job:
-    """Freeze a job to wait in its tenant's line: its queue, its due time and its
-    message, built now as Celery would publish it. A job without a tenant waits in the
-    line of :data:`NO_TENANT`, under no tenant's cap, with a warning logged at most once
-    per interval per task. Raises :class:`DispatchError` when the job cannot be stored
-    as JSON."""
+    """Freeze a job to wait in its tenant's line: its queue, its due time and its message,
+    built now as Celery would publish it. A job without a tenant waits in the line of
+    :data:`NO_TENANT`, under no tenant's cap, with a warning logged at most once per
+    interval per task. Raises :class:`DispatchError` when it cannot be stored as JSON."""
     if tenant is None:
         warn_missing_tenant(task.name, "dispatched")
     publish_options = dict(publish_options)
@@ -382,8 +381,7 @@ def due_queues(queues: list[str]) -> list[str]:
     """Those of ``queues`` that are due a dispatch: they hold countdowns or ETAs come due
     (their next dispatch puts them in line), or jobs waiting in line while they have room
     (an end that freed the room while an enqueue was committing could not see its job).
-    One round trip: an index probe or two per queue, and the room of a queue with jobs
-    waiting."""
+    One round trip: an index probe or two per queue, and the room of one with jobs waiting."""
     if not queues:
         return []
     return _store().due_queues(queues)  # type: ignore[no-any-return]
@@ -509,9 +507,10 @@ def in_flight() -> dict[str, int]:
 
 
 def put_back_failed(app: Celery, job_ids: list[int]) -> int:
-    """Put failed jobs (their publish failed too often, or their task was not registered
-    on the worker) back in line, due now, their failure and failed publishes forgotten, and
-    dispatch their queues; returns how many went back."""
+    """Put failed jobs (refused by the broker too often, or by a worker without their
+    task) back in line, due now, their failure forgotten; returns how many. Their queues
+    are dispatched after the caller's commit, as ``delay()``'s: inside ``atomic()`` they
+    are not due yet (due from the update's time), and a publish would precede the rows."""
     from django.db.models.functions import Now
 
     from django_fair_jobs.dispatch.models import FAILED, SCHEDULED, DispatchJob
@@ -519,7 +518,8 @@ def put_back_failed(app: Celery, job_ids: list[int]) -> int:
     rows = DispatchJob.objects.using(alias()).filter(pk__in=job_ids, state=FAILED)
     queues = sorted(set(rows.values_list("queue", flat=True)))
     count = rows.update(state=SCHEDULED, not_before=Now(), publish_failures=0, failure="")
-    dispatch_queues(app, queues)
+    if not db.after_commit(lambda: dispatch_queues(app, queues), alias()):
+        dispatch_queues(app, queues)
     return count
 
 

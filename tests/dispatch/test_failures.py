@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from celery.exceptions import Reject, Retry
 from django.conf import settings
-from django.db import OperationalError
+from django.db import OperationalError, transaction
 
 from django_fair_jobs import admission, dispatch, explanations, identity, signals, status
 from django_fair_jobs.dispatch.models import (
@@ -211,6 +211,32 @@ def test_d19__set_aside_by_an_outage__then_refused_as_unregistered__explain_name
     row = DispatchJob.objects.get(pk=row.pk)
     assert (row.failure, row.publish_failures) == ("", 0)
 
+
+
+def test_failed_job_put_back_inside_atomic__dispatched_as_the_caller_commits(
+    celery_app: Any, collected: list[int]
+) -> None:
+    # The admin's action runs inside the request's transaction under ATOMIC_REQUESTS. The
+    # put-back dispatched inside it, where the job was not due yet (due from the update's
+    # own time, after the transaction's start), so it waited for the due poll; and a
+    # dispatch there would publish before the put-back commits, or though it rolls back.
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    dispatch.unregistered(celery_app, job.pk, tasks.dispatched.name)
+    collected.clear()
+    with transaction.atomic():
+        assert dispatch.put_back_failed(celery_app, [job.pk]) == 1
+        assert collected == []  # nothing published before the commit
+    assert collected == [job.pk]
+    assert DispatchJob.objects.get(pk=job.pk).state == DISPATCHED
+    # Rolled back, it is not put back and nothing is published.
+    dispatch.unregistered(celery_app, job.pk, tasks.dispatched.name)
+    collected.clear()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        dispatch.put_back_failed(celery_app, [job.pk])
+        raise RuntimeError("the request failed")
+    assert collected == []
+    assert DispatchJob.objects.get(pk=job.pk).state == FAILED
 
 def test_d6__a_broker_outage_past_the_tries__the_job_waits_it_out__never_fails(
     monkeypatch: pytest.MonkeyPatch, celery_app: Any

@@ -384,3 +384,4 @@ def sql_queries() -> dict[str, str]:
     from django_fair_jobs import sql
 
     return sql.queries()
+
