@@ -384,4 +384,3 @@ def sql_queries() -> dict[str, str]:
     from django_fair_jobs import sql
 
     return sql.queries()
-
