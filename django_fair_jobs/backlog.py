@@ -110,8 +110,7 @@ def cancel(
     module's docstring. ``user``, ``source`` and ``reason`` go into the history."""
     from django_fair_jobs.models import LimitChange
 
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise ValueError(f"batch must be a whole number >= 1, got {batch!r}.")
+    _check_batch(batch)
     cancelled = Cancelled(tenant, queue, task)
     # A tenant still enqueueing could keep every batch full: stop after the batches that
     # the backlog found at the start needs (the jobs enqueued meanwhile may go with them).
@@ -161,17 +160,43 @@ def count(tenant: str, *, queue: str | None = None, task: str | None = None) -> 
     return Cancelled(tenant, queue, task, lines.count(), failed, parked.count(), planned.count())
 
 
+def _check_batch(batch: object) -> None:
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"batch must be a whole number >= 1, got {batch!r}.")
+
+
+def failed_ids(
+    tenant: str | None = None, *, queue: str | None = None, task: str | None = None
+) -> list[int]:
+    """The row ids of fair dispatch's failed jobs of ``tenant`` (None: every tenant) on
+    ``queue`` (None: every queue) of ``task`` (None: every task), oldest first: what
+    :func:`cancel_failed` takes."""
+    from django_fair_jobs.dispatch.models import FAILED, DispatchJob
+
+    rows = DispatchJob.objects.using(dispatch.alias()).filter(state=FAILED)
+    for name, value in (("tenant", tenant), ("queue", queue), ("task_name", task)):
+        if value is not None:
+            rows = rows.filter(**{name: value})
+    return list(rows.order_by("id").values_list("pk", flat=True))
+
+
 def cancel_failed(
-    job_ids: list[int], *, user: str = "", source: str = "python", reason: str = ""
+    job_ids: list[int],
+    *,
+    batch: int = BATCH,
+    user: str = "",
+    source: str = "python",
+    reason: str = "",
 ) -> int:
     """Cancel the failed jobs of fair dispatch among the rows ``job_ids`` (the rest are
-    left alone), :data:`BATCH` rows per transaction: each is discarded, one line of the
+    left alone), ``batch`` rows per transaction: each is discarded, one line of the
     history is written per tenant and queue, then each result is marked ``REVOKED``. A
     failed job is in no line and holds no room, so no count changes. Returns how many
     were cancelled."""
+    _check_batch(batch)
     cancelled = 0
-    for at in range(0, len(job_ids), BATCH):
-        cancelled += _cancel_failed_batch(job_ids[at : at + BATCH], user, source, reason)
+    for at in range(0, len(job_ids), batch):
+        cancelled += _cancel_failed_batch(job_ids[at : at + batch], user, source, reason)
     return cancelled
 
 

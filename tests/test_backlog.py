@@ -299,6 +299,34 @@ def test_failed_job_on_a_queue_without_its_line__found_by_a_cancel_of_every_queu
         assert (made.waiting, made.in_flight, made.head_id) == (0, 0, None)
 
 
+def test_command_failed__only_failed_jobs_of_a_tenant_or_of_all__waiting_left(
+    published: list[int],  # noqa: F811
+) -> None:
+    # After a bad deploy (a task missing on the workers) an operator drops the failed jobs
+    # from the command line, of one tenant or of all, and leaves the waiting jobs alone.
+    ours, other, also = failed("acme"), failed("other"), failed("acme")
+    set_capacity(0)
+    waiting = DispatchJob.objects.get(task_id=tasks.dispatched.delay("acme").id)
+    out = StringIO()
+    call_command("fair_jobs_cancel", "acme", "--failed", "--dry-run", stdout=out)
+    assert "Would cancel 2 failed job(s) of acme on every queue of every task" in out.getvalue()
+    assert DispatchJob.objects.filter(pk__in=[ours.pk, also.pk]).count() == 2
+    call_command("fair_jobs_cancel", "acme", "--failed", "--batch", "1", stdout=out)
+    assert "Cancelled 2 failed job(s) of acme" in out.getvalue()
+    assert not DispatchJob.objects.filter(pk__in=[ours.pk, also.pk]).exists()
+    assert DispatchJob.objects.get(pk=waiting.pk).state == WAITING  # not failed: kept
+    assert AsyncResult(ours.task_id).state == "REVOKED"
+    assert DispatchJob.objects.filter(pk=other.pk).exists()
+    assert LimitChange.objects.filter(field="cancelled", tenant="acme").count() == 2  # batches
+    # Without a tenant: every tenant's failed jobs on the queue.
+    call_command("fair_jobs_cancel", "--failed", "--queue", "fair", stdout=out)
+    assert "Cancelled 1 failed job(s) of every tenant on fair" in out.getvalue()
+    assert not DispatchJob.objects.filter(state=FAILED).exists()
+    assert DispatchJob.objects.filter(pk=waiting.pk).exists()
+    with pytest.raises(CommandError, match="TENANT, or --failed"):
+        call_command("fair_jobs_cancel")
+
+
 def test_admin__failed_jobs_cancelled_by_selection__others_left(
     client: Client,
     published: list[int],  # noqa: F811
@@ -347,11 +375,11 @@ def test_explain__a_failed_job__says_how_to_cancel_it(
 
 
 def test_failed_jobs__cancelled_in_batches__history_per_batch(
-    monkeypatch: pytest.MonkeyPatch,
     published: list[int],  # noqa: F811
 ) -> None:
     jobs = [failed("acme"), failed("acme")]
-    monkeypatch.setattr(backlog, "BATCH", 1)
-    assert backlog.cancel_failed([j.pk for j in jobs], user="ops") == 2
+    with pytest.raises(ValueError, match="batch must be a whole number"):
+        backlog.cancel_failed([j.pk for j in jobs], batch=0)
+    assert backlog.cancel_failed([j.pk for j in jobs], batch=1, user="ops") == 2
     assert not DispatchJob.objects.filter(state=FAILED).exists()
     assert LimitChange.objects.filter(field="cancelled", tenant="acme").count() == 2
