@@ -98,11 +98,11 @@ class DispatchJobAdmin(_ReadOnly, admin.ModelAdmin):  # type: ignore[type-arg]
     show_full_result_count = False
     actions = ("put_back_failed", "cancel_failed")
 
-    def has_retry_permission(self, request: HttpRequest) -> bool:
+    def has_put_back_permission(self, request: HttpRequest) -> bool:
         """Putting a failed job back in line needs the change permission on its rows."""
         return bool(request.user.has_perm("fair_jobs.change_dispatchjob"))
 
-    @admin.action(description="Put the selected failed jobs back in line", permissions=["retry"])
+    @admin.action(description="Put the selected failed jobs back in line", permissions=["put_back"])
     def put_back_failed(self, request: HttpRequest, queryset: QuerySet[DispatchJob]) -> None:
         from celery import current_app
 

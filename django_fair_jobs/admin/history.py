@@ -136,20 +136,20 @@ class PlannedJobAdmin(_ReadOnly, _PlannedAdmin):
         ("queue", RecentValuesFilter),
     )
     search_fields = ("task_id", "tenant")
-    actions = ("retry_failed",)
+    actions = ("put_back_failed",)
     ordering = ("id",)
     # A flood of 100,000 planned jobs: bounded counts and filters (see the classes).
     paginator = EstimatedCountPaginator
     show_full_result_count = False
 
-    def has_retry_permission(self, request: HttpRequest) -> bool:
+    def has_put_back_permission(self, request: HttpRequest) -> bool:
         """Putting a failed job back in line needs the change permission on planned jobs
         (the rows stay read-only otherwise)."""
         return bool(request.user.has_perm("fair_jobs.change_plannedjob"))
 
-    @admin.action(description="Put the selected failed jobs back in line", permissions=["retry"])
-    def retry_failed(self, request: HttpRequest, queryset: QuerySet[PlannedJob]) -> None:
-        count = planner_store.retry_failed(queryset)
+    @admin.action(description="Put the selected failed jobs back in line", permissions=["put_back"])
+    def put_back_failed(self, request: HttpRequest, queryset: QuerySet[PlannedJob]) -> None:
+        count = planner_store.put_back_failed(queryset)
         self.message_user(request, f"Put {count} failed job(s) back in line, in their old place.")
 
 

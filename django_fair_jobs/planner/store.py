@@ -105,7 +105,7 @@ def promote(
     return [row.task_id for row in published]
 
 
-def retry_failed(rows: models.QuerySet[PlannedJob]) -> int:
+def put_back_failed(rows: models.QuerySet[PlannedJob]) -> int:
     """Put failed jobs among ``rows`` back in line, in their old place, with their
     attempts cleared (``last_error`` is kept until they are published); returns how
     many. For an operator who removed the cause (raised the broker's size limit)."""

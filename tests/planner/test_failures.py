@@ -97,7 +97,7 @@ def test_failed_job__put_back_in_line_by_the_operator() -> None:
     for _ in range(planner.PUBLISH_ATTEMPTS):
         run_planner()
     assert PlannedJob.objects.get(task_id=bad.id).failed_at is not None
-    assert planner_store.retry_failed(PlannedJob.objects.filter(task_id=bad.id)) == 1
+    assert planner_store.put_back_failed(PlannedJob.objects.filter(task_id=bad.id)) == 1
     row = PlannedJob.objects.get(task_id=bad.id)
     assert row.failed_at is None and row.attempts == 0 and row.last_error
 
@@ -115,7 +115,7 @@ def test_admin__failed_jobs_filtered_and_put_back_in_line(client: Client) -> Non
     row = PlannedJob.objects.get(task_id=bad.id)
     client.post(
         "/admin/fair_jobs/plannedjob/",
-        {"action": "retry_failed", "_selected_action": [str(row.pk)]},
+        {"action": "put_back_failed", "_selected_action": [str(row.pk)]},
     )
     row.refresh_from_db()
     assert row.failed_at is None and row.attempts == 0
