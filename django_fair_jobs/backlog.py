@@ -55,13 +55,21 @@ class Cancelled:
         return self.dispatch + self.parked + self.planned
 
     def __str__(self) -> str:
-        where = f"on {self.queue}" if self.queue else "on every queue"
-        what = f"of {self.task}" if self.task else "of every task"
         failed = f" ({self.failed} of them failed)" if self.failed else ""
         return (
-            f"{self.total} waiting job(s) of {self.tenant} {where} {what}: {self.dispatch} "
-            f"in fair dispatch{failed}, {self.parked} parked, {self.planned} planned"
+            f"{self.total} waiting job(s) {scope(self.tenant, self.queue, self.task)}: "
+            f"{self.dispatch} in fair dispatch{failed}, {self.parked} parked, "
+            f"{self.planned} planned"
         )
+
+
+def scope(tenant: str | None, queue: str | None, task: str | None) -> str:
+    """Which jobs a cancel takes, in words: ``of TENANT on QUEUE of TASK``, each None
+    read as every one."""
+    return (
+        f"of {tenant if tenant is not None else 'every tenant'} "
+        f"on {queue or 'every queue'} of {task or 'every task'}"
+    )
 
 
 def _batch_of(cancelled: Cancelled, tenant: str, queue: str | None, task: str | None,

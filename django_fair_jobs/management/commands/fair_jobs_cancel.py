@@ -57,7 +57,7 @@ class Command(BaseCommand):
         if batch < 1:
             raise CommandError(f"--batch wants a whole number >= 1; got {options['batch']!r}.")
         if options["failed"]:
-            self._cancel_failed(tenant, queue, task, batch, options)
+            self._cancel_failed(tenant, queue, task, batch, options, command_user())
             return
         if options["dry_run"]:
             self.stdout.write(f"Would cancel {backlog.count(tenant, queue=queue, task=task)}")
@@ -75,19 +75,14 @@ class Command(BaseCommand):
 
     def _cancel_failed(
         self, tenant: str | None, queue: str | None, task: str | None, batch: int,
-        options: dict[str, Any],
+        options: dict[str, Any], user: str,
     ) -> None:  # fmt: skip
-        from django_fair_jobs.management import command_user
-
         ids = backlog.failed_ids(tenant, queue=queue, task=task)
-        which = (
-            f"of {tenant if tenant is not None else 'every tenant'} "
-            f"on {queue or 'every queue'} of {task or 'every task'}"
-        )
+        which = backlog.scope(tenant, queue, task)
         if options["dry_run"]:
             self.stdout.write(f"Would cancel {len(ids)} failed job(s) {which}")
             return
         done = backlog.cancel_failed(
-            ids, batch=batch, user=command_user(), source="command", reason=options["reason"]
+            ids, batch=batch, user=user, source="command", reason=options["reason"]
         )
         self.stdout.write(f"Cancelled {done} failed job(s) {which}; their results are REVOKED")
