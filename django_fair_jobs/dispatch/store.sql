@@ -46,7 +46,8 @@ SELECT s.status, s.cap,
 -- name: dispatch_start_ending
 -- A start that carries the ends its process has not flushed yet (the jobs it ran before
 -- this one): the start first (its job's row; a job back in its line has every line taken
--- in order before, fair_jobs_dispatch_lock_lines), then the ends as one flush of many
+-- in order before, fair_jobs_dispatch_lock_lines, and one that went back after that
+-- check is left there, this copy a duplicate), then the ends as one flush of many
 -- (their rows, then their lines, then each queue's room dispatched), so one round trip
 -- and one commit serve both. Each call takes the one before it as an argument, which
 -- makes them run in this order, whatever the plan. One row per job to publish, or one
@@ -55,7 +56,7 @@ SELECT s.status, s.cap, e.job_id, e.job_message,
        CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END
   FROM fair_jobs_dispatch_lock_lines(ARRAY[%(job)s]::bigint[], %(jobs)s::bigint[]) AS l
  CROSS JOIN LATERAL fair_jobs_dispatch_start(
-       CASE WHEN l THEN %(job)s END, %(process)s) AS s
+       CASE WHEN l IS NOT NULL THEN %(job)s END, %(process)s, l) AS s
   LEFT JOIN LATERAL fair_jobs_dispatch_end_many(
        CASE WHEN s.status IS NOT NULL THEN %(jobs)s::bigint[] END, %(process)s, %(max)s
   ) AS e ON true;
@@ -69,7 +70,8 @@ SELECT s.status, s.cap, e.job_id, e.job_message,
 SELECT s.status
   FROM fair_jobs_dispatch_lock_lines(%(jobs)s::bigint[], %(ended)s::bigint[]) AS l
  CROSS JOIN fair_jobs_dispatchjob AS j
- CROSS JOIN LATERAL fair_jobs_dispatch_start(CASE WHEN l THEN j.id END, %(process)s) AS s
+ CROSS JOIN LATERAL fair_jobs_dispatch_start(
+       CASE WHEN l IS NOT NULL THEN j.id END, %(process)s) AS s
  WHERE j.id = ANY(%(jobs)s::bigint[]) AND j.state IN (1, 2)
  ORDER BY j.id;
 

@@ -32,8 +32,9 @@ class Started:
     """What the start of a dispatched job found: ``"started"`` (it runs; ``cap`` is the
     cap the fence keeps, or None), ``"again"`` (the row already runs under this process:
     its own start whose reply was lost, or a second copy delivered to it) or
-    ``"duplicate"`` (another copy ran or runs). ``ready``: the jobs dispatched into the
-    room of the ends the start carried, to publish."""
+    ``"duplicate"`` (another copy ran or runs, or the job went back to its line while a
+    start carrying ends looked: it is dispatched again from there). ``ready``: the jobs
+    dispatched into the room of the ends the start carried, to publish."""
 
     status: str
     cap: int | None = None

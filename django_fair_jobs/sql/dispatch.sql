@@ -407,17 +407,17 @@ $$;
 -- that line, take every line the statement writes first, in (queue, tenant) order by
 -- byte value, after the rows of the jobs to end still in flight (order 1: one the reap
 -- put back in its line is a waiting job's row, taken after its line, and end_many
--- leaves it) and before the rows of the jobs to start from their lines (order 2). Else
--- nothing: a dispatched job's start takes no line, and end_many takes its lines in
--- order. Returns true, which the steps after it take as an argument, so that they run
--- after it.
+-- leaves it) and before the rows of the jobs to start from their lines (order 2), and
+-- return true. Else take nothing and return false: a dispatched job's start takes no
+-- line, and end_many takes its lines in order. The steps after it take the result as an
+-- argument, so that they run after it.
 CREATE OR REPLACE FUNCTION fair_jobs_dispatch_lock_lines(p_starts bigint[], p_ends bigint[])
 RETURNS boolean
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
                     WHERE j.id = ANY(p_starts) AND j.state = 1) THEN
-        RETURN true;
+        RETURN false;
     END IF;
     PERFORM 1 FROM fair_jobs_dispatchjob AS j
      WHERE j.id = ANY(p_ends) AND j.state IN (2, 3) ORDER BY j.id
@@ -435,9 +435,14 @@ $$;
 -- job that went back to its line (its worker was presumed dead) starts it from there, its
 -- line locked first. A job already running under p_process answers "again": this
 -- process's own start whose reply was lost, or a second copy delivered to it (the caller
--- knows which). Any other copy is a "duplicate" and must not run. Returns the status and
--- the cap the fence keeps: the tenant slot's max_jobs override, else the job's own task's.
-CREATE OR REPLACE FUNCTION fair_jobs_dispatch_start(p_job bigint, p_process uuid)
+-- knows which). Any other copy is a "duplicate" and must not run. p_from_line false (a
+-- start carrying ends whose fair_jobs_dispatch_lock_lines took no line: its job was
+-- dispatched then): a job that went back to its line since is left there, to be
+-- dispatched again, and this copy is a "duplicate"; taking the line now, then the ended
+-- jobs' lines, would wait out of order. Returns the status and the cap the fence keeps:
+-- the tenant slot's max_jobs override, else the job's own task's.
+CREATE OR REPLACE FUNCTION fair_jobs_dispatch_start(
+    p_job bigint, p_process uuid, p_from_line boolean DEFAULT true)
 RETURNS TABLE (status text, cap integer)
 LANGUAGE plpgsql SET lock_timeout = '2s' AS $$
 DECLARE
@@ -452,7 +457,8 @@ BEGIN
         SELECT j.queue, j.tenant, j.cap, j.state, j.process_id INTO v_job
           FROM fair_jobs_dispatchjob AS j WHERE j.id = p_job;
         IF NOT FOUND OR v_job.state NOT IN (1, 3)
-           OR (v_job.state = 3 AND v_job.process_id IS DISTINCT FROM p_process) THEN
+           OR (v_job.state = 3 AND v_job.process_id IS DISTINCT FROM p_process)
+           OR (v_job.state = 1 AND NOT p_from_line) THEN
             RETURN QUERY SELECT 'duplicate'::text, NULL::integer;
             RETURN;
         END IF;

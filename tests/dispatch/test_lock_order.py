@@ -254,6 +254,58 @@ def test_a_start_from_the_line_carrying_ends__takes_the_lines_in_order() -> None
     assert not DispatchJob.objects.filter(pk=ended).exists()
 
 
+def test_a_carrying_start_whose_job_went_back_meanwhile__holds_no_line() -> None:
+    # A copy of a dispatched job of b starts, carrying the end of a job of a, while another
+    # step puts the job back in b's line (its publish failed, as the publisher thought):
+    # the check of fair_jobs_dispatch_lock_lines saw it dispatched and took no line. Once
+    # the put-back commits, the start must not take b's line and then wait for a's (held
+    # by an end_many of a and b, which then comes for b's: a deadlock). It leaves the job
+    # in its line, to be dispatched again, and drops this copy.
+    import threading
+
+    set_capacity(10)
+    ended = running("a")
+    copy = job_id(tasks.dispatched.delay("b").id)
+    set_capacity(0)  # the put-back's end dispatches nothing: the job stays in its line
+    put, release = threading.Event(), threading.Event()
+
+    def put_back() -> None:
+        with transaction.atomic():
+            dispatch.end(copy, None, outcome="back")
+            put.set()
+            release.wait(20)
+
+    held = session()
+    held.execute(*line_lock("a"))  # as an end_many of a and b holds it
+    putting, _ = in_thread(put_back)
+    starting, started = in_thread(lambda: dispatch.start(copy, PROCESS, ended=[ended]))
+    try:
+        assert put.wait(20)
+        wait_until_blocked(starting, "the start to wait for the job's row")
+        release.set()
+        putting.join(20)
+        with session(autocommit=True) as look:
+            blocked = "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))"
+            wait_for(
+                lambda: not starting.is_alive()
+                or look.execute(blocked, [held.info.backend_pid]).fetchone() != (0,),
+                20, "the start to wait on a's line",
+            )  # fmt: skip
+            assert starting.is_alive(), started
+            statement, params = line_lock("b")
+            look.execute(statement + " NOWAIT", params)  # raises if the start holds it
+    finally:
+        release.set()
+        held.commit()
+        held.close()
+        starting.join(20)
+    (result,) = started
+    assert not isinstance(result, BaseException), result
+    assert result.status == "duplicate"
+    assert not DispatchJob.objects.filter(pk=ended).exists()
+    assert DispatchJob.objects.get(pk=copy).state == 1  # in its line, not lost
+
+
 def test_a_confirmation_restarting_a_job_from_its_line__takes_the_lines_in_order() -> None:
     # The heartbeat's confirmation makes again a lost start (the job back in b's line) and
     # a lost end (a job of a) in one transaction: the same order.
