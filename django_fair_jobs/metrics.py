@@ -1,4 +1,4 @@
-"""The Prometheus exporter (optional: ``pip install "django-fair-jobs[metrics]"``).
+"""The Prometheus exporter (optional: the ``metrics`` extra, which installs prometheus-client).
 
 :class:`FairJobsCollector` reads the database at every scrape (nothing is cached, nothing
 is counted in the process): :func:`django_fair_jobs.status.snapshot`, the data behind the
@@ -37,8 +37,8 @@ try:
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - exercised by a test that hides the package
     raise ImportError(
-        "django_fair_jobs.metrics needs prometheus-client; install it with "
-        'pip install "django-fair-jobs[metrics]"'
+        "django_fair_jobs.metrics needs prometheus-client: install django-fair-jobs with "
+        "its metrics extra (the wheel's [metrics]), or pip install prometheus-client"
     ) from exc
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
