@@ -13,8 +13,8 @@
 -- * bucket: what the total was after this second's last enqueue.
 -- * counts: the total minus the newest bucket before the window [second - per, second];
 --   with no such bucket, nothing older is held and the whole total is in the window.
---   Only buckets at least one second old are read, two index probes per rule however
---   many enqueues the window holds.
+--   Only buckets at least one second old are read: the counter's row once, then one
+--   index probe per rule, however many enqueues the window holds.
 -- * rerouted: one more job sent to the picked rule's queue.
 -- * decided: the reroute's decision row for explain (only when a task id is given), in
 --   the same statement: a rerouted publish costs one statement, not two.
