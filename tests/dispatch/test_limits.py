@@ -281,6 +281,7 @@ def test_a_cancel_moving_a_blocked_lines_head_to_an_uncapped_task__dispatches_it
     from django_fair_jobs import backlog
 
     block_at_the_capped_tasks_cap(published)
+    assert dispatch._store().unblock("acme", "fair") == []  # still at its cap: kept out
     uncapped = tasks.dispatched.delay("acme")
     assert len(published) == 2 and DispatchTenant.objects.get(tenant="acme").blocked
     assert backlog.cancel("acme", queue="fair", task=tasks.dispatched_capped.name).total == 1
@@ -315,6 +316,10 @@ def test_a_tenants_first_line_under_its_full_tenant_slot__blocked__nothing_dispa
     TenantQueueSlot.objects.create(tenant="acme", queue="fair", current_jobs=2)
     tasks.dispatched_capped.delay("acme")
     assert published == [] and DispatchTenant.objects.get(tenant="acme").blocked
+    # Unblocked while the slot is still full, it would be dispatched for the fence to
+    # refuse: it stays blocked, and its queue is not named for a dispatch.
+    assert dispatch._store().unblock("acme", "fair") == []
+    assert DispatchTenant.objects.get(tenant="acme").blocked
     TenantQueueSlot.objects.filter(tenant="acme").update(current_jobs=1)
     dispatch.unblock(tenant="acme", queue="fair")
     assert len(published) == 1

@@ -275,12 +275,12 @@ def test_a_carrying_start_whose_job_went_back_meanwhile__holds_no_line() -> None
             put.set()
             release.wait(20)
 
+    putting, put_out = in_thread(put_back)
+    assert put.wait(20), put_out  # the put-back holds the job's row, before the start
     held = session()
     held.execute(*line_lock("a"))  # as an end_many of a and b holds it
-    putting, _ = in_thread(put_back)
     starting, started = in_thread(lambda: dispatch.start(copy, PROCESS, ended=[ended]))
     try:
-        assert put.wait(20)
         wait_until_blocked(starting, "the start to wait for the job's row")
         release.set()
         putting.join(20)
@@ -304,6 +304,61 @@ def test_a_carrying_start_whose_job_went_back_meanwhile__holds_no_line() -> None
     assert result.status == "duplicate"
     assert not DispatchJob.objects.filter(pk=ended).exists()
     assert DispatchJob.objects.get(pk=copy).state == 1  # in its line, not lost
+
+
+def test_a_flush_of_many_ends__takes_their_lines_in_order() -> None:
+    # The ends of a process's jobs of a and b, flushed together, while a step of a's line
+    # holds it: b's line (later in the order) is not held while the flush waits for a's
+    # (an end_many or bulk_enqueue of both holds a and comes for b: a deadlock).
+    set_capacity(10)
+    ended = [running("b"), running("a")]
+    holds_no_line_while_waiting(lambda: dispatch.end_many(ended, PROCESS), waits_for="a", free="b")
+    assert not DispatchJob.objects.filter(pk__in=ended).exists()
+
+
+def test_bulk_enqueue_given_out_of_order__takes_the_lines_in_order() -> None:
+    set_capacity(0)
+    for tenant in ("a", "b"):  # their lines exist, as a busy tenant's do
+        tasks.dispatched.delay(tenant)
+    holds_no_line_while_waiting(
+        lambda: tasks.dispatched.bulk_enqueue([(("b",), {}), (("a",), {})]),
+        waits_for="a", free="b",
+    )  # fmt: skip
+    assert DispatchJob.objects.count() == 4
+
+
+def test_a_start_from_the_line_carrying_ends__lines_in_byte_order_whatever_the_collation(
+) -> None:  # fmt: skip
+    # As the test above, under a collation such as en_US ('a' before 'B'; in byte order
+    # 'B' before 'a'): the lines are taken in byte order, the flush's and bulk_enqueue's,
+    # not in the table's order or the collation's.
+    def collate(collation: str) -> None:
+        with connection.cursor() as cursor:
+            for model in (DispatchJob, DispatchTenant):
+                length = model._meta.get_field("tenant").max_length
+                cursor.execute(
+                    f"ALTER TABLE {model._meta.db_table} ALTER COLUMN tenant"
+                    f" TYPE varchar({length}) COLLATE {collation}"
+                )
+
+    set_capacity(10)
+    ended = running("B")
+    back = back_in_line("a")
+    # B's line written last, so that a scan in the table's order would take a's first.
+    DispatchTenant.objects.filter(tenant="B").update(blocked=False)
+    collate('"en-US-x-icu"')
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT ctid, tenant FROM fair_jobs_dispatchtenant")
+        print("PHYS", cursor.fetchall())
+        cursor.execute("EXPLAIN SELECT 1 FROM fair_jobs_dispatchtenant AS t WHERE (t.queue, t.tenant) IN (SELECT j.queue, j.tenant FROM fair_jobs_dispatchjob AS j WHERE j.id = ANY(ARRAY[%s,%s]::bigint[])) FOR UPDATE OF t", [back, ended])
+        print("PLAN", "\n".join(r[0] for r in cursor.fetchall()))
+    try:
+        started = holds_no_line_while_waiting(
+            lambda: dispatch.start(back, PROCESS, ended=[ended]), waits_for="B", free="a"
+        )
+    finally:
+        collate('"default"')
+    assert started.status == "started"
 
 
 def test_a_confirmation_restarting_a_job_from_its_line__takes_the_lines_in_order() -> None:
