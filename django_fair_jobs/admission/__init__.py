@@ -253,7 +253,7 @@ def _start_dispatched(task: Task[Any, Any], job_id: int, process: uuid.UUID) -> 
         flusher.carried(carrying, started.ready, asynchronous)
     # "again": its own start whose reply was lost (a copy here was refused before it asked).
     if started.status not in ("started", "again"):
-        logger.info("Job %s (%s) already ran or runs: this copy is dropped", job_id, task.name)
+        logger.info("Job %s (%s) ran, runs or is back in line: copy dropped", job_id, task.name)
         raise Ignore()
     ends.forget_end(job_id)  # a start that committed with its reply lost: it runs now
     if asynchronous:

@@ -347,11 +347,6 @@ def test_a_start_from_the_line_carrying_ends__lines_in_byte_order_whatever_the_c
     # B's line written last, so that a scan in the table's order would take a's first.
     DispatchTenant.objects.filter(tenant="B").update(blocked=False)
     collate('"en-US-x-icu"')
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT ctid, tenant FROM fair_jobs_dispatchtenant")
-        print("PHYS", cursor.fetchall())
-        cursor.execute("EXPLAIN SELECT 1 FROM fair_jobs_dispatchtenant AS t WHERE (t.queue, t.tenant) IN (SELECT j.queue, j.tenant FROM fair_jobs_dispatchjob AS j WHERE j.id = ANY(ARRAY[%s,%s]::bigint[])) FOR UPDATE OF t", [back, ended])
-        print("PLAN", "\n".join(r[0] for r in cursor.fetchall()))
     try:
         started = holds_no_line_while_waiting(
             lambda: dispatch.start(back, PROCESS, ended=[ended]), waits_for="B", free="a"
