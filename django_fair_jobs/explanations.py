@@ -312,8 +312,9 @@ in its line."""
 
 def _ahead(rows: Any) -> int | str:
     """How many of ``rows`` (the jobs ahead) there are, counted up to :data:`AHEAD_COUNTED`."""
-    count = len(rows.values("pk")[:AHEAD_COUNTED])
-    return count if count < AHEAD_COUNTED else f"more than {count}"
+    # One row past the bound tells "exactly AHEAD_COUNTED" from "more".
+    count = len(rows.values("pk")[: AHEAD_COUNTED + 1])
+    return count if count <= AHEAD_COUNTED else f"more than {AHEAD_COUNTED}"
 
 
 def _place(ahead: Any) -> int | str:

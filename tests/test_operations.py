@@ -198,8 +198,10 @@ def test_explain__parked_behind_a_tenant_slot__reason_place_in_line_and_holders(
     assert "it is number 2 in line" in third.summary
     # The place is counted up to explanations.AHEAD_COUNTED, so that its cost is flat.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(explanations, "AHEAD_COUNTED", 1)
-        assert explain("j3").details["tenant_slot"]["position"] == "more than 1"
+        patch.setattr(explanations, "AHEAD_COUNTED", 1)  # j3 has exactly 1 ahead
+        assert explain("j3").details["tenant_slot"]["position"] == 2
+        patch.setattr(explanations, "AHEAD_COUNTED", 0)
+        assert explain("j3").details["tenant_slot"]["position"] == "more than 0"
     assert second.details["waiting_seconds"] is not None
     slots.set_tenant_limit("acme", "q", 0)
     paused = explain("j3").details["tenant_slot"]

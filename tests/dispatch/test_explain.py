@@ -81,6 +81,9 @@ def test_place_in_line__same_queries_wherever_the_job_is(
     assert counts[0] == counts[1]
     assert explain(ids[11]).details["ahead_in_its_line"] == "more than 5"
     assert explain(ids[3]).details["ahead_in_its_line"] == 3
+    # Exactly AHEAD_COUNTED ahead is still a count; one more is "more than".
+    assert explain(ids[5]).details["ahead_in_its_line"] == 5
+    assert explain(ids[6]).details["ahead_in_its_line"] == "more than 5"
 
 
 def test_waiting__its_line_read_once(published: list[int]) -> None:  # noqa: F811
