@@ -93,6 +93,9 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
 
     if timeout is None:
         timeout = fair_settings.WORKER_TIMEOUT
+    # Fair dispatch first: its reap reads a dead process's row for its node (was the whole
+    # node lost, or one pool child?), and the lease reap deletes those rows.
+    repaired = _repair_dispatch(timeout)
     reaped = lease_store.reap(timeout=timeout)
     if reaped.leases:
         count_reaped(reaped.leases)
@@ -114,7 +117,6 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
         dispatch.prune_receipts()
     else:
         decisions_pruned = 0
-    repaired = _repair_dispatch(timeout)
     report = MaintenanceReport(
         leases_reaped=reaped.leases,
         slots_reaped=len(reaped.slots),

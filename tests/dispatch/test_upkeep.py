@@ -115,6 +115,27 @@ def test_d16__the_reap_does_what_celery_would(task: Any, node_alive: bool, back:
     assert DispatchJob.objects.filter(pk=job.pk).exists() is back
 
 
+@pytest.mark.parametrize(
+    ("node_alive", "back"),
+    [
+        (True, False),  # a lost pool child: acknowledged, FAILURE
+        (False, True),  # the node is gone: the broker redelivers
+    ],
+)
+def test_d16__in_a_maintenance_pass__the_reap_still_does_what_celery_would(
+    node_alive: bool, back: bool
+) -> None:
+    # The pass also reaps the leases of dead processes, which deletes their rows: the
+    # dispatch reap must still know the dead process's node, or a lost pool child's
+    # acks_late job would go back to its line and run again after Celery failed it.
+    from django_fair_jobs.maintenance import run_maintenance
+
+    job = running_under(tasks.dispatched_late, node_alive)
+    report = run_maintenance(timeout=60.0)
+    assert (report.dispatch_requeued, report.dispatch_dropped) == ((1, 0) if back else (0, 1))
+    assert DispatchJob.objects.filter(pk=job.pk).exists() is back
+
+
 def test_d20__a_numeric_expires__counts_from_delay() -> None:
     set_capacity(0)
     job = job_of(tasks.dispatched.apply_async(("acme",), expires=60).id)
