@@ -103,6 +103,27 @@ def test_expires__the_brokers_time_to_live_counts_from_the_publish(
     assert 8 < publish["expiration"] <= 10
 
 
+def test_expires_passed_while_waiting__a_time_to_live_of_0__never_negative(
+    celery_app: Any, sent: list[Any]
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    # The job waited in its line past its expiry: the broker is told to drop it at once
+    # (RabbitMQ refuses a negative expiration), and the worker reports it expired.
+    set_capacity(0)
+    row = job_of(tasks.dispatched.apply_async(("acme",), expires=60).id)
+    stored = json.loads(row.message)
+    stored["headers"]["expires"] = (timezone.now() - timedelta(seconds=30)).isoformat()
+    row.message = json.dumps(stored)
+    row.save(update_fields=["message"])
+    set_capacity(1)
+    dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    ((_, publish),) = sent
+    assert publish["expiration"] == 0.0
+
+
 def test_task_sent_event__sent_when_the_job_is_published(
     monkeypatch: pytest.MonkeyPatch, celery_app: Any, sent: list[Any]
 ) -> None:
@@ -177,6 +198,19 @@ def test_retry__the_callers_own__else_the_apps_when_the_job_is_sent(
     assert by_id[default]["retry"] is celery_app.conf.task_publish_retry
     assert by_id[default]["retry_policy"] == celery_app.conf.task_publish_retry_policy
     assert by_id[refused]["retry"] is False
+
+
+def test_retry_policy__the_callers_keys_over_the_apps(celery_app: Any, sent: list[Any]) -> None:
+    # As Celery's send_task does: the caller's retry_policy updates the app's, key by key.
+    set_capacity(0)
+    task_id = tasks.dispatched.apply_async(("acme",), retry_policy={"max_retries": 1}).id
+    set_capacity(1)
+    dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    ((_, publish),) = sent
+    assert publish["headers"]["id"] == task_id
+    default = celery_app.conf.task_publish_retry_policy
+    assert set(default) - {"max_retries"}, default  # keys of the app's that must stay
+    assert publish["retry_policy"] == {**default, "max_retries": 1}
 
 
 def test_expires_written_naive__read_as_utc_whatever_the_machines_zone(
