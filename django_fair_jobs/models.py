@@ -434,10 +434,11 @@ class RerouteCount(models.Model):
 
 class JobDecision(models.Model):
     """What a rule did to one job (a reroute), or in shadow mode (``FAIR_JOBS_ENFORCE =
-    False``) would have done (defer, reroute, hold in a virtual queue). Read by explain,
-    the dashboard and the metrics; pruned after ``FAIR_JOBS_DECISION_RETENTION``."""
+    False``) would have done (defer, reroute, hold in a tenant's line or a virtual queue).
+    Read by explain, the dashboard and the metrics; pruned after
+    ``FAIR_JOBS_DECISION_RETENTION``."""
 
-    MECHANISMS = ("slots", "queue_limit", "reroute", "planner")
+    MECHANISMS = ("slots", "queue_limit", "reroute", "planner", "dispatch")
 
     at = models.DateTimeField(db_default=Now())
     task_id = models.CharField(max_length=255)
