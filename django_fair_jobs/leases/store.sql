@@ -6,15 +6,20 @@
 -- Release the slots of leases whose holder is gone: the process has not beaten within
 -- the timeout (or its row is missing), or a reservation for a woken job was never
 -- claimed. Every queue and every tenant slot is covered, whoever runs it. Dead process
--- rows are deleted in the same statement. Two reapers at once are safe: the second one's
--- DELETE finds the rows gone and decrements nothing. Returns ('leases', NULL, n), then
--- ('queue', id, n) and ('slot', id, n) per row released.
+-- rows are deleted in the same statement (kept while fair dispatch has a running job of
+-- theirs, below). Two reapers at once are safe: the second one's DELETE finds the rows
+-- gone and decrements nothing. Returns ('leases', NULL, n), then ('queue', id, n) and
+-- ('slot', id, n) per row released.
 -- * queues: each queue row loses the reaped leases in its total and in each node's count
 --   of running. Queue rows are locked before tenant rows, as in every statement.
 WITH dead AS (
-    DELETE FROM fair_jobs_workerprocess
-     WHERE last_heartbeat_at < now() - make_interval(secs => %(timeout)s)
-    RETURNING id
+    -- A dead process's row is the only record of its node, which fair dispatch's reap
+    -- reads (a lost pool child, or its whole node?): kept while it has a running job there.
+    DELETE FROM fair_jobs_workerprocess AS p
+     WHERE p.last_heartbeat_at < now() - make_interval(secs => %(timeout)s)
+       AND NOT EXISTS (SELECT 1 FROM fair_jobs_dispatchjob AS j
+                        WHERE j.process_id = p.id AND j.state = 3)
+    RETURNING p.id
 ), gone AS (
     DELETE FROM fair_jobs_slotlease AS l
      WHERE (l.process_id IS NULL

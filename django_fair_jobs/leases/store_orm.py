@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 def reap(*, timeout: float) -> Reaped:
     """See :func:`django_fair_jobs.leases.store.reap`."""
-    from django_fair_jobs.models import SlotLease, WorkerProcess
+    from django_fair_jobs.dispatch.models import RUNNING
+    from django_fair_jobs.models import DispatchJob, SlotLease, WorkerProcess
 
     with transaction.atomic(using=router.db_for_write(SlotLease)):
         live = WorkerProcess.objects.filter(last_heartbeat_at__gte=db.ago(timeout)).values("pk")
@@ -36,7 +37,12 @@ def reap(*, timeout: float) -> Reaped:
             )
         )
         slots, queues = release_leases(stale)
-        WorkerProcess.objects.filter(last_heartbeat_at__lt=db.ago(timeout)).delete()
+        # A dead process's row is the only record of its node, which fair dispatch's reap
+        # reads: kept while it has a running job there.
+        running = DispatchJob.objects.filter(state=RUNNING).values("process_id")
+        WorkerProcess.objects.filter(last_heartbeat_at__lt=db.ago(timeout)).exclude(
+            pk__in=running
+        ).delete()
     return Reaped(len(stale), tuple(sorted(slots.items())), tuple(sorted(queues.items())))
 
 

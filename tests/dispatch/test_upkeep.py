@@ -136,6 +136,32 @@ def test_d16__in_a_maintenance_pass__the_reap_still_does_what_celery_would(
     assert DispatchJob.objects.filter(pk=job.pk).exists() is back
 
 
+@pytest.mark.parametrize(
+    ("node_alive", "back"),
+    [
+        (True, False),  # a lost pool child: acknowledged, FAILURE
+        (False, True),  # the node is gone: the broker redelivers
+    ],
+)
+def test_d16__a_process_dead_by_the_lease_reap_only__its_row_kept_for_the_dispatch_reap(
+    node_alive: bool, back: bool
+) -> None:
+    # A process that crosses the timeout between a pass's dispatch reap and its lease reap
+    # (or a hand-run reap beside the pass) is dead to the lease reap first: its row, the
+    # only record of its node, stays while it has a running dispatched job.
+    from django_fair_jobs.leases import store as lease_store
+    from django_fair_jobs.maintenance import run_maintenance
+
+    job = running_under(tasks.dispatched_late, node_alive)
+    dead = DispatchJob.objects.get(pk=job.pk).process_id
+    lease_store.reap(timeout=60.0)
+    report = run_maintenance(timeout=60.0)
+    assert (report.dispatch_requeued, report.dispatch_dropped) == ((1, 0) if back else (0, 1))
+    assert DispatchJob.objects.filter(pk=job.pk).exists() is back
+    run_maintenance(timeout=60.0)  # its jobs reaped, the dead row goes
+    assert dead is not None and not WorkerProcess.objects.filter(pk=dead).exists()
+
+
 def test_d20__a_numeric_expires__counts_from_delay() -> None:
     set_capacity(0)
     job = job_of(tasks.dispatched.apply_async(("acme",), expires=60).id)
