@@ -94,7 +94,8 @@ def run_maintenance(timeout: float | None = None) -> MaintenanceReport:
     if timeout is None:
         timeout = fair_settings.WORKER_TIMEOUT
     # Fair dispatch first: its reap reads a dead process's row for its node (was the whole
-    # node lost, or one pool child?), and the lease reap deletes those rows.
+    # node lost, or one pool child?), and the lease reap deletes the dead rows it has done
+    # with (one with a running dispatched job stays for it).
     repaired = _repair_dispatch(timeout)
     reaped = lease_store.reap(timeout=timeout)
     if reaped.leases:
