@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 def reap(*, timeout: float) -> Reaped:
     """See :func:`django_fair_jobs.leases.store.reap`."""
-    from django_fair_jobs.dispatch.models import RUNNING
-    from django_fair_jobs.models import DispatchJob, SlotLease, WorkerProcess
+    from django_fair_jobs.dispatch.models import RUNNING, DispatchJob
+    from django_fair_jobs.models import SlotLease, WorkerProcess
 
     with transaction.atomic(using=router.db_for_write(SlotLease)):
         live = WorkerProcess.objects.filter(last_heartbeat_at__gte=db.ago(timeout)).values("pk")

@@ -81,6 +81,17 @@ def test_publish_signals__sent_at_delay_with_the_stored_headers(
     assert publish["headers"]["traced"] == "at-delay"  # what the receiver added is kept
 
 
+def _waiting_until(expires: str) -> None:
+    """A job stored with ``expires=60``, its message's expiry then set to ``expires`` (ISO
+    8601), as if it had waited in its line; the queue has no room for it yet."""
+    set_capacity(0)
+    row = job_of(tasks.dispatched.apply_async(("acme",), expires=60).id)
+    stored = json.loads(row.message)
+    stored["headers"]["expires"] = expires
+    row.message = json.dumps(stored)
+    row.save(update_fields=["message"])
+
+
 def test_expires__the_brokers_time_to_live_counts_from_the_publish(
     celery_app: Any, sent: list[Any]
 ) -> None:
@@ -88,15 +99,8 @@ def test_expires__the_brokers_time_to_live_counts_from_the_publish(
 
     from django.utils import timezone
 
-    set_capacity(0)
-    task_id = tasks.dispatched.apply_async(("acme",), expires=60).id
-    row = job_of(task_id)
-    stored = json.loads(row.message)
     # The job waited 50 s in its line: 10 s are left of its 60.
-    at = timezone.now() + timedelta(seconds=10)
-    stored["headers"]["expires"] = at.isoformat()
-    row.message = json.dumps(stored)
-    row.save(update_fields=["message"])
+    _waiting_until((timezone.now() + timedelta(seconds=10)).isoformat())
     set_capacity(1)
     dispatch.publish(celery_app, dispatch.dispatch("fair"))
     ((_, publish),) = sent
@@ -112,12 +116,7 @@ def test_expires_passed_while_waiting__a_time_to_live_of_0__never_negative(
 
     # The job waited in its line past its expiry: the broker is told to drop it at once
     # (RabbitMQ refuses a negative expiration), and the worker reports it expired.
-    set_capacity(0)
-    row = job_of(tasks.dispatched.apply_async(("acme",), expires=60).id)
-    stored = json.loads(row.message)
-    stored["headers"]["expires"] = (timezone.now() - timedelta(seconds=30)).isoformat()
-    row.message = json.dumps(stored)
-    row.save(update_fields=["message"])
+    _waiting_until((timezone.now() - timedelta(seconds=30)).isoformat())
     set_capacity(1)
     dispatch.publish(celery_app, dispatch.dispatch("fair"))
     ((_, publish),) = sent
@@ -219,13 +218,7 @@ def test_expires_written_naive__read_as_utc_whatever_the_machines_zone(
     import time
     from datetime import UTC, datetime, timedelta
 
-    set_capacity(0)
-    row = job_of(tasks.dispatched.apply_async(("acme",), expires=60).id)
-    stored = json.loads(row.message)
-    naive = datetime.now(UTC).replace(tzinfo=None) + timedelta(seconds=10)
-    stored["headers"]["expires"] = naive.isoformat()
-    row.message = json.dumps(stored)
-    row.save(update_fields=["message"])
+    _waiting_until((datetime.now(UTC).replace(tzinfo=None) + timedelta(seconds=10)).isoformat())
     zone = os.environ.get("TZ")
     os.environ["TZ"] = "America/New_York"  # five hours behind UTC
     time.tzset()

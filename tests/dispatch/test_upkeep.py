@@ -115,6 +115,7 @@ def test_d16__the_reap_does_what_celery_would(task: Any, node_alive: bool, back:
     assert DispatchJob.objects.filter(pk=job.pk).exists() is back
 
 
+@pytest.mark.parametrize("leases_reaped_first", [False, True])
 @pytest.mark.parametrize(
     ("node_alive", "back"),
     [
@@ -123,38 +124,20 @@ def test_d16__the_reap_does_what_celery_would(task: Any, node_alive: bool, back:
     ],
 )
 def test_d16__in_a_maintenance_pass__the_reap_still_does_what_celery_would(
-    node_alive: bool, back: bool
+    node_alive: bool, back: bool, leases_reaped_first: bool
 ) -> None:
-    # The pass also reaps the leases of dead processes, which deletes their rows: the
-    # dispatch reap must still know the dead process's node, or a lost pool child's
-    # acks_late job would go back to its line and run again after Celery failed it.
-    from django_fair_jobs.maintenance import run_maintenance
-
-    job = running_under(tasks.dispatched_late, node_alive)
-    report = run_maintenance(timeout=60.0)
-    assert (report.dispatch_requeued, report.dispatch_dropped) == ((1, 0) if back else (0, 1))
-    assert DispatchJob.objects.filter(pk=job.pk).exists() is back
-
-
-@pytest.mark.parametrize(
-    ("node_alive", "back"),
-    [
-        (True, False),  # a lost pool child: acknowledged, FAILURE
-        (False, True),  # the node is gone: the broker redelivers
-    ],
-)
-def test_d16__a_process_dead_by_the_lease_reap_only__its_row_kept_for_the_dispatch_reap(
-    node_alive: bool, back: bool
-) -> None:
-    # A process that crosses the timeout between a pass's dispatch reap and its lease reap
-    # (or a hand-run reap beside the pass) is dead to the lease reap first: its row, the
-    # only record of its node, stays while it has a running dispatched job.
+    # The pass also reaps the leases of dead processes, which deletes their rows, the only
+    # record of their nodes: without it a lost pool child's acks_late job would go back to
+    # its line and run again after Celery failed it. A process that crosses the timeout
+    # between the pass's two reaps (or a reap run by hand beside the pass) is dead to the
+    # lease reap first (leases_reaped_first): its row stays while it has a running job.
     from django_fair_jobs.leases import store as lease_store
     from django_fair_jobs.maintenance import run_maintenance
 
     job = running_under(tasks.dispatched_late, node_alive)
     dead = DispatchJob.objects.get(pk=job.pk).process_id
-    lease_store.reap(timeout=60.0)
+    if leases_reaped_first:
+        lease_store.reap(timeout=60.0)
     report = run_maintenance(timeout=60.0)
     assert (report.dispatch_requeued, report.dispatch_dropped) == ((1, 0) if back else (0, 1))
     assert DispatchJob.objects.filter(pk=job.pk).exists() is back
