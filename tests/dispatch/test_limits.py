@@ -383,3 +383,44 @@ def test_a_start_from_the_line__blocks_the_line_when_it_fills_the_cap__not_befor
     assert dispatch.start(second, uuid.uuid4()).status == "started"
     line = DispatchTenant.objects.get(tenant="acme")
     assert (line.in_flight, line.waiting, line.blocked) == (2, 1, True)
+
+
+def test_a_slot_lowered_to_the_lines_jobs_in_flight__nothing_more_dispatched(
+    published: list[int],
+) -> None:
+    # The line of an uncapped task is open with two jobs in flight; its tenant slot is
+    # lowered to 2, which leaves it no room but does not block it: the selection, which
+    # finds it first when the queue grows, must compare its count with the slot's cap
+    # (at it, not only above it) and block it, not dispatch a third job for the fence
+    # to refuse.
+    set_capacity(2)
+    for _ in range(4):
+        tasks.dispatched.delay("acme")
+    assert len(published) == 2 and not DispatchTenant.objects.get(tenant="acme").blocked
+    slots.set_tenant_limit("acme", "fair", 2)
+    set_capacity(8)
+    pump(published)
+    assert len(published) == 2
+    line = DispatchTenant.objects.get(tenant="acme")
+    assert (line.in_flight, line.waiting, line.blocked) == (2, 2, True)
+
+
+def test_a_dispatch_that_fills_its_lines_cap__blocks_the_line__though_the_room_ends_with_it(
+    published: list[int],
+) -> None:
+    # The dispatch that brings a line to its cap marks it blocked in the same update, not
+    # at the next dispatch that would find it at its cap: here the queue's room runs out
+    # with that job, and the line, at its cap with a job waiting, is blocked (out of the
+    # selection's index) and counted so by the status views.
+    from django_fair_jobs import status
+
+    set_capacity(0)
+    for _ in range(3):
+        tasks.dispatched_capped.delay("acme")  # fair_max_jobs=2
+    set_capacity(2)
+    pump(published)
+    assert len(published) == 2
+    line = DispatchTenant.objects.get(tenant="acme")
+    assert (line.in_flight, line.waiting, line.blocked) == (2, 1, True)
+    (row,) = [d for d in status.snapshot()["dispatch"] if d["queue"] == "fair"]
+    assert row["blocked_tenants"] == 1

@@ -273,6 +273,20 @@ def test_an_enqueue_sent_again__its_job_ran_and_ended_meanwhile__not_stored_agai
     assert not DispatchJob.objects.filter(task_id="an-id").exists()
 
 
+def test_an_enqueue_sent_again__its_dispatched_job_started_meanwhile__not_published_again() -> None:
+    # The first try stored and dispatched the job (its reply lost); the lost-message
+    # repair published it and a worker started it before the second try asked: the
+    # second try answers only with jobs that have not started, so no copy of a running
+    # job is published.
+    set_capacity(1)
+    store = dispatch._store()
+    job = an_id_job()
+    (ready,) = store.enqueue(job, -7)
+    assert dispatch.start(ready.job_id, uuid.uuid4()).status == "started"
+    assert store.enqueue(job, -7, again=True) == []
+    assert DispatchJob.objects.filter(task_id="an-id").count() == 1
+
+
 def wait_for_enqueues_waiting(count: int) -> None:
     """Until ``count`` sessions of the test database wait for a lock (5 s at most): the
     enqueue's tries, whichever store sends them."""

@@ -291,6 +291,39 @@ def test_end_many__one_round_trip__only_its_own_running_jobs__room_dispatched(
         assert len(queries) == 1
 
 
+def test_end_many__two_jobs_of_one_line__its_count_in_flight_drops_by_both(
+    published: list[int],
+) -> None:
+    # A flush carries every end its process made since the last one, often several of
+    # one tenant: the line's count in flight drops by each of them, not by one per line
+    # (a count left too high holds the tenant back, below its share and at its cap early).
+    set_capacity(2)
+    enqueue("a", 4)
+    first, second = published
+    for job in (first, second):
+        assert dispatch.start(job, PROCESS).status == "started"
+    ready = dispatch.end_many([first, second], PROCESS)
+    assert [tenant_of(r.job_id) for r in ready] == ["a", "a"]  # the room both left
+    line = DispatchTenant.objects.get(tenant="a")
+    assert (line.in_flight, line.waiting) == (2, 0)
+    assert dispatch.recount() == 0  # no drift for maintenance to set right
+
+
+def test_cancel__a_countdown_of_a_line_with_jobs_waiting__the_waiting_count_stays_true(
+    published: list[int],
+) -> None:
+    # A job not yet due (or failed) is in no line: its cancel lowers the line's waiting
+    # count only by the waiting jobs it deleted.
+    set_capacity(0)
+    enqueue("a", 2)
+    later = tasks.dispatched_capped.apply_async(("a",), countdown=3600).id
+    cancelled = dispatch.cancel("fair", "a", tasks.dispatched_capped.name)
+    assert cancelled == [(later, False)]
+    line = DispatchTenant.objects.get(tenant="a")
+    assert (line.waiting, line.in_flight) == (2, 0)
+    assert dispatch.recount() == 0  # no drift for maintenance to set right
+
+
 def _ended_and_dispatched(ended: int) -> tuple[list[str], int]:
     """End ``ended`` (running under PROCESS) as a flush does; the tenants of the jobs it
     dispatched, and how many row updates of the line table it made."""
