@@ -199,6 +199,19 @@ def test_retry__the_callers_own__else_the_apps_when_the_job_is_sent(
     assert by_id[refused]["retry"] is False
 
 
+def test_priority_and_the_callers_properties__published_as_given(
+    celery_app: Any, sent: list[Any]
+) -> None:
+    # What Celery hands its producer beyond the routing (priority, correlation id) is
+    # stored at delay() and goes with the publish: a broker that orders by priority sees it.
+    set_capacity(0)
+    task_id = tasks.dispatched.apply_async(("acme",), priority=7).id
+    set_capacity(1)
+    dispatch.publish(celery_app, dispatch.dispatch("fair"))
+    ((_, publish),) = sent
+    assert (publish["priority"], publish["correlation_id"]) == (7, task_id)
+
+
 def test_retry_policy__the_callers_keys_over_the_apps(celery_app: Any, sent: list[Any]) -> None:
     # As Celery's send_task does: the caller's retry_policy updates the app's, key by key.
     set_capacity(0)
