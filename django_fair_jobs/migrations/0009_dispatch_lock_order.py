@@ -15,18 +15,17 @@ FUNCTIONS_DIGEST = "03ca689d3522b92b0ea868bfe3c69e31f5a40be9ec2988c38cd631f4cacb
 def install_functions(apps: Any, schema_editor: Any) -> None:
     # The functions of the protocol without a queue-wide row (sql/dispatch.sql), in place
     # of those migration 0006 installed; other databases use the ORM store.
-    install_dispatch_functions(
-        schema_editor,
-        replacing=[
-            "fair_jobs_enqueue(text, text, text, text, text, timestamptz, double precision,"
-            " integer, boolean)",
-            "fair_jobs_enqueue_many(text[], text[], text[], text[], text[], timestamptz[],"
-            " double precision[], integer[])",
-            "fair_jobs_dispatch_start(bigint, uuid)",
-            "fair_jobs_dispatch_end(bigint, uuid, boolean, double precision, integer)",
-            "fair_jobs_dispatch(text, integer)",
-        ],
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS fair_jobs_enqueue(text, text, text, text, text, timestamptz, "
+        "double precision, integer, boolean), fair_jobs_enqueue_many(text[], text[], text[], "
+        "text[], text[], timestamptz[], double precision[], integer[]), "
+        "fair_jobs_dispatch_start(bigint, uuid), fair_jobs_dispatch_end(bigint, uuid, boolean, "
+        "double precision, integer), fair_jobs_dispatch(text, integer)",
+        params=None,
     )
+    install_dispatch_functions(schema_editor)
 
 
 def drop_functions(apps: Any, schema_editor: Any) -> None:

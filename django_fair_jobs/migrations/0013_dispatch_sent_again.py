@@ -12,14 +12,14 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
     # An end sent again after a lost reply returns what its first try dispatched: the
     # dispatch keeps the job whose end made the room (dispatched_by), and the ends take
     # p_again. New arguments make new signatures, so the old ones are dropped first.
-    install_dispatch_functions(
-        schema_editor,
-        replacing=[
-            "fair_jobs_dispatch(text, integer)",
-            "fair_jobs_dispatch_end(bigint, uuid, text, double precision, boolean, integer)",
-            "fair_jobs_dispatch_end_many(bigint[], uuid, integer)",
-        ],
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS fair_jobs_dispatch(text, integer),"
+        " fair_jobs_dispatch_end(bigint, uuid, text, double precision, boolean, integer),"
+        " fair_jobs_dispatch_end_many(bigint[], uuid, integer)"
     )
+    install_dispatch_functions(schema_editor)
 
 
 class Migration(migrations.Migration):

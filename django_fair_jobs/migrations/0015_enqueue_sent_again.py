@@ -12,13 +12,13 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
     # An enqueue's dispatch keeps the number the enqueue drew (p_by), so that the enqueue
     # sent again after a lost reply finds every job that dispatch took. A new argument
     # makes a new signature, so the old one is dropped first.
-    install_dispatch_functions(
-        schema_editor,
-        replacing=[
-            "fair_jobs_enqueue(text, text, text, text, text, double precision, timestamptz,"
-            " double precision, integer, smallint, boolean)"
-        ],
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS fair_jobs_enqueue(text, text, text, text, text,"
+        " double precision, timestamptz, double precision, integer, smallint, boolean)"
     )
+    install_dispatch_functions(schema_editor)
 
 
 class Migration(migrations.Migration):

@@ -12,13 +12,13 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
     # An enqueue's first try inserts its receipt plainly (a number taken raises instead of
     # leaving the job unstored); only a try sent again looks for an earlier receipt. A new
     # argument (p_again) makes a new signature, so the old one is dropped first.
-    install_dispatch_functions(
-        schema_editor,
-        replacing=[
-            "fair_jobs_enqueue(text, text, text, text, text, double precision, timestamptz,"
-            " double precision, integer, smallint, boolean, bigint)"
-        ],
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    schema_editor.execute(
+        "DROP FUNCTION IF EXISTS fair_jobs_enqueue(text, text, text, text, text,"
+        " double precision, timestamptz, double precision, integer, smallint, boolean, bigint)"
     )
+    install_dispatch_functions(schema_editor)
 
 
 class Migration(migrations.Migration):

@@ -5,14 +5,16 @@ from typing import Any
 
 from django.db import migrations
 
-from django_fair_jobs.sql import install_dispatch_functions
+from django_fair_jobs.sql import install_functions
 
 # The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
 FUNCTIONS_DIGEST = "e8da397ab1553beb68b3a38f6c94e6a1f6ce17325cbf347440bce4db03314527"
 
 
 def install(apps: Any, schema_editor: Any) -> None:
-    install_dispatch_functions(schema_editor, replacing=["fair_jobs_dispatch(text, integer, bigint)"])
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute("DROP FUNCTION IF EXISTS fair_jobs_dispatch(text, integer, bigint)")
+    install_functions(apps, schema_editor)
 
 
 class Migration(migrations.Migration):

@@ -6,14 +6,16 @@ from typing import Any
 
 from django.db import migrations
 
-from django_fair_jobs.sql import install_dispatch_functions
+from django_fair_jobs.sql import install_functions
 
 # The digest of the functions block this migration installs (tests/dispatch/test_functions.py).
 FUNCTIONS_DIGEST = "d458949931189b8943b378c9d735412e7d8617c76ade8e9746a318eb0998364c"
 
 
 def install(apps: Any, schema_editor: Any) -> None:
-    install_dispatch_functions(schema_editor, replacing=["fair_jobs_dispatch_start(bigint, uuid)"])
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute("DROP FUNCTION IF EXISTS fair_jobs_dispatch_start(bigint, uuid)")
+    install_functions(apps, schema_editor)
 
 
 class Migration(migrations.Migration):

@@ -14,7 +14,6 @@ followed by a write. Other databases use the ORM path of each room's store inste
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from functools import cache
 from importlib.resources import files
 from typing import Any
@@ -75,14 +74,11 @@ def install_functions(apps: Any, schema_editor: Any) -> None:
     install_dispatch_functions(schema_editor)
 
 
-def install_dispatch_functions(schema_editor: Any, replacing: Sequence[str] = ()) -> None:
+def install_dispatch_functions(schema_editor: Any) -> None:
     """Install fair dispatch's functions (the ``functions`` block of ``sql/dispatch.sql``)
     with a migration's ``schema_editor``, on PostgreSQL only: other databases use the ORM
-    store. ``replacing`` names the signatures (``"name(argument types)"``) a migration
-    changes: PostgreSQL changes a function's arguments or result columns only by dropping
-    it first, so they are dropped, in their own statement, before the install."""
+    store. A migration that changes a function's signature or result columns drops the
+    old one first, in its own statement."""
     if schema_editor.connection.vendor != "postgresql":
         return
-    if replacing:
-        schema_editor.execute("DROP FUNCTION IF EXISTS " + ", ".join(replacing), params=None)
     schema_editor.execute(queries("dispatch")["functions"], params=None)
