@@ -329,37 +329,3 @@ def test_a_batch_that_fails__nothing_lost__the_first_aside__the_rest_repaired(
     assert len(failures) == 5  # nothing lost
     assert failures[ready[0].job_id] == 1  # aside, for a growing delay
     assert DispatchJob.objects.filter(state=2).count() == 4  # for the lost-message repair
-
-
-@pytest.mark.usefixtures("empty_broker")
-def test_a_queue_not_declared_yet__the_publish_declares_it__the_message_kept(
-    celery_app: Any,
-) -> None:
-    import redis
-    from django.conf import settings
-
-    # Before any worker has started, Redis has no binding of the queue to its exchange, and
-    # a message published to that exchange without declaring the queue is dropped (one sent
-    # to the default exchange, Celery's default route, needs none). Plain Celery declares
-    # the queue at the publish; so must a dispatched job's, on a connection that has not.
-    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-    set_capacity(0)
-    tasks.dispatched.apply_async(("acme",), exchange="fair", routing_key="fair")
-    _new_connections(celery_app)  # none of them remembers declaring the queue
-    client.delete("_kombu.binding.fair", "_kombu.binding_permanent.fair")  # kombu 5.7 keeps both
-    try:
-        set_capacity(1)
-        assert dispatch.publish(celery_app, dispatch.dispatch("fair")) == 1
-        assert _in_broker() == list(DispatchJob.objects.values_list("pk", flat=True))
-    finally:
-        _new_connections(celery_app)  # the next publish declares the queue again
-
-
-def _new_connections(app: Any) -> None:
-    """Close ``app``'s pooled connections and producers, each of which remembers the
-    queues it declared; the next publish opens new ones."""
-    from kombu import pools
-
-    pools.reset()  # kombu's pools are shared by connection: closed, then forgotten
-    app._pool = None
-    app.amqp._producer_pool = None
