@@ -436,9 +436,8 @@ class JobDecision(models.Model):
     """What a rule did to one job (a reroute), or in shadow mode (``FAIR_JOBS_ENFORCE =
     False``) would have done (defer, reroute, hold in a tenant's line or a virtual queue).
     Read by explain, the dashboard and the metrics; pruned after
-    ``FAIR_JOBS_DECISION_RETENTION``."""
-
-    MECHANISMS = ("slots", "queue_limit", "reroute", "planner", "dispatch")
+    ``FAIR_JOBS_DECISION_RETENTION``. ``mechanism`` is ``slots``, ``queue_limit``,
+    ``reroute``, ``planner`` or ``dispatch``."""
 
     at = models.DateTimeField(db_default=Now())
     task_id = models.CharField(max_length=255)

@@ -329,3 +329,34 @@ def test_a_batch_that_fails__nothing_lost__the_first_aside__the_rest_repaired(
     assert len(failures) == 5  # nothing lost
     assert failures[ready[0].job_id] == 1  # aside, for a growing delay
     assert DispatchJob.objects.filter(state=2).count() == 4  # for the lost-message repair
+
+
+@pytest.mark.usefixtures("empty_broker")
+def test_a_queue_not_declared_yet__the_send_declares_it__the_message_kept(
+    celery_app: Any,
+) -> None:
+    """Before any worker has started, Redis has no binding of the queue to its exchange,
+    and a message published to that exchange without declaring the queue is dropped (one
+    sent to the default exchange, Celery's default route, needs none). Plain Celery
+    declares the queue at the publish; so must a dispatched job's, on a connection that
+    has not declared it yet."""
+    import redis
+    from django.conf import settings
+
+    from django_fair_jobs.dispatch import message
+
+    set_capacity(0)
+    job = job_of(tasks.dispatched.apply_async(("acme",), exchange="fair", routing_key="fair").id)
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    # A connection of its own, which remembers declaring nothing; the app's pooled ones
+    # stay as they are for the tests after this one (closing them breaks their threads).
+    with celery_app.connection_for_write() as connection:
+        client.delete(
+            "_kombu.binding.fair", "_kombu.binding_permanent.fair"
+        )  # kombu 5.7 keeps both
+        try:
+            producer = Producer(connection.default_channel)
+            message.send(celery_app, producer, job.message, int(job.pk))
+        finally:  # the binding back, whatever the send did
+            celery_app.amqp.queues["fair"](connection.default_channel).declare()
+    assert _in_broker() == [job.pk]
