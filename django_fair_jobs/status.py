@@ -178,7 +178,7 @@ def _summaries(now: datetime) -> _Summaries:
         (out.parked, "slot__tenant", "parked_at",
          ParkedJob.objects.filter(woken_at__isnull=True, slot__isnull=False)),
         (out.pending, "tenant", "enqueued_at",
-         PlannedJob.objects.filter(promoted_at__isnull=True)),
+         PlannedJob.objects.filter(promoted_at__isnull=True, failed_at__isnull=True)),
     )  # fmt: skip
     for counts, tenant_field, since, rows in waiting:
         grouped = (

@@ -149,6 +149,21 @@ def test_fairness_index__jain_of_the_small_tenants_waits() -> None:
     assert waited == pytest.approx(3000, abs=30)
 
 
+def test_tenant_pending__a_failed_planned_job_is_not_waiting() -> None:
+    # A planned job whose publish failed for good stays unpromoted; it waits for no one
+    # (the planner skips it), so it is neither pending nor the tenant's oldest wait, as
+    # the planner's own gauges and the admin count it.
+    plan("acme", "p1", waited=50)
+    plan("acme", "p2", waited=3000)
+    PlannedJob.objects.filter(task_id="p2").update(failed_at=database_now())
+    samples = scrape()
+    assert value(samples, "fair_jobs_tenant_pending", tenant="acme") == 1
+    waited = value(samples, "fair_jobs_tenant_oldest_wait_seconds", tenant="acme")
+    assert waited == pytest.approx(50, abs=30)
+    labels = {"task": "app.report", "tenant": "acme"}
+    assert value(samples, "fair_jobs_planner_pending", **labels) == 1
+
+
 def test_fairness_index__absent_when_no_tenant_is_active() -> None:
     samples = scrape()
     assert value(samples, "fair_jobs_fairness_index") is None
