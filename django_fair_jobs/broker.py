@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django import db as django_db
-from kombu.exceptions import InconsistencyError
+from kombu.exceptions import InconsistencyError, KombuError
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils.json import loads
 
@@ -47,9 +47,10 @@ def unreachable(exc: BaseException) -> bool:
     connection refused, reset, timed out or closed), not that the job is wrong. kombu's
     retry wraps a broker's refusal of one message (a Redis error reply, RabbitMQ's
     ``ContentTooLarge``, a queue no longer declared) in the same ``OperationalError`` as
-    a lost connection, so the error is looked through to its cause."""
+    a lost connection, and a Redis batch (kombu 5.7) wraps either in a
+    ``BatchPublishError``, so the error is looked through to its cause."""
     seen: BaseException = exc
-    while isinstance(seen, KombuOperationalError) and seen.__cause__ is not None:
+    while isinstance(seen, KombuError) and seen.__cause__ is not None:
         seen = seen.__cause__
     return isinstance(seen, (KombuOperationalError, *_connection_level()))
 

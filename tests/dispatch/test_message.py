@@ -360,3 +360,38 @@ def test_a_queue_not_declared_yet__the_send_declares_it__the_message_kept(
         finally:  # the binding back, whatever the send did
             celery_app.amqp.queues["fair"](connection.default_channel).declare()
     assert _in_broker() == [job.pk]
+
+
+@pytest.mark.usefixtures("empty_broker")
+def test_a_batch_that_cannot_reach_the_broker__past_the_tries__fails_no_job(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    """A broker that cannot be reached is not a job's fault: a batch whose connection is
+    reset sets its first job aside, whatever its count of failed publishes, and never ends
+    it failed, as for a job published alone (an outage longer than the tries)."""
+    from redis.connection import AbstractConnection
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from django_fair_jobs.dispatch.models import SCHEDULED
+    from django_fair_jobs.dispatch.store import PUBLISH_ATTEMPTS
+
+    set_capacity(0)
+    for i in range(2):
+        tasks.dispatched.delay(f"t{i}")
+    DispatchJob.objects.update(publish_failures=PUBLISH_ATTEMPTS)  # the outage's tries so far
+    set_capacity(2)
+    ready = dispatch.dispatch("fair")
+    assert len(ready) == 2
+    with celery_app.producer_or_acquire() as producer:
+        # Connected and the queue declared, as on a busy node: the reset comes with the
+        # pushes themselves.
+        producer.maybe_declare(celery_app.amqp.queues["fair"])
+
+    def cut(self: Any, command: Any, check_health: bool = True) -> None:
+        raise RedisConnectionError("Connection reset by peer")
+
+    with monkeypatch.context() as broken:
+        broken.setattr(AbstractConnection, "send_packed_command", cut)
+        assert dispatch.publish(celery_app, ready) == 0
+    row = DispatchJob.objects.get(pk=ready[0].job_id)
+    assert (row.state, row.publish_failures) == (SCHEDULED, PUBLISH_ATTEMPTS + 1)
