@@ -212,6 +212,51 @@ def test_d19__set_aside_by_an_outage__then_refused_as_unregistered__explain_name
     assert (row.failure, row.publish_failures) == ("", 0)
 
 
+def test_unregistered__the_room_it_leaves_goes_to_the_next_job_at_once(
+    celery_app: Any, collected: list[int]
+) -> None:
+    # A job a worker rejects (no such task there) ends failed, and its room is dispatched
+    # then, not left until the due poll or the lost-message repair finds it.
+    set_capacity(1)
+    first = job_of(tasks.dispatched.delay("acme").id)
+    second = job_of(tasks.dispatched.delay("beta").id)
+    assert DispatchJob.objects.get(pk=second.pk).state == WAITING  # behind the room
+    collected.clear()
+    dispatch.unregistered(celery_app, first.pk, tasks.dispatched.name)
+    assert DispatchJob.objects.get(pk=first.pk).state == FAILED
+    assert collected == [second.pk]
+    assert DispatchJob.objects.get(pk=second.pk).state == DISPATCHED
+
+
+@pytest.mark.parametrize("terminated", [False, True])
+def test_revoked__its_row_goes__the_room_it_leaves_goes_to_the_next_job_at_once(
+    celery_app: Any, collected: list[int], terminated: bool
+) -> None:
+    # A revoked job's message dropped by a worker (or its running job terminated, its
+    # process gone) leaves room: the next job in line is dispatched then, not left until
+    # the due poll or the maintenance pass finds the room.
+    set_capacity(1)
+    first = job_of(tasks.dispatched.delay("acme").id)
+    second = job_of(tasks.dispatched.delay("beta").id)
+    if terminated:
+        assert dispatch.start(first.pk, identity.current_process_id()).status == "started"
+    collected.clear()
+    dispatch.drop(celery_app, first.task_id, terminated=terminated)
+    assert not DispatchJob.objects.filter(pk=first.pk).exists()
+    assert collected == [second.pk]
+
+
+def test_put_back_failed__a_job_that_has_not_failed_is_left_as_it_is(celery_app: Any) -> None:
+    # The admin's action, or a script, may name a job that a worker runs or that is on its
+    # way to one: only a failed job goes back in line (else it would run twice, and its
+    # line's counts would drift).
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    assert DispatchJob.objects.get(pk=job.pk).state == DISPATCHED
+    assert dispatch.put_back_failed(celery_app, [job.pk]) == 0
+    assert DispatchJob.objects.get(pk=job.pk).state == DISPATCHED
+
+
 def test_failed_job_put_back_inside_atomic__dispatched_as_the_caller_commits(
     celery_app: Any, collected: list[int]
 ) -> None:
@@ -265,7 +310,9 @@ def test_d6__a_broker_outage_past_the_tries__the_job_waits_it_out__never_fails(
     row = DispatchJob.objects.get(task_id=task_id)
     assert row.state == SCHEDULED and row.publish_failures == PUBLISH_ATTEMPTS + 2
     assert row.not_before is not None
+    # Its wait doubles up to MAX_BACKOFF, never past it (2 ** 7 s would be two minutes).
     assert row.not_before > timezone.now() + timedelta(seconds=MAX_BACKOFF - 5)
+    assert row.not_before < timezone.now() + timedelta(seconds=MAX_BACKOFF + 5)
     assert dispatch.in_flight() == {}  # aside, it holds no room
     # The broker answers: the job is published, once.
     sent: list[str] = []

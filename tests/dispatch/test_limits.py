@@ -325,6 +325,31 @@ def test_a_tenants_first_line_under_its_full_tenant_slot__blocked__nothing_dispa
     assert len(published) == 1
 
 
+def test_a_maintenance_pass__unblocks_a_line_whose_room_came_back_unannounced(
+    published: list[int],
+) -> None:
+    # A tenant slot freed by a step that announces nothing (a slot row changed by hand, a
+    # count set right) leaves the line blocked; the maintenance pass unblocks it and its
+    # queue is dispatched, with no end of the tenant's to wait for.
+    import uuid
+
+    from django_fair_jobs import identity
+    from django_fair_jobs.maintenance import run_maintenance
+    from django_fair_jobs.models import TenantQueueSlot
+
+    identity.register_process(  # the queue's capacity, as the pass counts it
+        process_id=uuid.uuid4(), node="n@h", hostname="h", pid=1, queues=["fair"], concurrency=8
+    )
+    set_capacity(8)
+    TenantQueueSlot.objects.create(tenant="acme", queue="fair", current_jobs=2)
+    tasks.dispatched_capped.delay("acme")
+    assert published == [] and DispatchTenant.objects.get(tenant="acme").blocked
+    TenantQueueSlot.objects.filter(tenant="acme").update(current_jobs=1)
+    run_maintenance(timeout=60.0)
+    assert len(published) == 1
+    assert not DispatchTenant.objects.get(tenant="acme").blocked
+
+
 def test_a_cancel_inside_the_callers_transaction__dispatches_the_line_it_freed_after_commit(
     published: list[int],
 ) -> None:

@@ -84,6 +84,26 @@ def test_d15__lost_message_repair__not_while_no_worker_consumes_the_queue() -> N
     assert _store().lost(1.0) == []
 
 
+def test_d15__a_maintenance_pass_publishes_a_lost_message_again(
+    settings: Any, collected: list[int]
+) -> None:
+    # The lost-message repair is the pass's: a job dispatched and never started (its
+    # message purged, its publisher dead) is published again by it while a live worker
+    # consumes its queue.
+    from django_fair_jobs.maintenance import run_maintenance
+
+    settings.FAIR_JOBS_DISPATCH_LOST_AFTER = 1.0
+    identity.register_process(
+        process_id=uuid.uuid4(), node="n@h", hostname="h", pid=1, queues=["fair"]
+    )
+    set_capacity(1)
+    job = stale_dispatched(1.5)
+    collected.clear()
+    report = run_maintenance(timeout=60.0)
+    assert report.dispatch_republished == 1
+    assert collected == [job.pk]
+
+
 def running_under(task: Any, node_alive: bool) -> DispatchJob:
     """A job of ``task`` running under a process that stopped beating; another process of
     the same node still beats if ``node_alive``."""
@@ -175,6 +195,21 @@ def test_d21__counts_that_drifted__recounted_and_logged(caplog: pytest.LogCaptur
     assert (line.waiting, line.in_flight) == (3, 0)
     assert "counted 7 waiting and 2 in flight" in caplog.text
     assert dispatch.recount() == 0
+
+
+def test_d21__a_maintenance_pass_recounts_the_lines() -> None:
+    # The recount is maintenance's: a pass that left it out would leave a drifted count
+    # (a line that looks full, or empty) until someone called it by hand.
+    from django_fair_jobs.maintenance import run_maintenance
+
+    set_capacity(0)
+    for _ in range(3):
+        tasks.dispatched.delay("acme")
+    DispatchTenant.objects.filter(tenant="acme").update(waiting=7, in_flight=2)
+    run_maintenance(timeout=60.0)
+    assert dispatch.recount() == 0  # nothing drifted left
+    line = DispatchTenant.objects.get(tenant="acme")
+    assert line.waiting + line.in_flight == 3
 
 
 def test_d21__a_head_that_drifted__set_from_the_jobs_and_logged(
