@@ -254,3 +254,33 @@ def test_a_job_put_back_while_the_confirmation_runs__waits_for_it__not_started_a
     row = DispatchJob.objects.get(pk=job.pk)
     assert row.state != RUNNING and row.process_id is None
     assert LEDGER.unconfirmed_starts == {}
+
+
+def test_an_end_carried_by_a_start__kept_to_confirm(
+    monkeypatch: pytest.MonkeyPatch, in_process_worker: uuid.UUID
+) -> None:
+    # The start that carried the end did not wait for the disk: a crash of the server
+    # can lose the end with it, and the job would keep its room while the process lives.
+    needs_sql()
+    set_capacity(2)
+    first, second = (job_of(tasks.dispatched.delay("acme").id) for _ in range(2))
+    flusher.start()
+    monkeypatch.setattr(ends, "own_thread", no_thread)
+    assert deliver(first) == "ran"
+    assert deliver(second) == "ran"  # its start carried the first's end
+    assert not DispatchJob.objects.filter(pk=first.pk).exists()
+    assert LEDGER.unconfirmed_ends == {first.pk: in_process_worker}
+
+
+def test_an_end_kept_for_the_heartbeat__its_unconfirmed_start_kept_until_it_ends(
+    in_process_worker: uuid.UUID, celery_app: Any
+) -> None:
+    # A crash lost the start and the flush of the job's end failed: the confirmation
+    # leaves the start for after that end, which then matches no row and is kept with
+    # it, so the next confirmation starts the job again and ends it.
+    job = unconfirmed_job(in_process_worker, started=False)
+    ends.end_later(job.pk, in_process_worker, outcome="end")
+    assert admission.confirm_dispatch(celery_app) == 0
+    assert admission.retry_pending_ends(celery_app) == 1
+    assert admission.confirm_dispatch(celery_app) == 1
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()

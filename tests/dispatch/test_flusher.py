@@ -400,3 +400,92 @@ def test_a_pending_end_whose_connection_is_closed__kept_for_the_next_heartbeat(
     monkeypatch.setattr(dispatch, "end_many", real)
     assert admission.retry_pending_ends(celery_app) == 1
     assert collected == [second.pk]
+
+
+def wait_for(done: Any) -> bool:
+    """Whether ``done()`` came true within about 30 s (it returns as soon as it does): the
+    flusher thread works on its own, and a loaded machine may keep it waiting for a core."""
+    for _ in range(3000):
+        if done():
+            return True
+        threading.Event().wait(0.01)
+    return bool(done())
+
+
+def test_a_busy_process__each_end_kept_for_the_next_start__which_carries_it(
+    settings: Any, end_many_threads: list[str]
+) -> None:
+    # A process whose starts come within the wait of the end before them keeps each end
+    # for its next start, also after the thread flushed one alone: its jobs' statements
+    # stay two (the enqueue, the start), not three.
+    settings.FAIR_JOBS_DISPATCH_CARRY_WAIT = 30.0  # no end is flushed for its deadline here
+    set_capacity(3)
+    first, second, third = (job_of(tasks.dispatched.delay("acme").id) for _ in range(3))
+    flusher.start()
+    assert deliver(first) == "ran"  # no start came before it: the thread flushes it at once
+    assert wait_for(lambda: not ends.ended_here(first.pk))
+    assert deliver(second) == "ran"  # its start came within the wait: its end is kept
+    assert wait_for(lambda: not LEDGER.flush_wanted.is_set())  # the thread saw it
+    assert deliver(third) == "ran"
+    assert not DispatchJob.objects.filter(pk=second.pk).exists()  # ended by the third's start
+    assert end_many_threads == ["fair-jobs-flusher"]  # the first's flush alone
+    assert [job_id for job_id, _, _ in LEDGER.ending] == [third.pk]
+
+
+def test_ends_a_start_carried__the_thread_publishes_their_room_at_once__then_stops(
+    settings: Any, celery_app: Any, collected: list[int]
+) -> None:
+    # What the room of the carried ends went to goes out when the start commits, not once
+    # the job that carried them ends; and the thread ends at stop, not left behind.
+    settings.FAIR_JOBS_DISPATCH_CARRY_WAIT = 30.0
+    set_capacity(2)
+    first, second, third = (job_of(tasks.dispatched.delay("acme").id) for _ in range(3))
+    process = uuid.uuid4()
+    assert dispatch.start(first.pk, process).status == "started"
+    flusher.start()
+    LEDGER.handed_at = time.monotonic() + 5.0  # the process's starts come within the wait
+    flusher.take(process)
+    assert flusher.hand(celery_app, first.pk, process)  # kept for the next start
+    carrying = flusher.take(process)
+    started = dispatch.start(second.pk, process, ended=[first.pk])
+    assert [r.job_id for r in started.ready] == [third.pk] and third.pk not in collected
+    flusher.carried(carrying, started.ready, asynchronous=False)
+    assert wait_for(lambda: third.pk in collected)  # the second job is still running
+    assert LEDGER.flusher is not None
+    thread = LEDGER.flusher[1]
+    flusher.stop()
+    assert not thread.is_alive()
+
+
+def test_an_end_after_the_flusher_stopped__ended_in_the_jobs_thread() -> None:
+    # At shutdown the thread flushed what it held and ended: a later end is not handed to
+    # a new thread, which the process's exit could stop before it flushes.
+    set_capacity(1)
+    job = job_of(tasks.dispatched.delay("acme").id)
+    flusher.start()
+    flusher.stop()
+    assert deliver(job) == "ran"
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()
+    assert LEDGER.ending == [] and LEDGER.flusher is None
+
+
+def test_a_flush_whose_connection_is_closed__the_next_flush_asks_on_a_new_one(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    # The thread's connection is its own and nothing else closes it: kept after a cut, it
+    # would fail every flush of the thread's life.
+    first, _, process = one_running_one_waiting()
+    real = dispatch.end_many
+
+    def closed(*args: Any, **kwargs: Any) -> list[dispatch.Ready]:
+        monkeypatch.setattr(dispatch, "end_many", real)
+        if connection.vendor == "postgresql":  # closed under Django, as a pooler leaves it
+            connection.connection.close()
+            connection.cursor().execute("SELECT 1")  # raises InterfaceError
+        raise InterfaceError("connection already closed")
+
+    monkeypatch.setattr(dispatch, "end_many", closed)
+    assert flusher.flush([(first.pk, process, celery_app)]) == 1
+    assert first.pk in LEDGER.pending_ends  # kept for the heartbeat
+    assert flusher.flush([(first.pk, process, celery_app)]) == 1
+    assert not DispatchJob.objects.filter(pk=first.pk).exists()
