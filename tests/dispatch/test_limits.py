@@ -133,6 +133,28 @@ def test_d10__a_refused_fence__the_tenants_line_does_not_cycle(published: list[i
     assert not DispatchJob.objects.filter(state=DISPATCHED).exists()
 
 
+def test_d10__a_refused_fence__its_end_dispatches_nothing_into_the_room(
+    published: list[int],
+) -> None:
+    # A refusal can come from what the room does not see (a slot filled by another task,
+    # this node at its per-worker limit): a job dispatched into the room at the refusal
+    # could be refused in turn, and so on through the broker. The room waits for the
+    # next dispatch (the due poll, maintenance, an end), which has the whole queue to see.
+    set_capacity(1)
+    capped = job_of(tasks.dispatched_capped.delay("acme").id)
+    other = job_of(tasks.dispatched.delay("beta").id)
+    assert published == [capped.pk]
+    for _ in range(2):  # jobs of another task fill acme's slot before the start
+        admission.acquire(
+            tenant="acme", queue="fair", task_id=str(uuid.uuid4()), limit=2, node=None,
+            woken=False,
+        )  # fmt: skip
+    assert deliver(capped, tasks.dispatched_capped) == "not run"
+    assert published == [capped.pk]  # nothing at the refusal
+    pump(published)
+    assert published == [capped.pk, other.pk]
+
+
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's tuple counts")
 def test_d12__ineligible_tenants__the_choice_reads_as_few_rows_as_when_all_are_eligible(
     engine: str,
