@@ -151,3 +151,26 @@ def test_woken_claim_committed__the_heartbeat_releases_its_lease_between_tries__
     assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken) == "acme:done"
     assert beats[:1] == [0.0]  # one try after the cut, at once on a new connection
     assert not SlotLease.objects.exists()
+
+
+def test_a_lost_reply_noted__a_copy_running_here_keeps_its_own_lease(process: uuid.UUID) -> None:
+    # The heartbeat releases the leases of acquires whose reply was lost; a copy of the
+    # job that acquired since and runs here holds its own lease under the same task id.
+    # Released, the slot would admit one job more than the tenant's cap while it runs.
+    from django_fair_jobs.admission import ends
+    from django_fair_jobs.models import TenantQueueSlot
+
+    task_id = str(uuid.uuid4())
+    grant = slot_store.try_acquire(
+        tenant="acme", queue="q", task_id=task_id, limit=1, process_id=process, timeout=60
+    ).grant
+    assert grant is not None
+    ends.note_uncertain(task_id, process)  # an earlier statement's reply was lost
+    ends.mark_running(task_id)  # the copy that holds the grant runs here
+    try:
+        admission.retry_pending_releases()
+        assert SlotLease.objects.filter(task_id=task_id).count() == 1
+        assert TenantQueueSlot.objects.get(tenant="acme", queue="q").current_jobs == 1
+    finally:
+        ends.unmark_running(task_id)
+        ends.LEDGER.uncertain.clear()
