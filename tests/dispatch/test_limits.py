@@ -115,16 +115,21 @@ def test_d3__a_capped_tasks_enqueue_never_caps_another_task(published: list[int]
     assert dispatch.start(free[0].pk, uuid.uuid4()).cap is None
 
 
-def test_d10__a_refused_fence__the_tenants_line_does_not_cycle(published: list[int]) -> None:
-    set_capacity(1)
-    jobs = [job_of(tasks.dispatched_capped.delay("acme").id) for _ in range(3)]
-    assert published == [jobs[0].pk]
-    # Jobs of another task fill acme's slot between the dispatch and the start.
+def fill_acmes_slot() -> None:
+    """Two leases of jobs of another task fill acme's slot of ``dispatched_capped``'s cap
+    (2), as a job admitted by tenant slots would."""
     for _ in range(2):
         admission.acquire(
             tenant="acme", queue="fair", task_id=str(uuid.uuid4()), limit=2, node=None,
             woken=False,
         )  # fmt: skip
+
+
+def test_d10__a_refused_fence__the_tenants_line_does_not_cycle(published: list[int]) -> None:
+    set_capacity(1)
+    jobs = [job_of(tasks.dispatched_capped.delay("acme").id) for _ in range(3)]
+    assert published == [jobs[0].pk]
+    fill_acmes_slot()  # by jobs of another task, between the dispatch and the start
     assert deliver(jobs[0], tasks.dispatched_capped) == "not run"
     # The job is back; no other job of acme's was dispatched into the room it left, and
     # the next dispatch does not pick acme's line again while its slot is full.
@@ -144,11 +149,7 @@ def test_d10__a_refused_fence__its_end_dispatches_nothing_into_the_room(
     capped = job_of(tasks.dispatched_capped.delay("acme").id)
     other = job_of(tasks.dispatched.delay("beta").id)
     assert published == [capped.pk]
-    for _ in range(2):  # jobs of another task fill acme's slot before the start
-        admission.acquire(
-            tenant="acme", queue="fair", task_id=str(uuid.uuid4()), limit=2, node=None,
-            woken=False,
-        )  # fmt: skip
+    fill_acmes_slot()  # by jobs of another task, before the start
     assert deliver(capped, tasks.dispatched_capped) == "not run"
     assert published == [capped.pk]  # nothing at the refusal
     pump(published)
