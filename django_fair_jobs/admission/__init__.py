@@ -107,8 +107,8 @@ def holding(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterato
     Raises ``Ignore`` (the message is acknowledged without a state change, and
     ``AsyncResult`` keeps waiting for the job's real end) when the job must not run now:
     it was parked, rescheduled, postponed or rerouted under the same task id, or was a
-    stale or duplicate copy. Eager calls (``apply()``, ``task_always_eager``) run
-    unthrottled: there is no message to park and the caller waits for the result.
+    stale or duplicate copy. Eager calls (``apply()``, ``task_always_eager``) run at
+    once, outside every limit: there is no message to park and the caller waits for it.
     """
     request = task.request
     if request.is_eager or request.id is None:
