@@ -11,15 +11,18 @@ import uuid
 from typing import Any
 
 import pytest
-from celery.exceptions import Reject, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from django.db import InterfaceError, OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 
-from django_fair_jobs import admission, dispatch
+from django_fair_jobs import admission, dispatch, headers, slots
 from django_fair_jobs.admission import ends, flusher
 from django_fair_jobs.admission.ends import LEDGER
 from django_fair_jobs.dispatch.models import RUNNING, DispatchJob
-from tests.conftest import runs_sql
+from django_fair_jobs.leases import store as lease_store
+from django_fair_jobs.models import ParkedJob, SlotLease
+from django_fair_jobs.slots import store as slot_store
+from tests.conftest import run_as_worker, runs_sql
 from tests.dispatch.conftest import deliver, job_of, set_capacity
 from tests.testapp import tasks
 
@@ -489,3 +492,211 @@ def test_a_flush_whose_connection_is_closed__the_next_flush_asks_on_a_new_one(
     assert first.pk in LEDGER.pending_ends  # kept for the heartbeat
     assert flusher.flush([(first.pk, process, celery_app)]) == 1
     assert not DispatchJob.objects.filter(pk=first.pk).exists()
+
+
+def test_a_failed_flush_of_one_process__the_ends_of_another_still_flushed(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    """A batch holding the ends of two process ids (a process reaped while alive registers
+    again under a new one) is flushed one round trip per process: one that fails keeps its
+    ends for the heartbeat and the next process's ends are still flushed, none lost."""
+    set_capacity(2)
+    first, second = (job_of(tasks.dispatched.delay("acme").id) for _ in range(2))
+    old, new = uuid.uuid4(), uuid.uuid4()
+    assert dispatch.start(first.pk, old).status == "started"
+    assert dispatch.start(second.pk, new).status == "started"
+    real = dispatch.end_many
+
+    def down_once(*args: Any, **kwargs: Any) -> list[dispatch.Ready]:
+        monkeypatch.setattr(dispatch, "end_many", real)
+        raise OperationalError("could not connect to server")
+
+    monkeypatch.setattr(dispatch, "end_many", down_once)
+    assert flusher.flush([(first.pk, old, celery_app), (second.pk, new, celery_app)]) == 2
+    assert LEDGER.pending_ends == {first.pk: (old, "end")}  # kept for the heartbeat
+    assert not DispatchJob.objects.filter(pk=second.pk).exists()  # flushed all the same
+    assert admission.retry_pending_ends(celery_app) == 1
+    assert not DispatchJob.objects.exists()
+
+
+def test_a_start_takes_its_own_processs_ends__those_of_another_stay_for_the_flusher(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    """A start carries only the ends handed under its own process id (its statement is
+    fenced by it); the ends of another process id stay with the flusher, which ends them
+    (at the latest at shutdown), never dropped."""
+    set_capacity(3)
+    first, second, third = (job_of(tasks.dispatched.delay("acme").id) for _ in range(3))
+    old, new = uuid.uuid4(), uuid.uuid4()
+    assert dispatch.start(first.pk, old).status == "started"
+    assert dispatch.start(second.pk, new).status == "started"
+    flusher.start()
+    monkeypatch.setattr(ends, "own_thread", no_thread)  # nothing flushes before stop
+    assert flusher.hand(celery_app, first.pk, old)
+    assert flusher.hand(celery_app, second.pk, new)
+    carrying = flusher.take(new)
+    assert [job_id for job_id, _, _ in carrying] == [second.pk]
+    started = dispatch.start(third.pk, new, ended=[second.pk])
+    flusher.carried(carrying, started.ready, asynchronous=False)
+    assert [job_id for job_id, _, _ in LEDGER.ending] == [first.pk]
+    assert flusher.stop() == 1  # the other process's end, flushed at shutdown
+    assert not DispatchJob.objects.filter(pk__in=[first.pk, second.pk]).exists()
+    assert not ends.ended_here(first.pk)
+
+
+def test_pending_ends__a_round_trip_that_fails__ends_the_pass__the_rest_next_time(
+    monkeypatch: pytest.MonkeyPatch, celery_app: Any
+) -> None:
+    """The heartbeat's retry of pending ends stops at its first database error: a database
+    that is gone is asked once per pass, not once per process (each try waiting its connect
+    timeout would hold up the heartbeat that keeps the process alive); the ends left are
+    kept and ended at the next pass, none lost."""
+    set_capacity(2)
+    first, second = (job_of(tasks.dispatched.delay("acme").id) for _ in range(2))
+    old, new = uuid.uuid4(), uuid.uuid4()
+    for job, process in ((first, old), (second, new)):
+        assert dispatch.start(job.pk, process).status == "started"
+        ends.end_later(job.pk, process, outcome="end")
+    real, calls = dispatch.end_many, list[list[int]]()
+
+    def down_once(ids: list[int], *args: Any, **kwargs: Any) -> list[dispatch.Ready]:
+        calls.append(list(ids))
+        if len(calls) == 1:
+            raise OperationalError("could not connect to server")
+        return real(ids, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "end_many", down_once)
+    assert admission.retry_pending_ends(celery_app) == 0
+    assert len(calls) == 1  # the pass asked no further
+    assert DispatchJob.objects.filter(state=RUNNING).count() == 2
+    assert set(LEDGER.pending_ends) == {first.pk, second.pk}
+    assert admission.retry_pending_ends(celery_app) == 2
+    assert not DispatchJob.objects.exists() and LEDGER.pending_ends == {}
+
+
+def parked_then_woken(process: uuid.UUID) -> dict[str, Any]:
+    """Job "j" of tenant acme parked behind another job, then woken (its slot reserved, its
+    copy published); returns the headers of the woken copy."""
+    holder = slot_store.try_acquire(
+        tenant="acme", queue="fair", task_id="holder", limit=1, process_id=process, timeout=60
+    ).grant
+    assert holder is not None and holder.slot_id is not None
+    with pytest.raises(Ignore):  # parked: the tenant is at its limit
+        run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers={})
+    slot_store.release(holder)
+    slots.wake(holder.slot_id, limit=1)
+    return {headers.WAKE: ParkedJob.objects.get(task_id="j").wake_count}
+
+
+def acquire_lost_past_the_tries(
+    monkeypatch: pytest.MonkeyPatch, task_id: str, delivery: dict[str, Any]
+) -> None:
+    """Deliver job ``task_id`` of tenant acme here: its acquire commits, then the database
+    is gone for its reply and every later try, so the delivery is postponed through the
+    broker and the lease it took stays for the heartbeat to release."""
+    real_acquire, real_drop = admission.acquire, lease_store.drop_held_by
+    committed: list[Any] = []
+
+    def committed_then_unreachable(**kwargs: Any) -> Any:
+        if not committed:
+            committed.append(real_acquire(**kwargs))
+        raise OperationalError("server closed the connection unexpectedly")
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("could not connect to server")
+
+    monkeypatch.setattr(admission, "REPLY_RETRY_DELAYS", (0.0, 0.0))
+    monkeypatch.setattr(admission, "acquire", committed_then_unreachable)
+    monkeypatch.setattr(lease_store, "drop_held_by", unreachable)
+    with pytest.raises(Ignore):  # postponed through the broker
+        run_as_worker(tasks.limited1, ("acme", 0), task_id=task_id, headers=delivery)
+    monkeypatch.setattr(admission, "acquire", real_acquire)
+    monkeypatch.setattr(lease_store, "drop_held_by", real_drop)
+    assert SlotLease.objects.filter(task_id=task_id).exists()  # the acquire committed
+
+
+@pytest.mark.usefixtures("broker_env")
+def test_a_woken_claim_whose_reply_was_lost__runs_once__a_stale_copy_after_it_dropped(
+    monkeypatch: pytest.MonkeyPatch, in_process_worker: uuid.UUID
+) -> None:
+    """A woken copy whose claim committed with its reply lost runs as a fresh start, once:
+    that lets one copy through, not every later one. A second copy of the woken message
+    delivered here afterwards is stale (its parked row is gone) and is dropped, never run
+    a second time."""
+    woken = parked_then_woken(in_process_worker)
+    real, calls = admission.acquire, list[int]()
+
+    def commit_then_cut_once(**kwargs: Any) -> Any:
+        calls.append(1)
+        answer = real(**kwargs)
+        if len(calls) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return answer
+
+    monkeypatch.setattr(admission, "acquire", commit_then_cut_once)
+    assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken) == "acme:done"
+    assert len(calls) == 2  # the claim committed, its reply cut; the next try ran it
+    with pytest.raises(Ignore):  # stale: dropped, not run again
+        run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken)
+    assert not SlotLease.objects.exists() and not ParkedJob.objects.exists()
+
+
+@pytest.mark.usefixtures("broker_env")
+def test_a_fresh_jobs_lost_acquire_released_by_the_heartbeat__a_stale_woken_copy_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The heartbeat's release of the lease of a fresh job's acquire whose reply was lost
+    frees no parked row (the job had none, unlike a woken copy's claim): a stale woken copy
+    of that job delivered here later is still dropped, not run as a fresh start; the job's
+    postponed copy then runs, once."""
+    acquire_lost_past_the_tries(monkeypatch, "j", {})
+    admission.retry_pending_releases()  # the heartbeat
+    assert not SlotLease.objects.exists()
+    with pytest.raises(Ignore):  # a woken copy whose parked row is gone: stale
+        run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers={headers.WAKE: 1})
+    assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers={}) == "acme:done"
+
+
+@pytest.mark.usefixtures("broker_env")
+def test_a_woken_claim_released_by_the_heartbeat__its_copy_runs__after_later_releases_too(
+    monkeypatch: pytest.MonkeyPatch, in_process_worker: uuid.UUID
+) -> None:
+    """A woken copy's claim that committed with its reply lost, its lease released by the
+    heartbeat, took the job's parked row: the copy postponed meanwhile (still woken) runs
+    as a fresh start when it comes back here, also after later heartbeats released the
+    leases of other lost replies; dropped as stale, the job would be lost."""
+    woken = parked_then_woken(in_process_worker)
+    acquire_lost_past_the_tries(monkeypatch, "j", woken)
+    assert not ParkedJob.objects.filter(task_id="j").exists()  # the claim took it
+    admission.retry_pending_releases()  # the heartbeat releases the claim's lease
+    acquire_lost_past_the_tries(monkeypatch, "k", {})  # another job's lost reply
+    admission.retry_pending_releases()  # the next heartbeat releases that lease
+    assert not SlotLease.objects.exists()
+    assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken) == "acme:done"
+
+
+def test_a_put_back_ended_by_the_heartbeat__its_unconfirmed_start_never_made_again(
+    monkeypatch: pytest.MonkeyPatch, settings: Any, celery_app: Any, in_process_worker: uuid.UUID
+) -> None:
+    """A job whose start did not wait for the disk, put back (``Reject(requeue=True)``) by
+    an end whose reply was lost, is put back by the heartbeat's retry: that drops its
+    unconfirmed start, so the confirmation after it never starts the job here again (its
+    row would hold its room under this process, running nowhere, and the redelivered
+    copy would be refused)."""
+    if not runs_sql():
+        pytest.skip("asynchronous commits are PostgreSQL's; the ORM store's commits wait")
+    settings.FAIR_JOBS_DISPATCH_ASYNC_COMMIT = True
+    set_capacity(1)
+    job = job_of(tasks.dispatched_rejecting.delay("acme").id)
+    lost = cut_after_commit(monkeypatch, "end")
+    with pytest.raises(Reject):
+        deliver(job, tasks.dispatched_rejecting)
+    assert lost and LEDGER.pending_ends == {job.pk: (in_process_worker, "back")}
+    assert LEDGER.unconfirmed_starts == {job.pk: in_process_worker}
+    assert admission.retry_pending_ends(celery_app) == 1
+    admission.confirm_dispatch(celery_app)
+    row = DispatchJob.objects.get(pk=job.pk)
+    assert row.state != RUNNING and row.process_id is None  # in its line, for its copy
+    assert LEDGER.unconfirmed_starts == {}
+    assert deliver(row, tasks.dispatched_rejecting, redelivered=True) == "ran"  # runs once
+    assert not DispatchJob.objects.filter(pk=job.pk).exists()
