@@ -263,6 +263,19 @@ def process() -> Any:
 
 
 @pytest.fixture
+def fresh_ledger() -> Iterator[None]:
+    """Each test starts with a ledger of its own, as a new worker process does, and its
+    flusher thread is stopped after it."""
+    from django_fair_jobs.admission import flusher
+    from django_fair_jobs.admission.ends import LEDGER
+
+    LEDGER.__init__()  # type: ignore[misc]
+    yield
+    flusher.stop()
+    LEDGER.__init__()  # type: ignore[misc]
+
+
+@pytest.fixture
 def in_process_worker(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A registered worker process that in-process job runs (:func:`run_as_worker`) use
     as theirs: without it the first run would start a heartbeat and a planner thread in

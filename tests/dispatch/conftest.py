@@ -11,8 +11,6 @@ import pytest
 from celery.exceptions import Ignore
 
 from django_fair_jobs import dispatch, headers, queue_limits
-from django_fair_jobs.admission import flusher
-from django_fair_jobs.admission.ends import LEDGER
 from django_fair_jobs.dispatch.models import DispatchJob, DispatchQueue
 from tests.conftest import run_as_worker
 from tests.testapp import tasks
@@ -31,16 +29,6 @@ def collected(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     queue_limits._cache.loaded_at = 0.0
     yield out
     queue_limits._cache.loaded_at = 0.0
-
-
-@pytest.fixture
-def fresh_ledger() -> Iterator[None]:
-    """Each test starts with a ledger of its own, as a new worker process does, and its
-    flusher thread is stopped after it."""
-    LEDGER.__init__()  # type: ignore[misc]
-    yield
-    flusher.stop()
-    LEDGER.__init__()  # type: ignore[misc]
 
 
 def set_capacity(capacity: int, queue: str = "fair") -> None:

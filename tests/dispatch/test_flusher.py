@@ -11,18 +11,15 @@ import uuid
 from typing import Any
 
 import pytest
-from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
+from celery.exceptions import Reject, SoftTimeLimitExceeded
 from django.db import InterfaceError, OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 
-from django_fair_jobs import admission, dispatch, headers, slots
+from django_fair_jobs import admission, dispatch
 from django_fair_jobs.admission import ends, flusher
 from django_fair_jobs.admission.ends import LEDGER
 from django_fair_jobs.dispatch.models import RUNNING, DispatchJob
-from django_fair_jobs.leases import store as lease_store
-from django_fair_jobs.models import ParkedJob, SlotLease
-from django_fair_jobs.slots import store as slot_store
-from tests.conftest import run_as_worker, runs_sql
+from tests.conftest import runs_sql
 from tests.dispatch.conftest import deliver, job_of, set_capacity
 from tests.testapp import tasks
 
@@ -572,107 +569,6 @@ def test_pending_ends__a_round_trip_that_fails__ends_the_pass__the_rest_next_tim
     assert set(LEDGER.pending_ends) == {first.pk, second.pk}
     assert admission.retry_pending_ends(celery_app) == 2
     assert not DispatchJob.objects.exists() and LEDGER.pending_ends == {}
-
-
-def parked_then_woken(process: uuid.UUID) -> dict[str, Any]:
-    """Job "j" of tenant acme parked behind another job, then woken (its slot reserved, its
-    copy published); returns the headers of the woken copy."""
-    holder = slot_store.try_acquire(
-        tenant="acme", queue="fair", task_id="holder", limit=1, process_id=process, timeout=60
-    ).grant
-    assert holder is not None and holder.slot_id is not None
-    with pytest.raises(Ignore):  # parked: the tenant is at its limit
-        run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers={})
-    slot_store.release(holder)
-    slots.wake(holder.slot_id, limit=1)
-    return {headers.WAKE: ParkedJob.objects.get(task_id="j").wake_count}
-
-
-def acquire_lost_past_the_tries(
-    monkeypatch: pytest.MonkeyPatch, task_id: str, delivery: dict[str, Any]
-) -> None:
-    """Deliver job ``task_id`` of tenant acme here: its acquire commits, then the database
-    is gone for its reply and every later try, so the delivery is postponed through the
-    broker and the lease it took stays for the heartbeat to release."""
-    real_acquire, real_drop = admission.acquire, lease_store.drop_held_by
-    committed: list[Any] = []
-
-    def committed_then_unreachable(**kwargs: Any) -> Any:
-        if not committed:
-            committed.append(real_acquire(**kwargs))
-        raise OperationalError("server closed the connection unexpectedly")
-
-    def unreachable(*args: Any, **kwargs: Any) -> Any:
-        raise OperationalError("could not connect to server")
-
-    monkeypatch.setattr(admission, "REPLY_RETRY_DELAYS", (0.0, 0.0))
-    monkeypatch.setattr(admission, "acquire", committed_then_unreachable)
-    monkeypatch.setattr(lease_store, "drop_held_by", unreachable)
-    with pytest.raises(Ignore):  # postponed through the broker
-        run_as_worker(tasks.limited1, ("acme", 0), task_id=task_id, headers=delivery)
-    monkeypatch.setattr(admission, "acquire", real_acquire)
-    monkeypatch.setattr(lease_store, "drop_held_by", real_drop)
-    assert SlotLease.objects.filter(task_id=task_id).exists()  # the acquire committed
-
-
-@pytest.mark.usefixtures("broker_env")
-def test_a_woken_claim_whose_reply_was_lost__runs_once__a_stale_copy_after_it_dropped(
-    monkeypatch: pytest.MonkeyPatch, in_process_worker: uuid.UUID
-) -> None:
-    """A woken copy whose claim committed with its reply lost runs as a fresh start, once:
-    that lets one copy through, not every later one. A second copy of the woken message
-    delivered here afterwards is stale (its parked row is gone) and is dropped, never run
-    a second time."""
-    woken = parked_then_woken(in_process_worker)
-    real, calls = admission.acquire, list[int]()
-
-    def commit_then_cut_once(**kwargs: Any) -> Any:
-        calls.append(1)
-        answer = real(**kwargs)
-        if len(calls) == 1:
-            raise OperationalError("server closed the connection unexpectedly")
-        return answer
-
-    monkeypatch.setattr(admission, "acquire", commit_then_cut_once)
-    assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken) == "acme:done"
-    assert len(calls) == 2  # the claim committed, its reply cut; the next try ran it
-    with pytest.raises(Ignore):  # stale: dropped, not run again
-        run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken)
-    assert not SlotLease.objects.exists() and not ParkedJob.objects.exists()
-
-
-@pytest.mark.usefixtures("broker_env")
-def test_a_fresh_jobs_lost_acquire_released_by_the_heartbeat__a_stale_woken_copy_dropped(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The heartbeat's release of the lease of a fresh job's acquire whose reply was lost
-    frees no parked row (the job had none, unlike a woken copy's claim): a stale woken copy
-    of that job delivered here later is still dropped, not run as a fresh start; the job's
-    postponed copy then runs, once."""
-    acquire_lost_past_the_tries(monkeypatch, "j", {})
-    admission.retry_pending_releases()  # the heartbeat
-    assert not SlotLease.objects.exists()
-    with pytest.raises(Ignore):  # a woken copy whose parked row is gone: stale
-        run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers={headers.WAKE: 1})
-    assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers={}) == "acme:done"
-
-
-@pytest.mark.usefixtures("broker_env")
-def test_a_woken_claim_released_by_the_heartbeat__its_copy_runs__after_later_releases_too(
-    monkeypatch: pytest.MonkeyPatch, in_process_worker: uuid.UUID
-) -> None:
-    """A woken copy's claim that committed with its reply lost, its lease released by the
-    heartbeat, took the job's parked row: the copy postponed meanwhile (still woken) runs
-    as a fresh start when it comes back here, also after later heartbeats released the
-    leases of other lost replies; dropped as stale, the job would be lost."""
-    woken = parked_then_woken(in_process_worker)
-    acquire_lost_past_the_tries(monkeypatch, "j", woken)
-    assert not ParkedJob.objects.filter(task_id="j").exists()  # the claim took it
-    admission.retry_pending_releases()  # the heartbeat releases the claim's lease
-    acquire_lost_past_the_tries(monkeypatch, "k", {})  # another job's lost reply
-    admission.retry_pending_releases()  # the next heartbeat releases that lease
-    assert not SlotLease.objects.exists()
-    assert run_as_worker(tasks.limited1, ("acme", 0), task_id="j", headers=woken) == "acme:done"
 
 
 def test_a_put_back_ended_by_the_heartbeat__its_unconfirmed_start_never_made_again(
