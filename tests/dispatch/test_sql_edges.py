@@ -6,8 +6,11 @@ limited queue's turn gives up at its lock timeout."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import psycopg
 import pytest
+from django.utils import timezone
 
 from bench.pgstats import row_updates
 from django_fair_jobs import dispatch, queue_limits
@@ -109,3 +112,45 @@ def test_a_dispatch_waiting_for_its_limited_queues_turn__gives_up_at_its_lock_ti
         with pytest.raises(psycopg.errors.LockNotAvailable):
             waiter.execute("SELECT * FROM fair_jobs_dispatch('fair', 1)")
         holder.rollback()
+
+
+def test_end_many__ends_of_two_lines_by_different_counts__each_line_drops_by_its_own() -> None:
+    """A flush ending one job of a and two of b (the path of several lines) takes each
+    line's count in flight down by its own ends: b, counted with a's one, would keep a job
+    in flight that no longer exists (held below its cap, its share of the room lost)."""
+    set_capacity(3)
+    enqueue("a", 1)
+    enqueue("b", 2)
+    assert len(PUBLISHED) == 3
+    for job in PUBLISHED:
+        assert dispatch.start(job, PROCESS).status == "started"
+    assert dispatch.end_many(list(PUBLISHED), PROCESS) == []
+    lines = dict(DispatchTenant.objects.values_list("tenant", "in_flight"))
+    assert lines == {"a": 0, "b": 0}
+
+
+def test_end_many__the_ended_line_left_with_no_head__the_room_goes_by_the_rule() -> None:
+    """A flush ends a's only job in flight; a's line has no head, but a countdown of a came
+    due meanwhile. a, back at the queue's virtual time, ties with b on its pass, and b's
+    older head wins: the flush must not take a's line as the one that comes first (its
+    pass from before the due step is lower) and hand it the room."""
+    set_capacity(2)
+    enqueue("a", 1)
+    (a_first,) = PUBLISHED
+    assert dispatch.start(a_first, PROCESS).status == "started"
+    enqueue("c", 3)  # c is served three times: the virtual time passes a's pass
+    while len(PUBLISHED) < 4:
+        c_job = PUBLISHED[-1]
+        assert dispatch.start(c_job, PROCESS).status == "started"
+        PUBLISHED.extend(r.job_id for r in dispatch.end(c_job, PROCESS))
+    assert dispatch.start(PUBLISHED[-1], PROCESS).status == "started"
+    assert dispatch.end(PUBLISHED[-1], PROCESS) == []
+    set_capacity(1)  # a's job fills it: b waits, its line at the virtual time
+    enqueue("b", 1)
+    later = tasks.dispatched.apply_async(("a",), countdown=3600).id
+    DispatchJob.objects.filter(task_id=later).update(
+        not_before=timezone.now() - timedelta(minutes=1)
+    )
+    b_head = DispatchTenant.objects.get(tenant="b").head_id
+    ready = dispatch.end_many([a_first], PROCESS)
+    assert [r.job_id for r in ready] == [b_head]
