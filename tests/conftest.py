@@ -265,14 +265,21 @@ def process() -> Any:
 @pytest.fixture
 def fresh_ledger() -> Iterator[None]:
     """Each test starts with a ledger of its own, as a new worker process does, and its
-    flusher thread is stopped after it."""
+    flusher thread is stopped after it. The ledger keeps its lock: the handoff's keeper
+    thread, started once per process, waits on it (a new lock would fail its wait)."""
     from django_fair_jobs.admission import flusher
     from django_fair_jobs.admission.ends import LEDGER
 
-    LEDGER.__init__()  # type: ignore[misc]
+    def fresh() -> None:
+        with LEDGER.lock:
+            lock = LEDGER.lock
+            LEDGER.__init__()  # type: ignore[misc]
+            LEDGER.lock = lock
+
+    fresh()
     yield
     flusher.stop()
-    LEDGER.__init__()  # type: ignore[misc]
+    fresh()
 
 
 @pytest.fixture
