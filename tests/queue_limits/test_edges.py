@@ -68,12 +68,17 @@ def test_status__a_restarted_node__its_runs_summed_under_its_name__a_gone_node_n
     assert queue["running_by_node"] == {"a@host": 2, f"gone node {str(gone)[:8]}": 1}
 
 
-def test_status__woken_jobs_not_counted_as_parked() -> None:
-    """A woken job has left the line (it is on its way to a worker): the queue's status
-    counts only the jobs still waiting in line."""
+def _three_in_a_paused_line() -> None:
+    """Jobs j1, j2 and j3 parked, in that order, in the line of the paused queue hooks."""
     queue_limits.set_limits("hooks", max_jobs=0)
     for task_id in ("j1", "j2", "j3"):
         _park(task_id)
+
+
+def test_status__woken_jobs_not_counted_as_parked() -> None:
+    """A woken job has left the line (it is on its way to a worker): the queue's status
+    counts only the jobs still waiting in line."""
+    _three_in_a_paused_line()
     queue_limits.set_limits("hooks", max_jobs=1)
     assert len(_woken()) == 1
     (queue,) = queue_limits.queue_status()
@@ -84,9 +89,7 @@ def test_status__woken_jobs_not_counted_as_parked() -> None:
 def test_raised_limit__wakes_exactly_the_room_it_made() -> None:
     """Raising a paused queue's limit to 2 wakes the first 2 of 3 jobs in its line, not a
     third that would only find the queue full."""
-    queue_limits.set_limits("hooks", max_jobs=0)
-    for task_id in ("j1", "j2", "j3"):
-        _park(task_id)
+    _three_in_a_paused_line()
     queue_limits.set_limits("hooks", max_jobs=2)
     assert _woken() == ["j1", "j2"]
     row = QueueLimit.objects.get(queue="hooks")
